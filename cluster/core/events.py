@@ -1,0 +1,287 @@
+"""One event assembler for SSE and WebSocket (PROTOCOL §3-§4).
+
+Produces the Response object and every stream event as plain JSON-ready dicts
+with `sequence_number`s; only the framing (SSE vs WS text frames) differs.
+Unit tests check each event against `openai.types.responses.ResponseStreamEvent`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from ..protocol.errors import ApiError
+from .ids import new_id
+
+Event = dict[str, Any]
+
+
+def build_response(
+    *,
+    response_id: str,
+    model: str,
+    request: Any,
+    previous_response_id: Optional[str],
+    created_at: Optional[int] = None,
+) -> dict[str, Any]:
+    """The Response object in status `in_progress`, with every field of PROTOCOL §3."""
+    text = request.text.model_dump(exclude_none=True, by_alias=True) if request.text else None
+    if not text or "format" not in text:
+        text = {"format": {"type": "text"}, **(text or {})}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at if created_at is not None else int(time.time()),
+        "completed_at": None,
+        "status": "in_progress",
+        "background": bool(request.background),
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "max_tool_calls": request.max_tool_calls,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
+        "previous_response_id": previous_response_id,
+        "prompt_cache_key": request.prompt_cache_key,
+        "reasoning": (request.reasoning.model_dump() if request.reasoning else {"effort": None, "summary": None}),
+        "safety_identifier": request.safety_identifier,
+        "service_tier": request.service_tier or "default",
+        "store": True if request.store is None else request.store,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "text": text,
+        "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
+        "tools": list(request.tools or []),
+        "top_logprobs": 0,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "truncation": request.truncation or "disabled",
+        "usage": None,
+        "user": request.user,
+        "metadata": dict(request.metadata or {}),
+    }
+
+
+def usage_object(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+class EventAssembler:
+    """Turns parsed engine output into the ordered event stream of one response."""
+
+    def __init__(self, response: dict[str, Any], *, stream_id: Optional[str] = None) -> None:
+        self.response = response
+        self._seq = 0
+        self._open: Optional[dict[str, Any]] = None  # the output item being streamed
+        self._open_kind: Optional[str] = None
+        self._stream_id = stream_id
+        self.finished = False
+
+    # -- helpers -------------------------------------------------------------
+    def _ev(self, type_: str, **fields: Any) -> Event:
+        ev: Event = {"type": type_, "sequence_number": self._seq, **fields}
+        if self._stream_id is not None:
+            ev["stream_id"] = self._stream_id
+        self._seq += 1
+        return ev
+
+    def _snapshot(self) -> dict[str, Any]:
+        # Events carry a snapshot: later mutation must not change sent events.
+        return {**self.response, "output": [_copy_item(i) for i in self.response["output"]]}
+
+    @property
+    def output_index(self) -> int:
+        return len(self.response["output"]) - 1
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> list[Event]:
+        return [
+            self._ev("response.created", response=self._snapshot()),
+            self._ev("response.in_progress", response=self._snapshot()),
+        ]
+
+    def text(self, delta: str) -> list[Event]:
+        if not delta:
+            return []
+        events = self._ensure_open("message")
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += delta
+        events.append(
+            self._ev(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=self.output_index,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def reasoning(self, delta: str) -> list[Event]:
+        if not delta:
+            return []
+        events = self._ensure_open("reasoning")
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += delta
+        events.append(
+            self._ev(
+                "response.reasoning_text.delta",
+                item_id=item["id"],
+                output_index=self.output_index,
+                content_index=0,
+                delta=delta,
+            )
+        )
+        return events
+
+    def tool_call(self, name: str, arguments: str, *, namespace: Optional[str] = None) -> list[Event]:
+        events = self._close_open()
+        item: dict[str, Any] = {
+            "id": new_id("fc"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": new_id("call"),
+            "name": name,
+            "arguments": "",
+        }
+        if namespace:
+            item["namespace"] = namespace
+        self.response["output"].append(item)
+        idx = self.output_index
+        events.append(self._ev("response.output_item.added", output_index=idx, item=dict(item)))
+        events.append(
+            self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=arguments)
+        )
+        item["arguments"] = arguments
+        events.append(
+            self._ev(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=idx,
+                name=name,
+                arguments=arguments,
+            )
+        )
+        item["status"] = "completed"
+        events.append(self._ev("response.output_item.done", output_index=idx, item=dict(item)))
+        return events
+
+    def finish(
+        self,
+        usage: dict[str, Any],
+        *,
+        incomplete_reason: Optional[str] = None,
+    ) -> list[Event]:
+        events = self._close_open(status="incomplete" if incomplete_reason else "completed")
+        self.response["usage"] = usage
+        self.response["completed_at"] = int(time.time())
+        if incomplete_reason:
+            self.response["status"] = "incomplete"
+            self.response["incomplete_details"] = {"reason": incomplete_reason}
+            kind = "response.incomplete"
+        else:
+            self.response["status"] = "completed"
+            kind = "response.completed"
+        self.finished = True
+        events.append(self._ev(kind, response=self._snapshot()))
+        return events
+
+    def fail(self, error: ApiError, usage: Optional[dict[str, Any]] = None) -> list[Event]:
+        """An `error` event, then `response.failed` (PROTOCOL §4)."""
+        events = self._close_open(status="incomplete")
+        err = {
+            "status": error.status,
+            "code": error.code,
+            "message": error.message,
+            "param": error.param,
+            "error": error.error_object(),
+        }
+        events.append(self._ev("error", **err))
+        self.response["status"] = "failed"
+        self.response["error"] = {"code": error.code or error.type, "message": error.message}
+        self.response["usage"] = usage or usage_object(0, 0, 0)
+        self.finished = True
+        events.append(self._ev("response.failed", response=self._snapshot()))
+        return events
+
+    # -- output items --------------------------------------------------------
+    def _ensure_open(self, kind: str) -> list[Event]:
+        if self._open_kind == kind:
+            return []
+        events = self._close_open()
+        if kind == "message":
+            item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        else:
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": []}
+        self.response["output"].append(item)
+        self._open, self._open_kind = item, kind
+        idx = self.output_index
+        events.append(self._ev("response.output_item.added", output_index=idx, item=_copy_item(item)))
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            events.append(
+                self._ev(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    part=dict(part),
+                )
+            )
+        else:
+            item["content"].append({"type": "reasoning_text", "text": ""})
+        return events
+
+    def _close_open(self, status: str = "completed") -> list[Event]:
+        item, kind = self._open, self._open_kind
+        if item is None:
+            return []
+        self._open = self._open_kind = None
+        idx = self.response["output"].index(item)
+        text = item["content"][0]["text"]
+        events: list[Event] = []
+        if kind == "message":
+            events.append(
+                self._ev(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                )
+            )
+            events.append(
+                self._ev(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    part=dict(item["content"][0]),
+                )
+            )
+            item["status"] = status
+        else:
+            events.append(
+                self._ev(
+                    "response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text
+                )
+            )
+        events.append(self._ev("response.output_item.done", output_index=idx, item=_copy_item(item)))
+        return events
+
+
+def _copy_item(item: dict[str, Any]) -> dict[str, Any]:
+    return {**item, "content": [dict(p) for p in item.get("content", [])]}

@@ -1,0 +1,223 @@
+"""Request validation: the `POST /v1/responses` body and WebSocket client events.
+
+Tolerant of unknown keys (clients send `client_metadata`, `stream_options`, ...),
+strict on the fields that change behaviour. Validated items are kept as plain
+dicts (`model_dump(exclude_none=True)`) so cached history is never re-validated.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+
+from .errors import ApiError, from_validation_error, invalid_request
+
+
+class _Tolerant(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Tolerant):
+    # input_text / output_text / refusal / input_image / input_file / summary_text ...
+    type: str
+    text: Optional[str] = None
+
+
+class MessageItem(_Tolerant):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[ContentPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class FunctionCallItem(_Tolerant):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+    namespace: Optional[str] = None
+
+
+class FunctionCallOutputItem(_Tolerant):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Union[str, list[ContentPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class ReasoningItem(_Tolerant):
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[ContentPart] = Field(default_factory=list)
+    content: Optional[list[ContentPart]] = None
+    encrypted_content: Optional[str] = None
+
+
+class CompactionItem(_Tolerant):
+    type: Literal["compaction"]
+    id: Optional[str] = None
+    encrypted_content: str
+
+
+class ItemReference(_Tolerant):
+    type: Literal["item_reference"]
+    id: str
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "compaction", "item_reference")
+
+
+def _item_tag(value: Any) -> Optional[str]:
+    if isinstance(value, dict):
+        t = value.get("type", "message")
+    else:
+        t = getattr(value, "type", "message")
+    return t if t in ITEM_TYPES else None
+
+
+InputItem = Annotated[
+    Union[
+        Annotated[MessageItem, Tag("message")],
+        Annotated[FunctionCallItem, Tag("function_call")],
+        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+        Annotated[ReasoningItem, Tag("reasoning")],
+        Annotated[CompactionItem, Tag("compaction")],
+        Annotated[ItemReference, Tag("item_reference")],
+    ],
+    Discriminator(_item_tag),
+]
+
+
+class TextFormat(_Tolerant):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class TextConfig(_Tolerant):
+    format: Optional[TextFormat] = None
+    verbosity: Optional[str] = None
+
+
+class ReasoningConfig(_Tolerant):
+    effort: Optional[str] = None
+    summary: Optional[str] = None
+
+
+_STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
+
+
+class ResponsesRequest(_Tolerant):
+    """The body of `POST /v1/responses` (and the fields of WS `response.create`)."""
+
+    model: Optional[str] = None
+    input: Union[str, list[InputItem], None] = None
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = True
+    stream: Optional[bool] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = "auto"
+    parallel_tool_calls: Optional[bool] = True
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    max_tool_calls: Optional[int] = Field(default=None, ge=0)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    truncation: Optional[Literal["auto", "disabled"]] = "disabled"
+    metadata: Optional[dict[str, str]] = None
+    include: Optional[list[str]] = None
+    text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    service_tier: Optional[str] = None
+    background: Optional[bool] = False
+    generate: Optional[bool] = True
+    user: Optional[str] = None
+    stream_id: Optional[str] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        if v is None:
+            return v
+        if len(v) > 16:
+            raise ValueError("metadata may hold at most 16 pairs")
+        for key, val in v.items():
+            if len(key) > 64:
+                raise ValueError("metadata keys are at most 64 characters")
+            if len(val) > 512:
+                raise ValueError("metadata values are at most 512 characters")
+        return v
+
+    @field_validator("stream_id")
+    @classmethod
+    def _stream_id_shape(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _STREAM_ID.match(v):
+            raise ValueError("stream_id must be 1-256 characters of [A-Za-z0-9_.-]")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools_named(cls, v: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
+        for i, tool in enumerate(v or []):
+            if not isinstance(tool.get("type"), str):
+                raise ValueError(f"tools[{i}] needs a 'type'")
+            if tool["type"] == "function" and not isinstance(tool.get("name"), str):
+                raise ValueError(f"tools[{i}] (function) needs a 'name'")
+        return v
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The new input as plain dicts; a string input is one user message."""
+        if self.input is None:
+            return []
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [item.model_dump(exclude_none=True, by_alias=True) for item in self.input]
+
+
+def parse_request(body: Any) -> ResponsesRequest:
+    """Validate a decoded JSON body; every failure is a 400 `ApiError`."""
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    bad_item = unknown_item_type_error(body)
+    if bad_item is not None:
+        raise bad_item
+    try:
+        req = ResponsesRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    for i, item in enumerate(req.input if isinstance(req.input, list) else []):
+        if isinstance(item, ItemReference):
+            # Items are referenced through previous_response_id; standalone
+            # references need the durable store (not in this build).
+            raise ApiError(
+                400,
+                f"Item with id '{item.id}' not found.",
+                param=f"input[{i}]",
+                code="invalid_value",
+            )
+    return req
+
+
+def unknown_item_type_error(body: Any) -> Optional[ApiError]:
+    """A clear error for an input item whose `type` we do not know."""
+    if isinstance(body, dict) and isinstance(body.get("input"), list):
+        for i, item in enumerate(body["input"]):
+            if isinstance(item, dict) and "type" in item and item["type"] not in ITEM_TYPES:
+                return ApiError(
+                    400,
+                    f"Invalid value: '{item['type']}'. Supported input item types are: {', '.join(ITEM_TYPES)}.",
+                    param=f"input[{i}].type",
+                    code="invalid_value",
+                )
+            if not isinstance(item, dict):
+                return ApiError(400, "Each input item must be a JSON object.", param=f"input[{i}]", code="invalid_type")
+    return None

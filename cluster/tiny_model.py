@@ -1,0 +1,159 @@
+"""The default model: a tiny Llama with random weights, generated locally.
+
+Nothing is downloaded: a byte-level BPE tokenizer is trained on text built
+here from a fixed seed, and a 2-layer Llama is initialised from a fixed seed,
+the way vLLM's dummy load format works. The chat template is ChatML with
+Hermes-style tool calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`),
+so vLLM's `hermes` tool parser decodes its tool calls.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+SEED = 1234
+FORMAT_VERSION = "1"
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added (non-special) tokens: decoded into output text so parsers can see them.
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages and messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for tc in message.tool_calls or [] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    "{%- if tc.function.arguments is string %}{{- tc.function.arguments }}"
+    "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "the of and to in is for that with on as it by this be are from at or an was have not can which "
+    "file read write path line code function call tool result output input error test build run "
+    "agent loop turn model token cache session response request server client socket stream event "
+    "python import def class return self value list dict string number true false null json "
+    "open close data config user assistant system message content text name arguments type "
+    "shell command exit status directory src main index repo patch diff commit branch"
+).split()
+
+
+def _corpus(rng: random.Random) -> list[str]:
+    lines = []
+    for _ in range(3000):
+        n = rng.randint(4, 18)
+        lines.append(" ".join(rng.choice(_WORDS) for _ in range(n)))
+    for _ in range(400):
+        args = {rng.choice(_WORDS): rng.choice(_WORDS) for _ in range(rng.randint(1, 3))}
+        lines.append(json.dumps({"name": rng.choice(_WORDS), "arguments": args}))
+        lines.append(f"def {rng.choice(_WORDS)}_{rng.choice(_WORDS)}(x, y=0):\n    return x + {rng.randint(0, 99)}")
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    return lines
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(SEED)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(rng), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.add_tokens(ADDED_TOKENS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model_dir(path: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(SEED)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=im_end,
+        pad_token_id=eot,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "loopserve_model.json").write_text(json.dumps({"format": FORMAT_VERSION, "seed": SEED}))
+
+
+def ensure_tiny_model(path: str | os.PathLike) -> Path:
+    """Generate the tiny model at `path` unless it is already there (safe across processes)."""
+    target = Path(path)
+    marker = target / "loopserve_model.json"
+    if marker.exists() and json.loads(marker.read_text()).get("format") == FORMAT_VERSION:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(target) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and json.loads(marker.read_text()).get("format") == FORMAT_VERSION:
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+        try:
+            build_model_dir(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
