@@ -1,0 +1,1 @@
+"""Ray Serve deployments: thin adapters over `cluster.core`."""

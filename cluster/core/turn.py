@@ -1,0 +1,318 @@
+"""The turn driver: one turn of the Responses API, for HTTP and WebSocket alike.
+
+Resolves the context from `previous_response_id` (connection cache, then a
+fallback lookup), validates tool pairing, renders only the new items, streams
+the engine's parsed output through the event assembler and leaves the new
+`ResponseState` in the cache *before* the terminal event is yielded, so the
+next turn never waits. Render and engine are injected ports (Ray handles in
+production, fakes in unit tests).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
+
+from ..protocol.errors import ApiError, previous_response_not_found, server_error
+from ..protocol.requests import ResponsesRequest
+from .context import normalize_tools, output_call_ids, resolve_context
+from .events import Event, EventAssembler, build_response, usage_object
+from .ids import new_id
+from .render import RenderResult
+from .session_cache import SessionCache
+from .state import RenderedPrefix, RenderKey, ResponseState
+
+
+class RenderPort(Protocol):
+    # None from a delta job means "not provably exact, send a full job".
+    async def __call__(self, job: dict[str, Any]) -> Optional[RenderResult]: ...
+
+
+# engine request dict -> async iterator of chunk lists (see actors/engine.py)
+EnginePort = Callable[[dict[str, Any]], AsyncIterator[list[dict[str, Any]]]]
+Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
+
+
+@dataclass
+class TurnTiming:
+    """Server-side timings of one turn, in seconds (for stats and benchmarks)."""
+
+    response_id: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    resolve: float = 0.0
+    render: float = 0.0
+    first_event: float = 0.0
+    first_token: float = 0.0
+    engine: float = 0.0
+    total: float = 0.0
+    full_render: bool = False
+    new_items: int = 0
+    context_items: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    delta_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "started"}
+
+
+def _last_item_kind(items: list[dict[str, Any]]) -> str:
+    for item in reversed(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            return "user" if item.get("role") in ("user", "system", "developer") else "assistant"
+        if kind == "function_call_output":
+            return "tool"
+        if kind == "function_call":
+            return "assistant"
+    return "none"
+
+
+def _output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as they re-enter the context (the same dict shape as input)."""
+    items = []
+    for item in output:
+        if item["type"] == "message":
+            items.append({"type": "message", "role": "assistant", "id": item["id"], "content": item["content"]})
+        else:
+            items.append(item)
+    return items
+
+
+class TurnDriver:
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        render: RenderPort,
+        engine: EnginePort,
+        default_max_tokens: int,
+        max_model_len: int,
+        verify_renders: bool = False,
+    ) -> None:
+        self.model_name = model_name
+        self._render = render
+        self._engine = engine
+        self.default_max_tokens = default_max_tokens
+        self.max_model_len = max_model_len
+        self.verify_renders = verify_renders
+        self.timings: list[TurnTiming] = []  # recent turns, bounded
+
+    def check_model(self, req: ResponsesRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model '{req.model}' does not exist or you do not have access to it.",
+                code="model_not_found",
+                param="model",
+                type="invalid_request_error",
+            )
+
+    async def run(
+        self,
+        req: ResponsesRequest,
+        cache: SessionCache,
+        *,
+        session_key: str,
+        lookup: Optional[Lookup] = None,
+        on_state: Optional[Callable[[ResponseState], None]] = None,
+        stream_id: Optional[str] = None,
+        owner: Optional[str] = None,
+    ) -> AsyncIterator[Event]:
+        """Yield the events of one response. Errors before `response.created` raise ApiError."""
+        timing = TurnTiming()
+        self.check_model(req)
+        parent: Optional[ResponseState] = None
+        prev_id = req.previous_response_id
+        if prev_id:
+            parent = cache.get(prev_id)
+            if parent is None and lookup is not None:
+                parent = await lookup(prev_id)
+            if parent is None:
+                raise previous_response_not_found(prev_id)
+        if parent is not None and parent.affinity_key:
+            # Keep the chain on the engine replica that holds its prefix KV.
+            session_key = parent.affinity_key
+        try:
+            prep = await self._prepare(req, parent, timing)
+        except ApiError:
+            if prev_id:
+                cache.evict(prev_id)
+            raise
+        except Exception as exc:
+            if prev_id:
+                cache.evict(prev_id)
+            raise server_error(f"Rendering the prompt failed: {type(exc).__name__}") from exc
+
+        response_id = new_id("resp")
+        timing.response_id = response_id
+        response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)
+        asm = EventAssembler(response, stream_id=stream_id)
+        events = asm.start()
+        timing.first_event = time.perf_counter() - timing.started
+        for ev in events:
+            yield ev
+
+        ctx, rendered, tools_spec, key = prep
+        prompt_len = len(rendered.prompt_token_ids)
+        if req.generate is False:
+            state = self._state(response_id, req, ctx, [], rendered, key, owner, session_key)
+            cache.put(state)
+            if on_state:
+                on_state(state)
+            self._record(timing, prompt_len, 0)
+            for ev in asm.finish(usage_object(prompt_len, 0, 0)):
+                yield ev
+            state.response = asm.response
+            return
+
+        max_tokens = req.max_output_tokens or self.default_max_tokens
+        room = self.max_model_len - prompt_len
+        max_tokens = max(1, min(max_tokens, room))
+        engine_req = {
+            "request_id": response_id,
+            "session_key": session_key,
+            "prompt_token_ids": rendered.prompt_token_ids,
+            "max_tokens": max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "tools": tools_spec,
+            "tool_choice": req.tool_choice,
+            "last_item": _last_item_kind(ctx.items),
+        }
+        done: Optional[dict[str, Any]] = None
+        engine_start = time.perf_counter()
+        tool_calls = 0
+        try:
+            async for chunk in self._engine(engine_req):
+                for piece in chunk:
+                    kind = piece["t"]
+                    if kind == "text":
+                        if not timing.first_token:
+                            timing.first_token = time.perf_counter() - timing.started
+                        for ev in asm.text(piece["v"]):
+                            yield ev
+                    elif kind == "reasoning":
+                        if not timing.first_token:
+                            timing.first_token = time.perf_counter() - timing.started
+                        for ev in asm.reasoning(piece["v"]):
+                            yield ev
+                    elif kind == "tool":
+                        if not timing.first_token:
+                            timing.first_token = time.perf_counter() - timing.started
+                        if req.max_tool_calls is not None and tool_calls >= req.max_tool_calls:
+                            continue
+                        tool_calls += 1
+                        for ev in asm.tool_call(piece["name"], piece["args"]):
+                            yield ev
+                    elif kind == "done":
+                        done = piece
+                    elif kind == "error":
+                        raise ApiError(piece["status"], piece["message"], code=piece.get("code"), param=piece.get("param"))
+        except ApiError as err:
+            if prev_id:
+                cache.evict(prev_id)
+            for ev in asm.fail(err):
+                yield ev
+            return
+        except Exception:
+            if prev_id:
+                cache.evict(prev_id)
+            for ev in asm.fail(server_error("The engine failed while generating this response.")):
+                yield ev
+            return
+        timing.engine = time.perf_counter() - engine_start
+        if done is None:
+            if prev_id:
+                cache.evict(prev_id)
+            for ev in asm.fail(server_error("The engine stream ended without a result.")):
+                yield ev
+            return
+
+        output_tokens = int(done.get("output_tokens", 0))
+        cached = int(done.get("cached_tokens", 0))
+        usage = usage_object(prompt_len, cached, output_tokens, int(done.get("reasoning_tokens", 0)))
+        incomplete = "max_output_tokens" if done.get("finish_reason") == "length" else None
+        # The next turn's state is in the cache before the terminal event leaves.
+        state = self._state(response_id, req, ctx, asm.response["output"], rendered, key, owner, session_key)
+        cache.put(state)
+        if on_state:
+            on_state(state)
+        self._record(timing, prompt_len, cached)
+        terminal = asm.finish(usage, incomplete_reason=incomplete)
+        state.response = asm.response
+        for ev in terminal:
+            yield ev
+
+    async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming):
+        t0 = time.perf_counter()
+        new_items = req.input_items()
+        ctx = resolve_context(new_items, parent)
+        tools_spec = normalize_tools(req.tools)
+        key = RenderKey.of(req.instructions, tools_spec)
+        timing.resolve = time.perf_counter() - t0
+        timing.new_items = len(new_items)
+        timing.context_items = len(ctx.items)
+        t1 = time.perf_counter()
+        pre = parent.rendered if parent is not None else None
+        job: dict[str, Any]
+        if pre is not None and pre.key == key:
+            job = {
+                "mode": "delta",
+                "prefix_token_ids": pre.token_ids,
+                "anchor_items": ctx.items[pre.anchor_start : pre.item_count],
+                "new_items": ctx.items[pre.item_count :],
+                "anchor_start": pre.anchor_start,
+                "instructions": req.instructions,
+                "tools": tools_spec,
+                "verify_items": ctx.items if self.verify_renders else None,
+            }
+        else:
+            job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
+        rendered = await self._render(job)
+        if rendered is None:  # the delta was not provably exact: render it all
+            job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
+            rendered = await self._render(job)
+        timing.render = time.perf_counter() - t1
+        timing.full_render = rendered.full
+        timing.delta_tokens = rendered.delta_tokens
+        if len(rendered.prompt_token_ids) >= self.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the input has {len(rendered.prompt_token_ids)} tokens.",
+                code="context_length_exceeded",
+                param="input",
+            )
+        return ctx, rendered, tools_spec, key
+
+    def _state(self, response_id, req, ctx, output, rendered: RenderResult, key, owner, session_key) -> ResponseState:
+        out_items = _output_as_context(output)
+        calls = output_call_ids(output)
+        return ResponseState(
+            response_id=response_id,
+            model=self.model_name,
+            items=ctx.items + out_items,
+            output_start=len(ctx.items),
+            instructions=req.instructions,
+            tools=list(req.tools or []),
+            rendered=RenderedPrefix(key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start),
+            known_call_ids=ctx.known_call_ids | frozenset(calls),
+            pending_call_ids=ctx.pending_call_ids + tuple(calls),
+            store=req.store is not False,
+            owner=owner,
+            affinity_key=session_key,
+        )
+
+    def _record(self, timing: TurnTiming, prompt_len: int, cached: int) -> None:
+        timing.total = time.perf_counter() - timing.started
+        timing.prompt_tokens = prompt_len
+        timing.cached_tokens = cached
+        self.timings.append(timing)
+        if len(self.timings) > 1024:
+            del self.timings[:512]
+
+
+__all__ = ["TurnDriver", "TurnTiming", "RenderPort", "EnginePort", "array"]

