@@ -67,7 +67,8 @@ def build_response(
 def usage_object(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        # cache_write_tokens: the SDK (3.x) models declare it; we report no separate writes.
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,

@@ -84,7 +84,8 @@ def from_validation_error(exc: Any) -> ApiError:
     errors = exc.errors(include_url=False)
     if not errors:
         return invalid_request("Invalid request body.")
-    first = errors[0]
+    # With unions (`input`: str | list), the deepest location is the real culprit.
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     param = loc_to_param(first.get("loc", ()))
     msg = first.get("msg", "invalid value")
     if first.get("type") == "missing":
@@ -95,13 +96,19 @@ def from_validation_error(exc: Any) -> ApiError:
 def loc_to_param(loc: tuple) -> str:
     """('input', 0, 'call_id') -> 'input[0].call_id'; drops pydantic's union tags."""
     out = ""
+    prev = None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and (part.startswith(("function-", "tagged-", "union[")) or part in _TAGS):
+            prev = part
+        elif isinstance(part, str) and (part == "str" or part.startswith(("function-", "tagged-", "union[", "list["))):
             continue
+        elif isinstance(part, str) and part in _TAGS and isinstance(prev, int):
+            prev = part
+            continue  # a union member's tag, not a field name
         else:
             out += ("." if out else "") + str(part)
+        prev = part
     return out or "body"
 
 

@@ -1,0 +1,86 @@
+"""`loopserve` command: serve the app, or generate the tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+
+def _load_args(config_path: Optional[str]) -> dict:
+    """The `args` of the (single) application in a Serve config file."""
+    if not config_path:
+        return {}
+    data = yaml.safe_load(Path(config_path).read_text())
+    apps = data.get("applications") or []
+    if not apps:
+        return data.get("args") or {}
+    return apps[0].get("args") or {}
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from .app import build_app
+    from .config import LoopserveConfig
+
+    config = LoopserveConfig.model_validate(_load_args(ns.config))
+    if ns.backend:
+        config.engine.backend = ns.backend
+    if ns.address:
+        ray.init(address=ns.address)
+    else:
+        ray.init(num_cpus=ns.num_cpus, include_dashboard=False)
+    serve.start(http_options={"host": ns.host, "port": ns.port})
+    serve.run(build_app(config), name="loopserve", route_prefix="/", blocking=False)
+    print(f"loopserve: serving {config.model.name} ({config.engine.backend}) on http://{ns.host}:{ns.port}/v1", flush=True)
+    stop = {"now": False}
+
+    def _stop(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    while not stop["now"]:
+        time.sleep(0.5)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def cmd_make_model(ns: argparse.Namespace) -> int:
+    from .config import DEFAULT_MODEL_DIR
+    from .tiny_model import ensure_tiny_model
+
+    path = ensure_tiny_model(ns.path or DEFAULT_MODEL_DIR)
+    print(path)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="loopserve", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="start a local Ray cluster and serve the Responses API")
+    s.add_argument("--config", default=None, help="a Serve config file (its first application's args are used)")
+    s.add_argument("--backend", choices=["vllm", "scripted"], default=None)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--address", default=None, help="join an existing Ray cluster instead of starting one")
+    s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
+    s.set_defaults(fn=cmd_serve)
+    m = sub.add_parser("make-model", help="generate the tiny local model (no download)")
+    m.add_argument("path", nargs="?", default=None)
+    m.set_defaults(fn=cmd_make_model)
+    ns = parser.parse_args(argv)
+    return ns.fn(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from cluster.core.output_parser import ReasoningPiece, StreamingOutputParser, TextPiece, ToolCallPiece
+
+
+def run(parser, chunks):
+    """Feed chunks; merge adjacent text pieces (streaming emits them as they come)."""
+    pieces = []
+    for c in chunks:
+        pieces += parser.feed(c)
+    merged = []
+    for p in pieces + parser.finish():
+        if merged and type(p) is type(merged[-1]) and not isinstance(p, ToolCallPiece):
+            merged[-1] = type(p)(merged[-1].text + p.text)
+        else:
+            merged.append(p)
+    return merged
+
+
+def char_chunks(s):
+    return list(s)
+
+
+@pytest.fixture(scope="module")
+def hermes(tokenizer):
+    from cluster.engines.parsers import vllm_tool_call_extractor
+
+    return vllm_tool_call_extractor("hermes", tokenizer)
+
+
+def test_plain_text_streams_through():
+    p = StreamingOutputParser()
+    assert p.feed("hello ") == [TextPiece("hello ")]
+    assert p.feed("world") == [TextPiece("world")]
+
+
+def test_tool_call_split_across_tiny_deltas_with_vllm_hermes(hermes):
+    text = 'Sure.<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
+    pieces = run(StreamingOutputParser(hermes), char_chunks(text))
+    assert pieces == [TextPiece("Sure."), ToolCallPiece("read_file", json.dumps({"path": "a.py"}))]
+
+
+def test_two_parallel_calls(hermes):
+    call = '<tool_call>\n{"name": "%s", "arguments": {}}\n</tool_call>'
+    pieces = run(StreamingOutputParser(hermes), [call % "a" + "\n" + call % "b"])
+    calls = [p for p in pieces if isinstance(p, ToolCallPiece)]
+    assert [c.name for c in calls] == ["a", "b"]
+
+
+def test_partial_tag_is_held_back_then_released_as_text():
+    p = StreamingOutputParser()
+    assert p.feed("a <tool") == [TextPiece("a ")]
+    assert p.feed("box> b") == [TextPiece("<toolbox> b")]
+
+
+def test_malformed_block_becomes_text(hermes):
+    pieces = run(StreamingOutputParser(hermes), ["<tool_call>not json</tool_call>"])
+    assert pieces == [TextPiece("<tool_call>not json</tool_call>")]
+
+
+def test_unterminated_block_at_the_end_is_text_unless_complete(hermes):
+    pieces = run(StreamingOutputParser(hermes), ["<tool_call>{\"name\": \"x\", \"arg"])
+    assert len(pieces) == 1 and isinstance(pieces[0], TextPiece)
+
+
+def test_reasoning_then_answer():
+    pieces = run(StreamingOutputParser(), char_chunks("<think>hmm</think>ok"))
+    assert pieces == [ReasoningPiece("hmm"), TextPiece("ok")]
+
+
+def test_tools_disabled_leaves_tags_as_text():
+    pieces = run(StreamingOutputParser(tools_enabled=False), ['<tool_call>{"name":"a","arguments":{}}</tool_call>'])
+    assert all(isinstance(p, TextPiece) for p in pieces)

@@ -1,0 +1,92 @@
+import pytest
+
+from cluster.protocol.errors import ApiError, loc_to_param
+from cluster.protocol.requests import parse_request
+
+
+def test_string_input_becomes_one_user_message():
+    req = parse_request({"model": "m", "input": "hello"})
+    assert req.input_items() == [{"type": "message", "role": "user", "content": "hello"}]
+    assert req.store is True  # PROTOCOL: store defaults to true
+
+
+def test_unknown_keys_are_accepted_and_ignored():
+    req = parse_request(
+        {"model": "m", "input": "x", "client_metadata": {"a": 1}, "stream_options": {}, "prompt": {"id": "p"}}
+    )
+    assert req.model == "m"
+
+
+def test_message_type_is_optional_and_items_keep_their_fields():
+    req = parse_request(
+        {
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "namespace": "ns"},
+                {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "s"}]},
+            ]
+        }
+    )
+    items = req.input_items()
+    assert items[0]["type"] == "message" and items[0]["content"][0]["text"] == "hi"
+    assert items[1]["namespace"] == "ns"
+    assert items[3]["summary"][0]["text"] == "s"
+
+
+def test_unknown_item_type_is_a_400_naming_the_item():
+    with pytest.raises(ApiError) as e:
+        parse_request({"input": [{"type": "message", "role": "user", "content": "x"}, {"type": "bogus"}]})
+    assert e.value.status == 400
+    assert e.value.param == "input[1].type"
+
+
+def test_missing_field_names_its_path():
+    with pytest.raises(ApiError) as e:
+        parse_request({"input": [{"type": "function_call_output", "output": "x"}]})
+    assert e.value.status == 400
+    assert e.value.param == "input[0].call_id"
+    assert e.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"temperature": 3}, "temperature"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"stream_id": "bad id!"}, "stream_id"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"truncation": "sometimes"}, "truncation"),
+    ],
+)
+def test_bad_fields_are_400s(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_request({"input": "x", **body})
+    assert e.value.status == 400
+    assert e.value.param == param
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(ApiError):
+        parse_request([1, 2])
+
+
+def test_error_shapes():
+    err = ApiError(400, "nope", code="c", param="p")
+    assert err.http_body() == {"error": {"message": "nope", "type": "invalid_request_error", "param": "p", "code": "c"}}
+    ws = err.ws_event()
+    assert ws["type"] == "error" and ws["status"] == 400 and ws["error"]["type"] == "invalid_request_error"
+    sse = err.sse_event(7)
+    assert sse["sequence_number"] == 7 and sse["code"] == "c" and sse["error"]["message"] == "nope"
+
+
+def test_loc_to_param():
+    assert loc_to_param(("input", 0, "function_call_output", "call_id")) == "input[0].call_id"
+
+
+def test_nested_field_names_survive():
+    assert loc_to_param(("reasoning", "effort")) == "reasoning.effort"
+    assert loc_to_param(("input", "str")) == "input"
