@@ -170,3 +170,26 @@ class IncrementalRenderer:
         prompt = prefix + array("i", self._encode(gen_text))
         new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
         return RenderResult(prompt, prefix, new_anchor, False, len(prompt) - len(prefix_token_ids), len(with_gen))
+
+
+def render_job(renderer: IncrementalRenderer, job: dict[str, Any]) -> tuple[Optional[RenderResult], bool]:
+    """Run a render job from the turn driver; returns (result, mismatch).
+
+    `verify_items` (tests, debugging) checks the delta against a full render;
+    on a mismatch the full render is returned, so output stays correct.
+    """
+    if job["mode"] == "full":
+        return renderer.full(job["items"], job["instructions"], job["tools"]), False
+    res = renderer.delta(
+        job["prefix_token_ids"],
+        job["anchor_items"],
+        job["new_items"],
+        job["anchor_start"],
+        job["instructions"],
+        job["tools"],
+    )
+    if res is not None and job.get("verify_items") is not None:
+        full = renderer.full(job["verify_items"], job["instructions"], job["tools"])
+        if full.prompt_token_ids != res.prompt_token_ids:
+            return full, True
+    return res, False

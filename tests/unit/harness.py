@@ -1,0 +1,55 @@
+"""In-process wiring of the core (no Ray, no sockets) for unit tests.
+
+The render port is the real incremental renderer with the tiny model's
+tokenizer; the engine port is the ScriptedEngine (a stand-in for a GPU engine)
+behind the same chunk stream an EngineReplica produces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.config import ModelConfig, ScriptedEngineConfig
+from cluster.core.render import render_job
+from cluster.core.turn import TurnDriver
+from cluster.engines.parsers import vllm_tool_call_extractor
+from cluster.engines.scripted import ScriptedEngine
+from cluster.engines.stream import stream_chunks
+from cluster.tokenizer import renderer_for
+
+
+class InProcessStack:
+    def __init__(self, tokenizer, *, verify: bool = True, max_model_len: int = 32768, **scripted: Any) -> None:
+        self.renderer = renderer_for(tokenizer)
+        backend = tokenizer.backend_tokenizer
+        self.engine = ScriptedEngine(
+            ModelConfig(max_model_len=max_model_len),
+            ScriptedEngineConfig(**{"tokens_per_second": 1e6, "prefill_tokens_per_second": 1e9, **scripted}),
+            encode=lambda s: backend.encode(s, add_special_tokens=False).ids,
+            decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
+        )
+        self.extractor = vllm_tool_call_extractor("hermes", tokenizer)
+        self.render_jobs: list[dict[str, Any]] = []
+        self.mismatches = 0
+        self.verify = verify
+        self.fail_engine = False
+        self.driver = TurnDriver(
+            model_name="loopserve-tiny",
+            render=self.render,
+            engine=self.engine_port,
+            default_max_tokens=64,
+            max_model_len=max_model_len,
+            verify_renders=verify,
+        )
+
+    async def render(self, job):
+        self.render_jobs.append(job)
+        result, mismatch = render_job(self.renderer, job)
+        self.mismatches += mismatch
+        return result
+
+    async def engine_port(self, req):
+        if self.fail_engine:
+            raise RuntimeError("engine replica died")
+        async for chunk in stream_chunks(self.engine, req, self.extractor):
+            yield chunk

@@ -1,0 +1,98 @@
+"""Exactness contract: cached prefix tokens + delta == full render, every turn."""
+
+import json
+
+import pytest
+
+from cluster.core.context import normalize_tools
+from cluster.core.render import IncrementalRenderer, messages_from_items
+from cluster.tokenizer import renderer_for
+
+TOOLS = normalize_tools(
+    [
+        {"type": "function", "name": "read_file", "description": "Read a file",
+         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+        {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}},
+    ]
+)
+
+
+def agent_turns(n):
+    """Items an agent loop adds per turn: model output, then the client's new input."""
+    for i in range(n):
+        output = []
+        if i % 3 == 0:
+            output.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"Step {i}."}]})
+        output.append({"type": "function_call", "call_id": f"call_{i}", "name": "read_file",
+                       "arguments": json.dumps({"path": f"src/f{i}.py"})})
+        if i % 4 == 1:
+            output.append({"type": "function_call", "call_id": f"call_{i}b", "name": "shell", "arguments": '{"cmd": "ls"}'})
+        new = [{"type": "function_call_output", "call_id": c["call_id"], "output": f"contents {i} " * 30}
+               for c in output if c["type"] == "function_call"]
+        if i % 5 == 4:
+            new.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"also check {i}"}]})
+        yield output, new
+
+
+@pytest.mark.parametrize("instructions", [None, "You are a coding agent."])
+@pytest.mark.parametrize("tools", [TOOLS, []])
+def test_delta_equals_full_render_every_turn(tokenizer, instructions, tools):
+    r = renderer_for(tokenizer)
+    items = [{"type": "message", "role": "user", "content": "Fix the bug in src/"}]
+    first = r.full(items, instructions, tools)
+    prefix, anchor, count = first.prefix_token_ids, first.anchor_start, len(items)
+    delta_chars = []
+    for output, new in agent_turns(20):
+        items = items + output + new
+        res = r.delta(prefix, items[anchor:count], items[count:], anchor, instructions, tools)
+        assert res is not None, "a ChatML template must allow delta renders"
+        full = r.full(items, instructions, tools)
+        assert res.prompt_token_ids == full.prompt_token_ids
+        assert res.prefix_token_ids == full.prefix_token_ids
+        # What the template itself renders for the full context (no cache at all):
+        msgs = ([{"role": "system", "content": instructions}] if instructions else []) + messages_from_items(items)[0]
+        text = tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        assert list(res.prompt_token_ids) == tokenizer.encode(text, add_special_tokens=False)
+        delta_chars.append(res.rendered_chars)
+        prefix, anchor, count = res.prefix_token_ids, res.anchor_start, len(items)
+    # Work per turn follows the new items, not the history.
+    assert max(delta_chars[10:]) < 2 * max(delta_chars[:10])
+
+
+def test_assistant_text_and_calls_render_as_one_turn():
+    msgs, starts = messages_from_items(
+        [
+            {"type": "message", "role": "user", "content": "hi"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "b", "name": "g", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "a", "output": "1"},
+        ]
+    )
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["a", "b"]
+    assert starts == [0, 1, 4]
+
+
+def test_unsafe_cut_falls_back_to_none():
+    # A template with no special tokens between messages: BPE could merge across
+    # the cut, so the renderer must refuse the delta.
+    def apply(messages, tools, gen):
+        return "".join(m["content"] + " " for m in messages) + ("A:" if gen else "")
+
+    r = IncrementalRenderer(apply, lambda s: [ord(c) for c in s], special_tokens=["<s>"])
+    items = [{"type": "message", "role": "user", "content": "a"}]
+    first = r.full(items, None, None)
+    more = items + [{"type": "message", "role": "user", "content": "b"}]
+    assert r.delta(first.prefix_token_ids, items, more[1:], 0, None, None) is None
+
+
+def test_changed_anchor_rendering_is_refused(tokenizer):
+    # An assistant message followed by a new function call merges into one
+    # assistant turn: the cached render of the anchor is no longer a prefix.
+    r = renderer_for(tokenizer)
+    items = [{"type": "message", "role": "user", "content": "hi"},
+             {"type": "message", "role": "assistant", "content": "ok"}]
+    first = r.full(items, None, TOOLS)
+    new = [{"type": "function_call", "call_id": "x", "name": "read_file", "arguments": "{}"}]
+    assert r.delta(first.prefix_token_ids, items[first.anchor_start:], new, first.anchor_start, None, TOOLS) is None

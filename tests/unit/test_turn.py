@@ -1,0 +1,147 @@
+"""The turn driver over the real renderer and the scripted engine, no Ray."""
+
+import asyncio
+import json
+
+import pytest
+
+from cluster.core.session_cache import SessionCache
+from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import parse_request
+
+from .harness import InProcessStack
+
+TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+@pytest.fixture
+def stack(tokenizer):
+    return InProcessStack(tokenizer)
+
+
+async def run(stack, cache, body, **kw):
+    return [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s1", **kw)]
+
+
+def terminal(events):
+    return events[-1]["response"]
+
+
+async def test_tool_loop_renders_only_new_items_and_reports_cached_tokens(stack):
+    cache = SessionCache()
+    evs = await run(stack, cache, {"model": "loopserve-tiny", "input": "read the readme", "tools": TOOLS,
+                                    "instructions": "be brief"})
+    resp = terminal(evs)
+    assert resp["status"] == "completed"
+    call = resp["output"][0]
+    assert call["type"] == "function_call" and json.loads(call["arguments"]) == {"path": "README.md"}
+    prev = resp["id"]
+    for turn in range(10):
+        body = {"model": "loopserve-tiny", "previous_response_id": prev, "tools": TOOLS, "instructions": "be brief",
+                "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "x " * 200},
+                          {"type": "message", "role": "user", "content": f"now turn {turn}"}]}
+        resp = terminal(await run(stack, cache, body))
+        assert resp["status"] == "completed", resp
+        assert resp["previous_response_id"] == prev
+        assert resp["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        assert resp["usage"]["input_tokens_details"]["cached_tokens"] < resp["usage"]["input_tokens"]
+        call = resp["output"][0]
+        prev = resp["id"]
+    modes = [j["mode"] for j in stack.render_jobs]
+    assert modes == ["full"] + ["delta"] * 10
+    assert stack.mismatches == 0
+    # each delta job carries only the anchor + new items, never the history
+    assert all(len(j["new_items"]) + len(j["anchor_items"]) <= 4 for j in stack.render_jobs[1:])
+
+
+async def test_unknown_previous_response_is_not_found(stack):
+    with pytest.raises(ApiError) as e:
+        await run(stack, SessionCache(), {"input": "x", "previous_response_id": "resp_nope"})
+    assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
+    assert e.value.message == "Previous response with id 'resp_nope' not found."
+
+
+async def test_failed_continuation_evicts_its_parent(stack):
+    cache = SessionCache()
+    first = terminal(await run(stack, cache, {"input": "read it", "tools": TOOLS}))
+    with pytest.raises(ApiError, match="No tool output found"):
+        await run(stack, cache, {"previous_response_id": first["id"], "input": "ignore the call", "tools": TOOLS})
+    assert first["id"] not in cache
+    with pytest.raises(ApiError) as e:
+        await run(stack, cache, {"previous_response_id": first["id"], "input": "again"})
+    assert e.value.code == "previous_response_not_found"
+
+
+async def test_engine_failure_mid_turn_fails_the_response_and_evicts_parent(stack):
+    cache = SessionCache()
+    first = terminal(await run(stack, cache, {"input": "hello"}))
+    stack.fail_engine = True
+    evs = await run(stack, cache, {"previous_response_id": first["id"], "input": "more"})
+    assert [e["type"] for e in evs][-2:] == ["error", "response.failed"]
+    assert first["id"] not in cache
+
+
+async def test_warmup_then_chain(stack):
+    cache = SessionCache()
+    evs = await run(stack, cache, {"input": "start", "tools": TOOLS, "generate": False})
+    assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.completed"]
+    warm = terminal(evs)
+    assert warm["output"] == [] and warm["usage"]["output_tokens"] == 0
+    resp = terminal(await run(stack, cache, {"previous_response_id": warm["id"], "input": [], "tools": TOOLS}))
+    assert resp["output"][0]["type"] == "function_call"
+    assert [j["mode"] for j in stack.render_jobs] == ["full", "delta"]
+    assert stack.render_jobs[1]["new_items"] == []
+
+
+async def test_changed_instructions_force_a_full_render_and_are_not_carried_over(stack):
+    cache = SessionCache()
+    first = terminal(await run(stack, cache, {"input": "hi", "instructions": "A"}))
+    second = terminal(await run(stack, cache, {"input": "hi", "previous_response_id": first["id"]}))
+    assert second["instructions"] is None
+    assert [j["mode"] for j in stack.render_jobs] == ["full", "full"]
+
+
+async def test_context_length_exceeded(tokenizer):
+    stack = InProcessStack(tokenizer, max_model_len=64)
+    with pytest.raises(ApiError) as e:
+        await run(stack, SessionCache(), {"input": "word " * 200})
+    assert e.value.code == "context_length_exceeded"
+
+
+async def test_wrong_model_is_model_not_found(stack):
+    with pytest.raises(ApiError) as e:
+        await run(stack, SessionCache(), {"model": "gpt-99", "input": "x"})
+    assert e.value.code == "model_not_found"
+
+
+async def test_max_output_tokens_makes_the_response_incomplete(stack):
+    resp = terminal(await run(stack, SessionCache(), {"input": "hi", "max_output_tokens": 2}))
+    assert resp["status"] == "incomplete"
+    assert resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["usage"]["output_tokens"] == 2
+
+
+async def test_state_is_cached_before_the_terminal_event(stack):
+    cache = SessionCache()
+    seen = {}
+    async for ev in stack.driver.run(parse_request({"input": "hi"}), cache, session_key="s"):
+        if ev["type"] == "response.completed":
+            seen["cached"] = ev["response"]["id"] in cache
+    assert seen["cached"] is True
+
+
+async def test_cancelling_a_turn_stops_the_engine(tokenizer):
+    stack = InProcessStack(tokenizer, tokens_per_second=20)
+
+    async def consume():
+        async for _ in stack.driver.run(parse_request({"input": "hi"}), SessionCache(), session_key="s"):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert stack.engine.stats.aborted == 1
+    assert stack.engine.stats.output_tokens < 15
