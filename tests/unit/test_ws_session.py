@@ -1,0 +1,160 @@
+"""WebSocket mode rules (PROTOCOL §5) on the transport-free session."""
+
+import asyncio
+import json
+
+import pytest
+
+from cluster.config import WebSocketConfig
+from cluster.core.session_cache import SessionCache
+from cluster.core.ws_session import WebSocketSession
+
+from .harness import InProcessStack
+
+TOOLS = [{"type": "function", "name": "read_file",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+class Peer:
+    def __init__(self, stack, **cfg):
+        self.sent = []
+        self.closed = None
+        self.session = WebSocketSession(
+            stack.driver, SessionCache(), session_key="conn", config=WebSocketConfig(**cfg),
+            send=self.send, close=self.close,
+        )
+        self.session.start()
+
+    async def send(self, ev):
+        self.sent.append(ev)
+
+    async def close(self, code, reason):
+        self.closed = code
+
+    async def frame(self, obj):
+        await self.session.on_frame(obj if isinstance(obj, (str, bytes)) else json.dumps(obj))
+
+    async def idle(self):
+        await asyncio.wait_for(self.session.wait_idle(), 10)
+
+    def types(self):
+        return [e["type"] for e in self.sent]
+
+    def terminals(self):
+        return [e["response"] for e in self.sent if e["type"] in ("response.completed", "response.incomplete")]
+
+
+@pytest.fixture
+def stack(tokenizer):
+    return InProcessStack(tokenizer)
+
+
+async def test_flat_create_with_stream_true_and_ignored_events(stack):
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "model": "loopserve-tiny", "input": "hi", "stream": True})
+    await p.frame({"type": "response.processed", "response_id": "x"})
+    await p.frame({"type": "response.append", "input": []})
+    await p.idle()
+    assert p.types()[0] == "response.created" and p.types()[-1] == "response.completed"
+    assert "error" not in p.types()
+    assert [e["sequence_number"] for e in p.sent] == list(range(len(p.sent)))
+    await p.session.shutdown()
+
+
+async def test_errors_keep_the_connection_working(stack):
+    p = Peer(stack, max_frame_bytes=1000)
+    await p.frame("{not json")
+    await p.frame({"type": "response.cancel_everything"})
+    await p.frame({"no_type": 1})
+    await p.frame({"type": "response.create", "input": "x" * 2000})
+    await p.frame({"type": "response.create", "input": "hi", "background": True})
+    await p.frame({"type": "response.create", "input": "hi", "previous_response_id": "resp_missing"})
+    await p.frame({"type": "response.create", "input": "hi"})
+    await p.idle()
+    errors = [e for e in p.sent if e["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == [
+        "invalid_json", "invalid_value", "missing_required_parameter", "message_too_large", "invalid_value",
+        "previous_response_not_found",
+    ]
+    assert all(e["error"]["type"] == "invalid_request_error" and e["status"] == 400 for e in errors)
+    assert errors[4]["error"]["param"] == "background"
+    assert errors[5]["error"]["message"] == "Previous response with id 'resp_missing' not found."
+    assert p.types()[-1] == "response.completed"  # still serving
+    assert p.closed is None
+    await p.session.shutdown()
+
+
+async def test_overlapping_creates_run_fifo_never_interleaved(tokenizer):
+    stack = InProcessStack(tokenizer, tokens_per_second=400)
+    p = Peer(stack)
+    for i in range(3):
+        await p.frame({"type": "response.create", "input": f"q{i}"})
+    await p.idle()
+    ids = [e["response"]["id"] if "response" in e else None for e in p.sent]
+    created = [i for i, e in enumerate(p.sent) if e["type"] == "response.created"]
+    done = [i for i, e in enumerate(p.sent) if e["type"] == "response.completed"]
+    assert len(created) == 3 and len(done) == 3
+    assert created[0] < done[0] < created[1] < done[1] < created[2] < done[2]
+    # every event between created[k] and done[k] belongs to response k
+    for k in range(3):
+        block = p.sent[created[k]: done[k] + 1]
+        assert [e["sequence_number"] for e in block] == list(range(len(block)))
+    assert ids[created[0]] != ids[created[1]]
+    await p.session.shutdown()
+
+
+async def test_chained_tool_loop_on_one_connection(stack):
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "start", "tools": TOOLS, "generate": False, "store": False})
+    await p.idle()
+    prev = p.terminals()[-1]["id"]
+    for turn in range(5):
+        last = p.terminals()[-1]
+        calls = [o for o in last["output"] if o["type"] == "function_call"]
+        new = [{"type": "function_call_output", "call_id": c["call_id"], "output": "ok"} for c in calls]
+        new.append({"type": "message", "role": "user", "content": f"turn {turn}"})
+        await p.frame({"type": "response.create", "previous_response_id": prev, "input": new, "tools": TOOLS,
+                       "store": False})
+        await p.idle()
+        resp = p.terminals()[-1]
+        assert resp["previous_response_id"] == prev and resp["status"] == "completed"
+        prev = resp["id"]
+    assert [j["mode"] for j in stack.render_jobs] == ["full"] + ["delta"] * 5
+    assert "error" not in p.types()
+    await p.session.shutdown()
+
+
+async def test_failed_continuation_then_same_parent_is_not_found(stack):
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "read", "tools": TOOLS})
+    await p.idle()
+    parent = p.terminals()[-1]["id"]
+    await p.frame({"type": "response.create", "previous_response_id": parent,
+                   "input": [{"type": "function_call_output", "call_id": "wrong", "output": "x"}]})
+    await p.frame({"type": "response.create", "previous_response_id": parent, "input": []})
+    await p.idle()
+    errors = [e for e in p.sent if e["type"] == "error"]
+    assert errors[0]["error"]["message"] == "No tool call found for function call output with call_id wrong."
+    assert errors[1]["error"]["code"] == "previous_response_not_found"
+    await p.session.shutdown()
+
+
+async def test_connection_time_limit_sends_error_and_closes(stack):
+    p = Peer(stack, max_connection_seconds=0.3)
+    await p.frame({"type": "response.create", "input": "hi"})
+    await asyncio.sleep(0.8)
+    assert p.sent[-1]["type"] == "error"
+    assert p.sent[-1]["error"]["code"] == "websocket_connection_limit_reached"
+    assert p.closed == 1000
+    assert "response.completed" in p.types()  # the in-flight response was finished first
+    await p.session.shutdown()
+
+
+async def test_disconnect_cancels_generation(tokenizer):
+    stack = InProcessStack(tokenizer, tokens_per_second=20)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "hi"})
+    await asyncio.sleep(0.3)
+    await p.session.shutdown()
+    assert stack.engine.stats.aborted == 1
+    assert "response.completed" not in p.types()
