@@ -91,3 +91,14 @@ def client_for():
         return OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=60, max_retries=0)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def short_limit_url(serve_instance):
+    """A scripted app whose WebSocket connections are limited to 2 seconds."""
+    args = {
+        "engine": {"backend": "scripted"},
+        "websocket": {"max_connection_seconds": 2},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+    }
+    return _deploy("shortlimit", "/short", args, serve_instance, 180)

@@ -158,3 +158,15 @@ async def test_disconnect_cancels_generation(tokenizer):
     await p.session.shutdown()
     assert stack.engine.stats.aborted == 1
     assert "response.completed" not in p.types()
+
+
+async def test_store_true_responses_are_published_store_false_are_not(stack):
+    published = []
+    p = Peer(stack)
+    p.session._on_state = published.append
+    await p.frame({"type": "response.create", "input": "a"})
+    await p.frame({"type": "response.create", "input": "b", "store": False})
+    await p.idle()
+    stored = [s for s in published if s.store]
+    assert len(stored) == 1 and stored[0].response_id == p.terminals()[0]["id"]
+    await p.session.shutdown()

@@ -1,0 +1,90 @@
+"""Per-turn server timings of a tool loop on one WebSocket, read from the server.
+
+    python -m bench.turn_timings --turns 20 --backend scripted --output-bytes 2000
+
+Starts a local Ray cluster + the Serve app, runs a Codex-like loop (warm-up,
+then each turn: the model calls a tool, the client sends a tool output of
+`--output-bytes` plus a user message, chained with previous_response_id and
+only new items), then prints the server's own timings per turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import socket
+import tempfile
+import time
+
+TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--backend", choices=["scripted", "vllm"], default="scripted")
+    ap.add_argument("--output-bytes", type=int, default=2000)
+    ns = ap.parse_args()
+
+    import httpx
+    import ray
+    from openai import OpenAI
+    from ray import serve
+
+    from cluster.app import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ls-bench-"), log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"engine": {"backend": ns.backend}, "model": {"max_model_len": 65536}}
+    if ns.backend == "vllm":
+        args["engine"]["vllm"] = {"block_size": 32, "default_max_tokens": 8}
+    serve.run(build_app(args), blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    client = OpenAI(base_url=url + "/v1", api_key="x", timeout=120)
+    unique = secrets.token_hex(8)  # no run hits the KV cache of an earlier one
+    rows = []
+    try:
+        with client.responses.connect() as conn:
+            def turn(**body):
+                conn.response.create(model="loopserve-tiny", tools=TOOLS, store=False,
+                                     instructions="You are a coding agent.", **body)
+                for ev in conn:
+                    if ev.type in ("response.completed", "response.incomplete", "response.failed", "error"):
+                        return ev
+            ev = turn(input=f"[{unique}] Fix the failing test.", generate=False)
+            prev = ev.response
+            new = []
+            for i in range(ns.turns):
+                sent = len(json.dumps(new))
+                t0 = time.perf_counter()
+                ev = turn(previous_response_id=prev.id, input=new, max_output_tokens=64)
+                wall = time.perf_counter() - t0
+                prev = ev.response
+                calls = [o for o in prev.output if o.type == "function_call"]
+                if not calls and ns.backend == "vllm":
+                    calls = []
+                new = [{"type": "function_call_output", "call_id": c.call_id,
+                        "output": (f"line {i} of the file " * 200)[: ns.output_bytes]} for c in calls]
+                new.append({"type": "message", "role": "user", "content": f"step {i}: read the next file"})
+                rows.append((i + 1, sent, prev.usage.input_tokens, prev.usage.input_tokens_details.cached_tokens, wall))
+        stats = httpx.get(url + "/loopserve/stats", timeout=30).json()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    turns = [t for t in stats["turns"] if t["prompt_tokens"]][-ns.turns:]
+    print(f"backend={ns.backend} turns={ns.turns} tool-output bytes={ns.output_bytes}")
+    print("turn  bytes_sent  ctx_items  prompt_tok  cached_tok  render_ms  resolve_ms  overhead_ms  total_ms  client_ms  full")
+    for (i, sent, inp, cached, wall), t in zip(rows, turns):
+        overhead = (t["total"] - t["engine"]) * 1000
+        print(f"{i:4d}  {sent:10d}  {t['context_items']:9d}  {inp:10d}  {cached:10d}  {t['render']*1000:9.2f}  "
+              f"{t['resolve']*1000:10.3f}  {overhead:11.2f}  {t['total']*1000:8.1f}  {wall*1000:9.1f}  {t['full_render']}")
+    print("render counters:", stats["render"], "engine:", stats["engine"])
+
+
+if __name__ == "__main__":
+    main()
