@@ -110,39 +110,20 @@ class EventAssembler:
         ]
 
     def text(self, delta: str) -> list[Event]:
-        if not delta:
-            return []
-        events = self._ensure_open("message")
-        item = self._open
-        assert item is not None
-        item["content"][0]["text"] += delta
-        events.append(
-            self._ev(
-                "response.output_text.delta",
-                item_id=item["id"],
-                output_index=self.output_index,
-                content_index=0,
-                delta=delta,
-                logprobs=[],
-            )
-        )
-        return events
+        return self._delta("message", "response.output_text.delta", delta, logprobs=[])
 
     def reasoning(self, delta: str) -> list[Event]:
+        return self._delta("reasoning", "response.reasoning_text.delta", delta)
+
+    def _delta(self, kind: str, event_type: str, delta: str, **extra: Any) -> list[Event]:
         if not delta:
             return []
-        events = self._ensure_open("reasoning")
+        events = self._ensure_open(kind)
         item = self._open
         assert item is not None
         item["content"][0]["text"] += delta
         events.append(
-            self._ev(
-                "response.reasoning_text.delta",
-                item_id=item["id"],
-                output_index=self.output_index,
-                content_index=0,
-                delta=delta,
-            )
+            self._ev(event_type, item_id=item["id"], output_index=self.output_index, content_index=0, delta=delta, **extra)
         )
         return events
 
