@@ -100,12 +100,25 @@ def _is_assistant_run(items: Sequence[dict[str, Any]], start: int, end: int) -> 
 
 @dataclass
 class RenderResult:
-    prompt_token_ids: array  # what the engine gets (prefix + generation prompt)
-    prefix_token_ids: array  # render of all items, no generation prompt (cached)
+    """What a render sends back: only the new tokens (O(new items) on the wire)."""
+
+    appended: array  # tokens to append to the cached prefix (a full render: the whole prefix)
+    generation: array  # the generation prompt's tokens, after the prefix
     anchor_start: int  # item index of the last rendered message
     full: bool  # True when this was a full render
-    delta_tokens: int  # tokens produced by this render call
     rendered_chars: int  # characters of template text rendered
+    # A full render whose generation prompt cannot be cut off at a special token.
+    prompt_override: Optional[array] = None
+
+    def assemble(self, base: Optional[array]) -> tuple[array, array]:
+        """(prefix, prompt) given the cached prefix this delta extends."""
+        prefix = self.appended if self.full or base is None else base + self.appended
+        prompt = self.prompt_override if self.prompt_override is not None else prefix + self.generation
+        return prefix, prompt
+
+    @property
+    def delta_tokens(self) -> int:
+        return len(self.appended) + len(self.generation)
 
 
 class IncrementalRenderer:
@@ -136,15 +149,13 @@ class IncrementalRenderer:
         with_gen = self._apply(msgs, tools, True)
         prefix = array("i", self._encode(text))
         suffix = with_gen[len(text) :]
+        anchor = starts[-1] if starts else 0
         if with_gen.startswith(text) and self._safe_cut(suffix):
-            prompt = prefix + array("i", self._encode(suffix))
-        else:
-            prompt = array("i", self._encode(with_gen))
-        return RenderResult(prompt, prefix, starts[-1] if starts else 0, True, len(prompt), len(with_gen))
+            return RenderResult(prefix, array("i", self._encode(suffix)), anchor, True, len(with_gen))
+        return RenderResult(prefix, array("i"), anchor, True, len(with_gen), array("i", self._encode(with_gen)))
 
     def delta(
         self,
-        prefix_token_ids: array,
         anchor_items: Sequence[dict[str, Any]],
         new_items: Sequence[dict[str, Any]],
         anchor_start: int,
@@ -166,22 +177,19 @@ class IncrementalRenderer:
             return None
         self.delta_renders += 1
         delta_ids = array("i", self._encode(delta_text)) if delta_text else array("i")
-        prefix = prefix_token_ids + delta_ids
-        prompt = prefix + array("i", self._encode(gen_text))
         new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
-        return RenderResult(prompt, prefix, new_anchor, False, len(prompt) - len(prefix_token_ids), len(with_gen))
+        return RenderResult(delta_ids, array("i", self._encode(gen_text)), new_anchor, False, len(with_gen))
 
 
 def render_job(renderer: IncrementalRenderer, job: dict[str, Any]) -> tuple[Optional[RenderResult], bool]:
     """Run a render job from the turn driver; returns (result, mismatch).
 
-    `verify_items` (tests, debugging) checks the delta against a full render;
+    `verify_items` + `verify_prefix` (tests, debugging) check the delta against a full render;
     on a mismatch the full render is returned, so output stays correct.
     """
     if job["mode"] == "full":
         return renderer.full(job["items"], job["instructions"], job["tools"]), False
     res = renderer.delta(
-        job["prefix_token_ids"],
         job["anchor_items"],
         job["new_items"],
         job["anchor_start"],
@@ -190,6 +198,6 @@ def render_job(renderer: IncrementalRenderer, job: dict[str, Any]) -> tuple[Opti
     )
     if res is not None and job.get("verify_items") is not None:
         full = renderer.full(job["verify_items"], job["instructions"], job["tools"])
-        if full.prompt_token_ids != res.prompt_token_ids:
+        if full.assemble(None)[1] != res.assemble(job["verify_prefix"])[1]:
             return full, True
     return res, False

@@ -36,6 +36,13 @@ Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
 
 
 @dataclass
+class Rendered:
+    prefix_token_ids: array  # the context without generation prompt (cached for the next turn)
+    prompt_token_ids: array  # what the engine gets
+    anchor_start: int
+
+
+@dataclass
 class TurnTiming:
     """Server-side timings of one turn, in seconds (for stats and benchmarks)."""
 
@@ -259,36 +266,38 @@ class TurnDriver:
         pre = parent.rendered if parent is not None else None
         job: dict[str, Any]
         if pre is not None and pre.key == key:
+            # Only the anchor message and the new items travel: O(new items).
             job = {
                 "mode": "delta",
-                "prefix_token_ids": pre.token_ids,
                 "anchor_items": ctx.items[pre.anchor_start : pre.item_count],
                 "new_items": ctx.items[pre.item_count :],
                 "anchor_start": pre.anchor_start,
                 "instructions": req.instructions,
                 "tools": tools_spec,
-                "verify_items": ctx.items if self.verify_renders else None,
             }
+            if self.verify_renders:
+                job["verify_items"], job["verify_prefix"] = ctx.items, pre.token_ids
         else:
             job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
         rendered = await self._render(job)
         if rendered is None:  # the delta was not provably exact: render it all
             job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
             rendered = await self._render(job)
+        prefix, prompt = rendered.assemble(pre.token_ids if pre is not None and not rendered.full else None)
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
         timing.delta_tokens = rendered.delta_tokens
-        if len(rendered.prompt_token_ids) >= self.max_model_len:
+        if len(prompt) >= self.max_model_len:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens, "
-                f"but the input has {len(rendered.prompt_token_ids)} tokens.",
+                f"but the input has {len(prompt)} tokens.",
                 code="context_length_exceeded",
                 param="input",
             )
-        return ctx, rendered, tools_spec, key
+        return ctx, Rendered(prefix, prompt, rendered.anchor_start), tools_spec, key
 
-    def _state(self, response_id, req, ctx, output, rendered: RenderResult, key, owner, session_key) -> ResponseState:
+    def _state(self, response_id, req, ctx, output, rendered: Rendered, key, owner, session_key) -> ResponseState:
         out_items = _output_as_context(output)
         calls = output_call_ids(output)
         return ResponseState(

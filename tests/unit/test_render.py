@@ -40,21 +40,23 @@ def test_delta_equals_full_render_every_turn(tokenizer, instructions, tools):
     r = renderer_for(tokenizer)
     items = [{"type": "message", "role": "user", "content": "Fix the bug in src/"}]
     first = r.full(items, instructions, tools)
-    prefix, anchor, count = first.prefix_token_ids, first.anchor_start, len(items)
+    prefix, anchor, count = first.assemble(None)[0], first.anchor_start, len(items)
     delta_chars = []
     for output, new in agent_turns(20):
         items = items + output + new
-        res = r.delta(prefix, items[anchor:count], items[count:], anchor, instructions, tools)
+        res = r.delta(items[anchor:count], items[count:], anchor, instructions, tools)
         assert res is not None, "a ChatML template must allow delta renders"
-        full = r.full(items, instructions, tools)
-        assert res.prompt_token_ids == full.prompt_token_ids
-        assert res.prefix_token_ids == full.prefix_token_ids
+        new_prefix, prompt = res.assemble(prefix)
+        full_prefix, full_prompt = r.full(items, instructions, tools).assemble(None)
+        assert prompt == full_prompt and new_prefix == full_prefix
+        # only the new tokens come back from a delta render
+        assert len(res.appended) == len(full_prefix) - len(prefix)
         # What the template itself renders for the full context (no cache at all):
         msgs = ([{"role": "system", "content": instructions}] if instructions else []) + messages_from_items(items)[0]
         text = tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False, add_generation_prompt=True)
-        assert list(res.prompt_token_ids) == tokenizer.encode(text, add_special_tokens=False)
+        assert list(prompt) == tokenizer.encode(text, add_special_tokens=False)
         delta_chars.append(res.rendered_chars)
-        prefix, anchor, count = res.prefix_token_ids, res.anchor_start, len(items)
+        prefix, anchor, count = new_prefix, res.anchor_start, len(items)
     # Work per turn follows the new items, not the history.
     assert max(delta_chars[10:]) < 2 * max(delta_chars[:10])
 
@@ -84,7 +86,7 @@ def test_unsafe_cut_falls_back_to_none():
     items = [{"type": "message", "role": "user", "content": "a"}]
     first = r.full(items, None, None)
     more = items + [{"type": "message", "role": "user", "content": "b"}]
-    assert r.delta(first.prefix_token_ids, items, more[1:], 0, None, None) is None
+    assert r.delta(items, more[1:], 0, None, None) is None
 
 
 def test_changed_anchor_rendering_is_refused(tokenizer):
@@ -95,4 +97,4 @@ def test_changed_anchor_rendering_is_refused(tokenizer):
              {"type": "message", "role": "assistant", "content": "ok"}]
     first = r.full(items, None, TOOLS)
     new = [{"type": "function_call", "call_id": "x", "name": "read_file", "arguments": "{}"}]
-    assert r.delta(first.prefix_token_ids, items[first.anchor_start:], new, first.anchor_start, None, TOOLS) is None
+    assert r.delta(items[first.anchor_start:], new, first.anchor_start, None, TOOLS) is None
