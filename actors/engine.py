@@ -10,8 +10,8 @@ from ray import serve
 
 from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
-from cluster.engines.parsers import TAGS, vllm_tool_call_extractor
-from cluster.engines.stream import stream_chunks
+from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
+from cluster.engines.stream import OutputFormat, stream_chunks
 
 from cluster.tokenizer import load_tokenizer
 
@@ -34,14 +34,23 @@ class EngineReplica:
         )
         await self.engine.start()
         self.extractor = vllm_tool_call_extractor(config.model.tool_parser, self.tokenizer)
-        self.tags = TAGS.get(config.model.tool_parser, ("<tool_call>", "</tool_call>"))
+        tools = tool_format(config.model.tool_parser)
+        think = reasoning_tags(config.model.reasoning_parser, self.tokenizer)
+        self.format = OutputFormat(tools.start, tools.end, think[0], think[1])
+        self._decode_tail = lambda ids: backend.decode(list(ids), skip_special_tokens=False)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (tests)
+            self.replica_id = "local"
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
-        async for chunk in stream_chunks(self.engine, req, self.extractor, self.tags):
+        async for chunk in stream_chunks(
+            self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
+        ):
             yield chunk
 
     async def stats(self) -> dict[str, Any]:
-        return self.engine.stats.as_dict()
+        return {**self.engine.stats.as_dict(), "replica": self.replica_id}
 
     async def check_health(self) -> None:
         llm = getattr(self.engine, "llm", None)

@@ -24,8 +24,11 @@ class ModelConfig(_Strict):
 
     name: str = TINY_MODEL_NAME
     path: Optional[str] = None
-    # Which tool-call format the chat template emits (a vLLM tool parser name).
+    # The model family's output formats, as vLLM parser names: the tool-call
+    # parser (`hermes`, `qwen3_xml`, `llama3_json`, `mistral`, ...) and the
+    # reasoning parser (`qwen3`, `deepseek_r1`, ...; None = `<think>` tags).
     tool_parser: str = "hermes"
+    reasoning_parser: Optional[str] = None
     max_model_len: int = 32768
 
     def resolved_path(self) -> str:

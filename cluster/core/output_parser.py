@@ -30,14 +30,15 @@ class ToolCallPiece:
 
 
 Piece = Union[TextPiece, ReasoningPiece, ToolCallPiece]
-# block text (between the tags) -> [(name, arguments json)] or None when malformed
+# tool-call section (with its tags) -> [(name, arguments json)] or None when malformed
 ToolCallExtractor = Callable[[str], Optional[list[tuple[str, str]]]]
 
 
-def json_tool_call_extractor(block: str) -> Optional[list[tuple[str, str]]]:
-    """Hermes-format block body `{"name": ..., "arguments": {...}}` (no vLLM needed)."""
+def json_tool_call_extractor(section: str) -> Optional[list[tuple[str, str]]]:
+    """Hermes-format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (no vLLM needed)."""
+    body = section.removeprefix("<tool_call>").removesuffix("</tool_call>").strip()
     try:
-        obj = json.loads(block)
+        obj = json.loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -54,17 +55,19 @@ class StreamingOutputParser:
         extractor: ToolCallExtractor = json_tool_call_extractor,
         *,
         tool_open: str = "<tool_call>",
-        tool_close: str = "</tool_call>",
+        tool_close: Optional[str] = "</tool_call>",
         think_open: str = "<think>",
         think_close: str = "</think>",
         tools_enabled: bool = True,
+        start_in_reasoning: bool = False,
     ) -> None:
         self._extract = extractor
         self._tool_open, self._tool_close = tool_open, tool_close
         self._think_open, self._think_close = think_open, think_close
         self._tools_enabled = tools_enabled
         self._buf = ""
-        self._mode = "text"  # text | tool | think
+        # text | tool | think; a prompt that ends in the think tag starts inside reasoning
+        self._mode = "think" if start_in_reasoning else "text"
         self.tool_calls = 0
 
     def feed(self, delta: str) -> list[Piece]:
@@ -72,8 +75,8 @@ class StreamingOutputParser:
         out: list[Piece] = []
         while self._buf:
             if self._mode == "tool":
-                end = self._buf.find(self._tool_close)
-                if end < 0:
+                end = self._buf.find(self._tool_close) if self._tool_close else -1
+                if end < 0:  # no end tag (yet, or ever): the section runs on
                     break
                 block, self._buf = self._buf[:end], self._buf[end + len(self._tool_close) :]
                 self._mode = "text"
@@ -103,7 +106,7 @@ class StreamingOutputParser:
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
         if self._mode == "tool":
-            # Unterminated block (e.g. max tokens hit): try it, else it is text.
+            # A section without end tag, or one cut off by max tokens: try it, else text.
             out.extend(self._tool_block(self._buf, terminated=False))
         elif self._buf:
             out.append(self._piece(self._buf))
@@ -115,9 +118,9 @@ class StreamingOutputParser:
         return ReasoningPiece(text) if self._mode == "think" else TextPiece(text)
 
     def _tool_block(self, block: str, terminated: bool = True) -> list[Piece]:
-        calls = self._extract(block.strip())
+        raw = self._tool_open + block + (self._tool_close if terminated and self._tool_close else "")
+        calls = self._extract(raw)
         if not calls:
-            raw = self._tool_open + block + (self._tool_close if terminated else "")
             return [TextPiece(raw)]
         self.tool_calls += len(calls)
         return [ToolCallPiece(name, args) for name, args in calls]

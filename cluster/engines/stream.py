@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from array import array
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
 
 from ..core.output_parser import ReasoningPiece, StreamingOutputParser, TextPiece, ToolCallExtractor, ToolCallPiece
 from .base import Engine, EngineRequest
@@ -36,13 +37,30 @@ def engine_request(req: dict[str, Any]) -> EngineRequest:
     )
 
 
+@dataclass(frozen=True)
+class OutputFormat:
+    """How a model family marks tool calls and reasoning in its output text."""
+
+    tool_open: str = "<tool_call>"
+    tool_close: Optional[str] = "</tool_call>"
+    think_open: str = "<think>"
+    think_close: str = "</think>"
+
+
 async def stream_chunks(
     engine: Engine,
     req: dict[str, Any],
     extractor: ToolCallExtractor,
-    tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+    fmt: OutputFormat = OutputFormat(),
+    *,
+    replica: str = "",
+    decode_tail: Optional[Callable[[array], str]] = None,
 ) -> AsyncIterator[list[dict[str, Any]]]:
-    """Run one request; yield lists of pieces, the last one ending with a `done` piece."""
+    """Run one request; yield lists of pieces, the last one ending with a `done` piece.
+
+    `decode_tail` decodes the prompt's last tokens: a prompt that ends inside an
+    opened think tag (Qwen3-style templates) starts the output in reasoning.
+    """
     request = engine_request(req)
     if len(request.prompt_token_ids) >= engine.max_model_len:
         yield [
@@ -56,11 +74,15 @@ async def stream_chunks(
             }
         ]
         return
+    tail = decode_tail(request.prompt_token_ids[-8:]) if decode_tail else ""
     parser = StreamingOutputParser(
         extractor,
-        tool_open=tags[0],
-        tool_close=tags[1],
+        tool_open=fmt.tool_open,
+        tool_close=fmt.tool_close,
+        think_open=fmt.think_open,
+        think_close=fmt.think_close,
         tools_enabled=bool(request.tools) and request.tool_choice != "none",
+        start_in_reasoning=tail.rstrip().endswith(fmt.think_open),
     )
     output_tokens = 0
     async for delta in engine.generate(request):
@@ -75,6 +97,7 @@ async def stream_chunks(
                     "cached_tokens": delta.cached_tokens,
                     "output_tokens": output_tokens,
                     "finish_reason": delta.finish_reason,
+                    "replica": replica,
                 }
             )
         if chunk:
