@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.websockets import WebSocketDisconnect
@@ -85,15 +86,29 @@ class ConnectionActor:
         return await self.render_handle.render.remote(job)
 
     async def _engine(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
-        gen = self.engine_handle.generate.remote(req)
-        finished = False
-        try:
-            async for chunk in gen:
-                yield chunk
-            finished = True
-        finally:
-            if not finished:
-                gen.cancel()  # the turn was abandoned: cancel (and abort) on the engine
+        # The session key rides on every engine call: the consistent-hash router
+        # sends all turns of a session to the replica holding its prefix KV.
+        handle = self.engine_handle.options(session_id=req["session_key"])
+        retries = self.config.routing.engine_retries
+        for attempt in range(retries + 1):
+            gen = handle.generate.remote(req)
+            started = finished = False
+            try:
+                async for chunk in gen:
+                    started = True
+                    yield chunk
+                finished = True
+                return
+            except (RayActorError, ActorUnavailableError):
+                # The replica died before answering: the router moves the session
+                # to a live replica (a full prefill there). Mid-stream: give up.
+                if started or attempt == retries:
+                    raise
+                log.warning("engine replica unavailable; retrying turn %s (attempt %d)", req["request_id"], attempt + 1)
+                await asyncio.sleep(0.5 * (attempt + 1))
+            finally:
+                if not finished:
+                    gen.cancel()  # abandoned or failed: cancel (and abort) on the engine
 
     async def _lookup(self, response_id: str) -> Optional[ResponseState]:
         return self.registry.get(response_id)
@@ -115,15 +130,16 @@ class ConnectionActor:
         }
 
     @app.get("/loopserve/stats")
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, last: int = 200) -> dict[str, Any]:
         render = await self.render_handle.stats.remote()
         engine = await self.engine_handle.options(stream=False).stats.remote()
         return {
             "render": render,
-            "engine": engine,
+            "engine": engine,  # one engine replica's counters
             "open_sockets": self.open_sockets,
             "registry_entries": len(self.registry),
-            "turns": [t.as_dict() for t in self.driver.timings[-200:]],
+            "session_moves": self.driver.session_moves,
+            "turns": [t.as_dict() for t in self.driver.timings[-max(1, min(last, 1024)):]],
         }
 
     @app.get("/v1/responses/{response_id}")

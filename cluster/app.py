@@ -9,17 +9,62 @@ from ray.serve import Application
 from .config import DeploymentResources, LoopserveConfig
 
 
+CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+
+
 def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": res.num_cpus}
     if res.num_gpus:
         actor["num_gpus"] = res.num_gpus
     if env:
         actor["runtime_env"] = {"env_vars": env}
-    return {
-        "num_replicas": res.num_replicas,
-        "max_ongoing_requests": res.max_ongoing_requests,
-        "ray_actor_options": actor,
-    }
+    opts: dict[str, Any] = {"max_ongoing_requests": res.max_ongoing_requests, "ray_actor_options": actor}
+    if res.autoscaling is not None:
+        a = res.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+        }
+    else:
+        opts["num_replicas"] = res.num_replicas
+    return opts
+
+
+def engine_options(config: LoopserveConfig) -> dict[str, Any]:
+    """Engine deployment options: resources, session-affine router, TP placement."""
+    env = None
+    if config.engine.backend == "vllm":
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(config.engine.vllm.cpu_kvcache_space_gib),
+            # Keep the engine core in the replica's process: faster start, one actor.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+    opts = _options(config.engine_deployment, env)
+    opts["health_check_timeout_s"] = 120
+    routing = config.routing
+    if routing.policy == "session_affinity":
+        from ray.serve.config import RequestRouterConfig
+
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=CONSISTENT_HASH_ROUTER,
+            request_router_kwargs={
+                "num_virtual_nodes": routing.num_virtual_nodes,
+                "num_fallback_replicas": routing.num_fallback_replicas,
+            },
+        )
+    tp = config.engine.vllm.tensor_parallel_size
+    res = config.engine_deployment
+    if config.engine.backend == "vllm" and tp > 1 and res.num_gpus:
+        # One bundle per TP worker on one node; vLLM's Ray executor fills them.
+        actor = opts["ray_actor_options"]
+        opts["placement_group_bundles"] = [{"CPU": res.num_cpus, "GPU": 1}] + [{"GPU": 1}] * (tp - 1)
+        opts["placement_group_strategy"] = "STRICT_PACK"
+        actor.pop("num_gpus", None)
+        actor["num_cpus"] = 0
+    return opts
 
 
 def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Application:
@@ -29,15 +74,6 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
     from actors.render import RenderActor
 
     config = args if isinstance(args, LoopserveConfig) else LoopserveConfig.model_validate(args or {})
-    engine_env = None
-    if config.engine.backend == "vllm":
-        engine_env = {
-            "VLLM_CPU_KVCACHE_SPACE": str(config.engine.vllm.cpu_kvcache_space_gib),
-            # Keep the engine core in the replica's process: faster start, one actor.
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        }
     render = RenderActor.options(**_options(config.render)).bind(config)
-    engine = EngineReplica.options(
-        health_check_timeout_s=120, **_options(config.engine_deployment, engine_env)
-    ).bind(config)
+    engine = EngineReplica.options(**engine_options(config)).bind(config)
     return ConnectionActor.options(**_options(config.connection)).bind(render, engine, config)

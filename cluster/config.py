@@ -71,11 +71,39 @@ class EngineConfig(_Strict):
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
 
 
+class AutoscalingSettings(_Strict):
+    """Ray Serve autoscaling on ongoing requests per replica."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 300.0
+
+
 class DeploymentResources(_Strict):
-    num_replicas: int = 1
+    num_replicas: int = Field(1, ge=1)
     num_cpus: float = 0.25
     num_gpus: float = 0.0
     max_ongoing_requests: int = 256
+    # When set, replaces num_replicas.
+    autoscaling: Optional[AutoscalingSettings] = None
+
+
+class RoutingConfig(_Strict):
+    """How engine requests find a replica.
+
+    `session_affinity`: Ray Serve's ConsistentHashRouter on the session key, so
+    every turn of a session reaches the replica holding its prefix KV; when that
+    replica dies the session moves (next turn = full prefill there).
+    """
+
+    policy: Literal["session_affinity", "least_loaded"] = "session_affinity"
+    num_virtual_nodes: int = Field(100, ge=1)
+    # Successors tried when the session's replica rejects under backpressure.
+    num_fallback_replicas: int = Field(1, ge=0)
+    # Retries of an engine call that failed before its first chunk (replica died).
+    engine_retries: int = Field(3, ge=0)
 
 
 class WebSocketConfig(_Strict):
@@ -100,6 +128,7 @@ class LoopserveConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     websocket: WebSocketConfig = Field(default_factory=WebSocketConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
     render: DeploymentResources = Field(default_factory=DeploymentResources)
     engine_deployment: DeploymentResources = Field(

@@ -47,7 +47,8 @@ class ResponseState:
     pending_call_ids: tuple[str, ...]  # function calls without output, in order
     store: bool = True
     owner: Optional[str] = None
-    affinity_key: Optional[str] = None
+    affinity_key: Optional[str] = None  # the session key engine calls are routed by
+    engine_replica: str = ""  # the replica that holds this context's prefix KV
     response: Optional[dict[str, Any]] = None  # the final Response object (JSON form)
     nbytes: int = field(default=0)
 

@@ -60,6 +60,8 @@ class TurnTiming:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     delta_tokens: int = 0
+    engine_replica: str = ""
+    session_moved: bool = False  # the previous turn ran on another engine replica
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "started"}
@@ -106,6 +108,9 @@ class TurnDriver:
         self.max_model_len = max_model_len
         self.verify_renders = verify_renders
         self.timings: list[TurnTiming] = []  # recent turns, bounded
+        # Continuations whose engine replica differed from their parent's
+        # (replica died, or backpressure fallback): each one re-prefilled.
+        self.session_moves = 0
 
     def check_model(self, req: ResponsesRequest) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -240,10 +245,15 @@ class TurnDriver:
 
         output_tokens = int(done.get("output_tokens", 0))
         cached = int(done.get("cached_tokens", 0))
+        timing.engine_replica = replica = str(done.get("replica") or "")
+        if parent is not None and parent.engine_replica and replica and replica != parent.engine_replica:
+            timing.session_moved = True
+            self.session_moves += 1
         usage = usage_object(prompt_len, cached, output_tokens, int(done.get("reasoning_tokens", 0)))
         incomplete = "max_output_tokens" if done.get("finish_reason") == "length" else None
         # The next turn's state is in the cache before the terminal event leaves.
         state = self._state(response_id, req, ctx, asm.response["output"], rendered, key, owner, session_key)
+        state.engine_replica = replica
         cache.put(state)
         if on_state:
             on_state(state)

@@ -58,6 +58,9 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.block_size:
             kwargs["block_size"] = cfg.block_size
+        if cfg.tensor_parallel_size > 1:
+            # TP workers as Ray actors in the replica's placement group.
+            kwargs["distributed_executor_backend"] = "ray"
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     async def shutdown(self) -> None:

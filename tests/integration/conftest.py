@@ -102,3 +102,15 @@ def short_limit_url(serve_instance):
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
     }
     return _deploy("shortlimit", "/short", args, serve_instance, 180)
+
+
+@pytest.fixture(scope="session")
+def affinity_url(serve_instance):
+    """Scripted engine with 3 replicas behind the session-affine (consistent-hash) router."""
+    args = {
+        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000}},
+        "routing": {"policy": "session_affinity", "num_fallback_replicas": 1},
+        "engine_deployment": {"num_replicas": 3, "num_cpus": 0.05},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05},
+    }
+    return _deploy("affinity", "/affinity", args, serve_instance, 240)

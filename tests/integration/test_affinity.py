@@ -1,0 +1,92 @@
+"""Session-affine engine routing: every turn of a session on one engine replica."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import ray
+from websockets.asyncio.client import connect
+
+pytestmark = pytest.mark.integration
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
+async def run_session(url: str, turns: int, tag: str, ws=None):
+    """One agent session on one socket; returns [(response id, usage)] per turn."""
+    out = []
+    async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=20) as ws:
+        prev = None
+        for turn in range(turns):
+            await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                      "previous_response_id": prev,
+                                      "input": [{"role": "user", "content": f"{tag} turn {turn} " + "words " * 40}]}))
+            while (ev := json.loads(await asyncio.wait_for(ws.recv(), 60)))["type"] not in TERMINAL:
+                pass
+            assert ev["type"] == "response.completed", ev
+            prev = ev["response"]["id"]
+            out.append((prev, ev["response"]["usage"]))
+    return out
+
+
+def replicas_of(url: str) -> dict[str, str]:
+    stats = httpx.get(url + "/loopserve/stats", params={"last": 1024}, timeout=30).json()
+    return {t["response_id"]: t["engine_replica"] for t in stats["turns"]}
+
+
+async def test_twenty_sessions_by_ten_turns_each_stay_on_one_replica(affinity_url):
+    sessions = await asyncio.gather(*[run_session(affinity_url, 10, f"s{k}") for k in range(20)])
+    replica_of = replicas_of(affinity_url)
+    used = set()
+    for turns in sessions:
+        replicas = {replica_of[rid] for rid, _ in turns}
+        assert len(replicas) == 1, replicas
+        used |= replicas
+        cached = [u["input_tokens_details"]["cached_tokens"] for _, u in turns]
+        inputs = [u["input_tokens"] for _, u in turns]
+        assert cached[0] == 0
+        # each continuation reuses at least the whole previous prompt
+        for k in range(1, len(turns)):
+            assert cached[k] >= inputs[k - 1], (k, cached, inputs)
+    assert len(used) == 3, "sessions should spread over all replicas"
+
+
+def _kill_replica(unique_id: str) -> None:
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if unique_id in actor["name"] and "EngineReplica" in actor["name"]:
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            return
+    raise AssertionError(f"no replica actor named with {unique_id}")
+
+
+async def test_killing_a_replica_moves_its_sessions_and_their_next_turn_completes(affinity_url):
+    url = affinity_url.replace("http://", "ws://") + "/v1/responses"
+    moves_before = httpx.get(affinity_url + "/loopserve/stats", timeout=30).json()["session_moves"]
+    async with connect(url, open_timeout=20) as ws:
+        async def turn(prev, text):
+            await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                      "previous_response_id": prev, "input": text}))
+            while (ev := json.loads(await asyncio.wait_for(ws.recv(), 90)))["type"] not in TERMINAL:
+                pass
+            assert ev["type"] == "response.completed", ev
+            return ev["response"]
+
+        r1 = await turn(None, "first " * 50)
+        r2 = await turn(r1["id"], "second " * 50)
+        victim = replicas_of(affinity_url)[r2["id"]]
+        assert r2["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        _kill_replica(victim)
+        r3 = await turn(r2["id"], "third " * 50)
+        r4 = await turn(r3["id"], "fourth " * 50)
+    replica_of = replicas_of(affinity_url)
+    assert replica_of[r3["id"]] != victim
+    # the moved session re-prefilled once on its new replica, then is cached again
+    assert r3["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    if replica_of[r4["id"]] == replica_of[r3["id"]]:
+        assert r4["usage"]["input_tokens_details"]["cached_tokens"] >= r3["usage"]["input_tokens"]
+    else:
+        # Serve's replacement replica joined the ring and took this session's
+        # hash range (consistent hashing moves ~1/N of sessions to a new node).
+        assert r4["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    stats = httpx.get(affinity_url + "/loopserve/stats", timeout=30).json()
+    assert stats["session_moves"] >= moves_before + 1
