@@ -1,0 +1,51 @@
+"""Every shipped serve config validates, and maps to the right Serve options."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.app import CONSISTENT_HASH_ROUTER, engine_options
+from cluster.config import LoopserveConfig
+
+CONFIGS = sorted((Path(__file__).parents[2] / "serve_configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    data = yaml.safe_load(path.read_text())
+    for app in data["applications"]:
+        assert app["import_path"] == "cluster.app:build_app"
+        LoopserveConfig.model_validate(app.get("args") or {})
+
+
+def test_typos_in_config_are_rejected():
+    with pytest.raises(Exception):
+        LoopserveConfig.model_validate({"engine": {"backend": "scripted", "scriptd": {}}})
+
+
+def test_engine_deployment_is_session_affine_by_default():
+    opts = engine_options(LoopserveConfig())
+    router = opts["request_router_config"]
+    assert router.request_router_class == CONSISTENT_HASH_ROUTER
+    assert router.request_router_kwargs == {"num_virtual_nodes": 100, "num_fallback_replicas": 1}
+    assert opts["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_gpu_config_autoscales_and_places_tensor_parallel_workers():
+    data = yaml.safe_load((CONFIGS[0].parent / "gpu.yaml").read_text())
+    cfg = LoopserveConfig.model_validate(data["applications"][0]["args"])
+    opts = engine_options(cfg)
+    assert opts["autoscaling_config"]["max_replicas"] == 8 and "num_replicas" not in opts
+    assert opts["ray_actor_options"]["num_gpus"] == 1
+    cfg.engine.vllm.tensor_parallel_size = 4
+    opts = engine_options(cfg)
+    assert len(opts["placement_group_bundles"]) == 4
+    assert all(b["GPU"] == 1 for b in opts["placement_group_bundles"])
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_least_loaded_policy_drops_the_sticky_router():
+    assert "request_router_config" not in engine_options(
+        LoopserveConfig.model_validate({"routing": {"policy": "least_loaded"}})
+    )
