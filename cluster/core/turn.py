@@ -11,18 +11,19 @@ production, fakes in unit tests).
 from __future__ import annotations
 
 import time
-from array import array
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..protocol.requests import ResponsesRequest
 from .context import normalize_tools, output_call_ids, resolve_context
-from .events import Event, EventAssembler, build_response, usage_object
+from .events import Event, EventAssembler, build_response
 from .ids import new_id
 from .render import RenderResult
+from .post_work import PostWorkQueue
+from .safety import SafetyPort, TurnSafety, item_texts
 from .session_cache import SessionCache
 from .state import RenderedPrefix, RenderKey, ResponseState
+from .turn_stream import Rendered, TurnStream, TurnTiming
 
 
 class RenderPort(Protocol):
@@ -33,50 +34,6 @@ class RenderPort(Protocol):
 # engine request dict -> async iterator of chunk lists (see actors/engine.py)
 EnginePort = Callable[[dict[str, Any]], AsyncIterator[list[dict[str, Any]]]]
 Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
-
-
-@dataclass
-class Rendered:
-    prefix_token_ids: array  # the context without generation prompt (cached for the next turn)
-    prompt_token_ids: array  # what the engine gets
-    anchor_start: int
-
-
-@dataclass
-class TurnTiming:
-    """Server-side timings of one turn, in seconds (for stats and benchmarks)."""
-
-    response_id: str = ""
-    started: float = field(default_factory=time.perf_counter)
-    resolve: float = 0.0
-    render: float = 0.0
-    first_event: float = 0.0
-    first_token: float = 0.0
-    engine: float = 0.0
-    total: float = 0.0
-    full_render: bool = False
-    new_items: int = 0
-    context_items: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    delta_tokens: int = 0
-    engine_replica: str = ""
-    session_moved: bool = False  # the previous turn ran on another engine replica
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "started"}
-
-
-def _last_item_kind(items: list[dict[str, Any]]) -> str:
-    for item in reversed(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            return "user" if item.get("role") in ("user", "system", "developer") else "assistant"
-        if kind == "function_call_output":
-            return "tool"
-        if kind == "function_call":
-            return "assistant"
-    return "none"
 
 
 def _output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -100,6 +57,9 @@ class TurnDriver:
         default_max_tokens: int,
         max_model_len: int,
         verify_renders: bool = False,
+        safety: Optional[SafetyPort] = None,
+        output_chunk_chars: int = 256,
+        post_work: Optional[PostWorkQueue] = None,
     ) -> None:
         self.model_name = model_name
         self._render = render
@@ -107,6 +67,10 @@ class TurnDriver:
         self.default_max_tokens = default_max_tokens
         self.max_model_len = max_model_len
         self.verify_renders = verify_renders
+        self._safety = safety
+        self.output_chunk_chars = output_chunk_chars
+        self.post_work = post_work
+        self.blocked_turns = 0
         self.timings: list[TurnTiming] = []  # recent turns, bounded
         # Continuations whose engine replica differed from their parent's
         # (replica died, or backpressure fallback): each one re-prefilled.
@@ -157,111 +121,32 @@ class TurnDriver:
             if prev_id:
                 cache.evict(prev_id)
             raise server_error(f"Rendering the prompt failed: {type(exc).__name__}") from exc
+        ctx, rendered, tools_spec, key = prep
 
+        # Classify only what no earlier turn classified (new input items); it
+        # runs while the engine prefills.
+        safety = TurnSafety(self._safety, item_texts(ctx.items[ctx.new_start :]), self.output_chunk_chars)
         response_id = new_id("resp")
         timing.response_id = response_id
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)
         asm = EventAssembler(response, stream_id=stream_id)
-        events = asm.start()
-        timing.first_event = time.perf_counter() - timing.started
-        for ev in events:
-            yield ev
-
-        ctx, rendered, tools_spec, key = prep
-        prompt_len = len(rendered.prompt_token_ids)
-        if req.generate is False:
-            state = self._state(response_id, req, ctx, [], rendered, key, owner, session_key)
-            cache.put(state)
-            if on_state:
-                on_state(state)
-            self._record(timing, prompt_len, 0)
-            for ev in asm.finish(usage_object(prompt_len, 0, 0)):
-                yield ev
-            state.response = asm.response
-            return
-
-        max_tokens = req.max_output_tokens or self.default_max_tokens
-        room = self.max_model_len - prompt_len
-        max_tokens = max(1, min(max_tokens, room))
-        engine_req = {
-            "request_id": response_id,
-            "session_key": session_key,
-            "prompt_token_ids": rendered.prompt_token_ids,
-            "max_tokens": max_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "tools": tools_spec,
-            "tool_choice": req.tool_choice,
-            "last_item": _last_item_kind(ctx.items),
-        }
-        done: Optional[dict[str, Any]] = None
-        engine_start = time.perf_counter()
-        tool_calls = 0
+        turn = TurnStream(self, req, cache, ctx, rendered, key, owner, session_key, parent, asm, safety, timing, on_state)
         try:
-            async for chunk in self._engine(engine_req):
-                for piece in chunk:
-                    kind = piece["t"]
-                    if kind == "text":
-                        if not timing.first_token:
-                            timing.first_token = time.perf_counter() - timing.started
-                        for ev in asm.text(piece["v"]):
-                            yield ev
-                    elif kind == "reasoning":
-                        if not timing.first_token:
-                            timing.first_token = time.perf_counter() - timing.started
-                        for ev in asm.reasoning(piece["v"]):
-                            yield ev
-                    elif kind == "tool":
-                        if not timing.first_token:
-                            timing.first_token = time.perf_counter() - timing.started
-                        if req.max_tool_calls is not None and tool_calls >= req.max_tool_calls:
-                            continue
-                        tool_calls += 1
-                        for ev in asm.tool_call(piece["name"], piece["args"]):
-                            yield ev
-                    elif kind == "done":
-                        done = piece
-                    elif kind == "error":
-                        raise ApiError(piece["status"], piece["message"], code=piece.get("code"), param=piece.get("param"))
-        except ApiError as err:
-            if prev_id:
-                cache.evict(prev_id)
-            for ev in asm.fail(err):
+            events = asm.start()
+            timing.first_event = time.perf_counter() - timing.started
+            for ev in events:
                 yield ev
-            return
-        except Exception:
-            if prev_id:
-                cache.evict(prev_id)
-            for ev in asm.fail(server_error("The engine failed while generating this response.")):
-                yield ev
-            return
-        timing.engine = time.perf_counter() - engine_start
-        if done is None:
-            if prev_id:
-                cache.evict(prev_id)
-            for ev in asm.fail(server_error("The engine stream ended without a result.")):
-                yield ev
-            return
-
-        output_tokens = int(done.get("output_tokens", 0))
-        cached = int(done.get("cached_tokens", 0))
-        timing.engine_replica = replica = str(done.get("replica") or "")
-        if parent is not None and parent.engine_replica and replica and replica != parent.engine_replica:
-            timing.session_moved = True
-            self.session_moves += 1
-        usage = usage_object(prompt_len, cached, output_tokens, int(done.get("reasoning_tokens", 0)))
-        incomplete = "max_output_tokens" if done.get("finish_reason") == "length" else None
-        # The next turn's state is in the cache before the terminal event leaves.
-        state = self._state(response_id, req, ctx, asm.response["output"], rendered, key, owner, session_key)
-        state.engine_replica = replica
-        cache.put(state)
-        if on_state:
-            on_state(state)
-        self._record(timing, prompt_len, cached)
-        terminal = asm.finish(usage, incomplete_reason=incomplete)
-        state.response = asm.response
-        for ev in terminal:
-            yield ev
+            if req.generate is False:
+                async for ev in turn.warm_up():
+                    yield ev
+            else:
+                async for ev in turn.generate(tools_spec):
+                    yield ev
+        finally:
+            safety.cancel()
+            # Post-inference work is scheduled even when the client went away
+            # mid-turn (tokens were spent); never awaited here.
+            turn.schedule_post_work()
 
     async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming):
         t0 = time.perf_counter()
@@ -334,4 +219,4 @@ class TurnDriver:
             del self.timings[:512]
 
 
-__all__ = ["TurnDriver", "TurnTiming", "RenderPort", "EnginePort", "array"]
+__all__ = ["TurnDriver", "TurnTiming", "RenderPort", "EnginePort", "Rendered"]

@@ -88,6 +88,10 @@ async def stream_chunks(
     async for delta in engine.generate(request):
         output_tokens += delta.new_tokens
         chunk = pieces_to_dicts(parser.feed(delta.text)) if delta.text else []
+        if delta.new_tokens and not delta.finished:
+            # Token progress: a turn stopped early (client gone, content filter)
+            # still knows what it cost.
+            chunk.append({"t": "tokens", "n": delta.new_tokens})
         if delta.finished:
             chunk += pieces_to_dicts(parser.finish())
             chunk.append(

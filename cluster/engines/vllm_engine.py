@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator
 
 from ..config import ModelConfig, VLLMEngineConfig
 from .base import EngineDelta, EngineRequest, EngineStats

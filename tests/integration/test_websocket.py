@@ -5,7 +5,6 @@ import json
 
 import httpx
 import pytest
-import websockets
 from websockets.asyncio.client import connect
 
 pytestmark = pytest.mark.integration

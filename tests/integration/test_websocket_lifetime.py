@@ -58,7 +58,7 @@ def test_server_pings_idle_connections(raw_ws):
             length = struct.unpack(">H", raw_ws.recv(2))[0]
         elif length == 127:
             length = struct.unpack(">Q", raw_ws.recv(8))[0]
-        payload = raw_ws.recv(length) if length else b""
+        raw_ws.recv(length) if length else b""  # payload unused
         if b0 & 0x0F == 0x9:
             return  # a ping from the server
     pytest.fail("no ping from the server within 28 s")

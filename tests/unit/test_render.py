@@ -84,7 +84,7 @@ def test_unsafe_cut_falls_back_to_none():
 
     r = IncrementalRenderer(apply, lambda s: [ord(c) for c in s], special_tokens=["<s>"])
     items = [{"type": "message", "role": "user", "content": "a"}]
-    first = r.full(items, None, None)
+    r.full(items, None, None)
     more = items + [{"type": "message", "role": "user", "content": "b"}]
     assert r.delta(items, more[1:], 0, None, None) is None
 

@@ -1,0 +1,131 @@
+"""Post-inference work, scheduled after a turn and never awaited by it.
+
+Persisting, metering, safety bookkeeping and trace export run as tasks owned by
+the replica (not by the connection): the next `response.create` never waits for
+them and a client that disconnects does not cancel them. A failing hook is
+retried with backoff; what still fails is counted, not raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnRecord:
+    response_id: str
+    model: str
+    owner: Optional[str]
+    status: str  # completed | incomplete | failed | cancelled
+    usage: dict[str, Any]
+    store: bool
+    response: Optional[dict[str, Any]] = None
+    safety: dict[str, Any] = field(default_factory=dict)
+    timing: dict[str, Any] = field(default_factory=dict)
+    finished_at: float = field(default_factory=time.time)
+
+
+Hook = Callable[[TurnRecord], Awaitable[None]]
+
+
+class PostWorkQueue:
+    def __init__(self, hooks: Optional[dict[str, Hook]] = None, *, retries: int = 3, backoff_s: float = 0.2) -> None:
+        self.hooks: dict[str, Hook] = dict(hooks or {})
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._tasks: set[asyncio.Task] = set()
+        self.scheduled = self.completed = self.failed = self.retried = 0
+
+    def add(self, name: str, hook: Hook) -> None:
+        self.hooks[name] = hook
+
+    def schedule(self, record: TurnRecord) -> None:
+        """Start every hook for `record` in the background and return at once."""
+        for name, hook in self.hooks.items():
+            self.scheduled += 1
+            task = asyncio.get_running_loop().create_task(self._run(name, hook, record), name=f"post-{name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, name: str, hook: Hook, record: TurnRecord) -> None:
+        for attempt in range(self.retries + 1):
+            try:
+                await hook(record)
+                self.completed += 1
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if attempt == self.retries:
+                    self.failed += 1
+                    log.exception("post-inference hook %s failed for %s", name, record.response_id)
+                    return
+                self.retried += 1
+                await asyncio.sleep(self.backoff_s * (2**attempt))
+
+    @property
+    def pending(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Wait for scheduled work (shutdown, tests)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "scheduled": self.scheduled,
+            "completed": self.completed,
+            "failed": self.failed,
+            "retried": self.retried,
+            "pending": self.pending,
+        }
+
+
+class UsageMeter:
+    """Tokens in / cached / out and requests, per (owner, model)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[tuple[str, str], dict[str, int]] = defaultdict(
+            lambda: {"requests": 0, "input_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
+        )
+
+    async def __call__(self, record: TurnRecord) -> None:
+        t = self.totals[(record.owner or "anonymous", record.model)]
+        usage = record.usage or {}
+        t["requests"] += 1
+        t["input_tokens"] += int(usage.get("input_tokens") or 0)
+        t["cached_tokens"] += int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+        t["output_tokens"] += int(usage.get("output_tokens") or 0)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [{"owner": o, "model": m, **v} for (o, m), v in self.totals.items()]
+
+
+class SafetyLedger:
+    """Output-safety bookkeeping: flagged turns per category, characters classified."""
+
+    def __init__(self) -> None:
+        self.flagged: dict[str, int] = defaultdict(int)
+        self.input_chars = 0
+        self.output_chars = 0
+        self.turns = 0
+
+    async def __call__(self, record: TurnRecord) -> None:
+        s = record.safety or {}
+        self.turns += 1
+        self.input_chars += int(s.get("input_chars", 0))
+        self.output_chars += int(s.get("output_chars", 0))
+        if s.get("flag"):
+            self.flagged[f"{s['flag'].get('stage', '?')}:{s['flag'].get('category') or 'unknown'}"] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"turns": self.turns, "input_chars": self.input_chars, "output_chars": self.output_chars,
+                "flagged": dict(self.flagged)}

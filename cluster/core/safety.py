@@ -1,0 +1,198 @@
+"""Safety classification that only ever looks at content it has not seen.
+
+`Classifier`s map texts to `Verdict`s; the turn driver sends them the new input
+items before a turn (concurrently with prefill) and generated text in chunks
+while it streams (`OutputMonitor`). How much was classified is kept in the
+session state, so a continuation never re-classifies its history.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
+
+from .render import _content_text
+
+
+@dataclass(frozen=True)
+class Verdict:
+    flagged: bool
+    category: Optional[str] = None
+    score: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"flagged": self.flagged, "category": self.category, "score": self.score}
+
+
+SAFE = Verdict(False)
+
+
+class Classifier(Protocol):
+    def classify(self, texts: Sequence[str]) -> list[Verdict]: ...
+
+
+@dataclass
+class PolicyClassifier:
+    """Block lists and regular expressions per category (operator policy)."""
+
+    patterns: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._compiled = [(cat, re.compile("|".join(f"(?:{p})" for p in pats), re.I)) for cat, pats in self.patterns.items() if pats]
+
+    def classify(self, texts: Sequence[str]) -> list[Verdict]:
+        out = []
+        for text in texts:
+            hit = next((cat for cat, rx in self._compiled if rx.search(text)), None)
+            out.append(Verdict(True, hit, 1.0) if hit else SAFE)
+        return out
+
+
+class ProfanityClassifier:
+    """The scikit-learn model shipped inside `alt-profanity-check` (no download)."""
+
+    def __init__(self, threshold: float = 0.9) -> None:
+        from profanity_check import predict_prob
+
+        self._predict = predict_prob
+        self.threshold = threshold
+
+    def classify(self, texts: Sequence[str]) -> list[Verdict]:
+        if not texts:
+            return []
+        probs = self._predict(list(texts))
+        return [Verdict(bool(p >= self.threshold), "harassment" if p >= self.threshold else None, float(p)) for p in probs]
+
+
+@dataclass
+class CombinedClassifier:
+    """Flagged when any member flags; the first flagging member names the category."""
+
+    members: list[Classifier]
+
+    def classify(self, texts: Sequence[str]) -> list[Verdict]:
+        verdicts = [SAFE] * len(texts)
+        for member in self.members:
+            for i, v in enumerate(member.classify(texts)):
+                if v.flagged and not verdicts[i].flagged:
+                    verdicts[i] = v
+        return verdicts
+
+
+def item_texts(items: Sequence[dict[str, Any]]) -> list[str]:
+    """The user-visible text of input items (messages and tool outputs)."""
+    texts = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") != "assistant":
+            text = _content_text(item.get("content"))
+        elif kind == "function_call_output":
+            text = _content_text(item.get("output"))
+        else:
+            continue
+        if text:
+            texts.append(text)
+    return texts
+
+
+def first_flag(verdicts: Sequence[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    return next((v for v in verdicts if v.get("flagged")), None)
+
+
+class OutputMonitor:
+    """Cuts streamed output into chunks for classification.
+
+    A chunk is released every `chunk_chars`, with `overlap` characters of the
+    previous chunk prefixed so a phrase split across the cut is still seen.
+    """
+
+    def __init__(self, chunk_chars: int = 256, overlap: int = 48) -> None:
+        self.chunk_chars = chunk_chars
+        self.overlap = overlap
+        self._pending = ""
+        self._tail = ""
+        self.classified_chars = 0
+
+    def feed(self, text: str) -> Optional[str]:
+        self._pending += text
+        if len(self._pending) < self.chunk_chars:
+            return None
+        return self._cut()
+
+    def flush(self) -> Optional[str]:
+        return self._cut() if self._pending else None
+
+    def _cut(self) -> str:
+        chunk = self._tail + self._pending
+        self.classified_chars += len(self._pending)
+        self._tail = chunk[-self.overlap :] if self.overlap else ""
+        self._pending = ""
+        return chunk
+
+
+# (texts) -> [verdict dicts]: a SafetyActor handle in production, a classifier in tests.
+SafetyPort = Any
+
+
+class TurnSafety:
+    """One turn's safety: the input verdict gate and the output chunk checks.
+
+    The input check starts before the engine call, so it overlaps prefill; the
+    driver awaits `gate()` before releasing the first output event. Output
+    chunks are classified concurrently with streaming; a flag stops the stream.
+    """
+
+    def __init__(self, port: Optional[SafetyPort], input_texts: list[str], chunk_chars: int = 256) -> None:
+        import asyncio
+
+        self._asyncio = asyncio
+        self._port = port
+        self.input_chars = sum(len(t) for t in input_texts) if port else 0
+        self._input = asyncio.ensure_future(port(input_texts)) if port and input_texts else None
+        self.monitor = OutputMonitor(chunk_chars)
+        self._outputs: list[Any] = []
+        self.flag: Optional[dict[str, Any]] = None
+
+    @property
+    def output_chars(self) -> int:
+        return self.monitor.classified_chars
+
+    async def gate(self) -> Optional[dict[str, Any]]:
+        if self._input is not None:
+            task, self._input = self._input, None
+            hit = first_flag(await task)
+            if hit and self.flag is None:
+                self.flag = {**hit, "stage": "input"}
+        return self.flag
+
+    def on_output(self, text: str) -> None:
+        if self._port is None:
+            return
+        chunk = self.monitor.feed(text)
+        if chunk:
+            self._outputs.append(self._asyncio.ensure_future(self._port([chunk])))
+
+    def check_output(self) -> Optional[dict[str, Any]]:
+        while self._outputs and self._outputs[0].done():
+            hit = first_flag(self._outputs.pop(0).result())
+            if hit and self.flag is None:
+                self.flag = {**hit, "stage": "output"}
+        return self.flag
+
+    async def finish(self) -> Optional[dict[str, Any]]:
+        await self.gate()
+        if self._port is not None:
+            chunk = self.monitor.flush()
+            if chunk:
+                self._outputs.append(self._asyncio.ensure_future(self._port([chunk])))
+        if self._outputs:
+            await self._asyncio.gather(*self._outputs)
+        return self.check_output()
+
+    def cancel(self) -> None:
+        for task in ([self._input] if self._input else []) + self._outputs:
+            task.cancel()
+
+    def summary(self) -> dict[str, Any]:
+        return {"input_chars": self.input_chars, "output_chars": self.output_chars, "flag": self.flag}
