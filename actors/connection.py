@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.websockets import WebSocketDisconnect
 
 from cluster.config import LoopserveConfig
+from cluster.core.post_work import PostWorkQueue, SafetyLedger, UsageMeter, load_hook
 from cluster.core.session_cache import SessionCache
 from cluster.core.state import ResponseState
 from cluster.core.turn import TurnDriver
@@ -62,10 +63,26 @@ def _sse(event: dict[str, Any]) -> bytes:
 @serve.deployment(name="ConnectionActor")
 @serve.ingress(app)
 class ConnectionActor:
-    def __init__(self, render: DeploymentHandle, engine: DeploymentHandle, config: LoopserveConfig) -> None:
+    def __init__(
+        self,
+        render: DeploymentHandle,
+        engine: DeploymentHandle,
+        config: LoopserveConfig,
+        safety: Optional[DeploymentHandle] = None,
+    ) -> None:
         self.config = config
         self.render_handle = render
         self.engine_handle = engine.options(stream=True)
+        self.safety_handle = safety
+        self.usage = UsageMeter()
+        self.safety_ledger = SafetyLedger()
+        self.post_work = PostWorkQueue(
+            {"usage": self.usage, "safety": self.safety_ledger},
+            retries=config.post_work.retries,
+            backoff_s=config.post_work.backoff_s,
+        )
+        for spec in config.post_work.hooks:
+            self.post_work.add(spec, load_hook(spec, config))
         eng = config.engine
         default_max = eng.vllm.default_max_tokens if eng.backend == "vllm" else eng.scripted.max_output_tokens
         self.driver = TurnDriver(
@@ -75,6 +92,10 @@ class ConnectionActor:
             default_max_tokens=default_max,
             max_model_len=config.model.max_model_len,
             verify_renders=config.verify_renders,
+            safety=self._classify if safety is not None else None,
+            output_chunk_chars=config.safety.output_chunk_chars,
+            classify_tool_outputs=config.safety.classify_tool_outputs,
+            post_work=self.post_work,
         )
         # Replica-wide: `store: true` responses, for HTTP continuations and reconnects.
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
@@ -109,6 +130,9 @@ class ConnectionActor:
                 if not finished:
                     gen.cancel()  # abandoned or failed: cancel (and abort) on the engine
 
+    async def _classify(self, texts: list[str]) -> list[dict[str, Any]]:
+        return await self.safety_handle.classify.remote(texts)
+
     async def _lookup(self, response_id: str) -> Optional[ResponseState]:
         return self.registry.get(response_id)
 
@@ -132,7 +156,13 @@ class ConnectionActor:
     async def stats(self, last: int = 200) -> dict[str, Any]:
         render = await self.render_handle.stats.remote()
         engine = await self.engine_handle.options(stream=False).stats.remote()
+        safety = await self.safety_handle.stats.remote() if self.safety_handle is not None else None
         return {
+            "safety": safety,
+            "safety_ledger": self.safety_ledger.snapshot(),
+            "blocked_turns": self.driver.blocked_turns,
+            "usage": self.usage.snapshot(),
+            "post_work": self.post_work.stats(),
             "render": render,
             "engine": engine,  # one engine replica's counters
             "open_sockets": self.open_sockets,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
 from ray import serve
@@ -44,10 +45,12 @@ class EngineReplica:
             self.replica_id = "local"
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
-        async for chunk in stream_chunks(
+        chunks = stream_chunks(
             self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
-        ):
-            yield chunk
+        )
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
 
     async def stats(self) -> dict[str, Any]:
         return {**self.engine.stats.as_dict(), "replica": self.replica_id}

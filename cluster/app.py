@@ -72,8 +72,18 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
     from actors.connection import ConnectionActor
     from actors.engine import EngineReplica
     from actors.render import RenderActor
+    from actors.safety import SafetyActor
 
     config = args if isinstance(args, LoopserveConfig) else LoopserveConfig.model_validate(args or {})
     render = RenderActor.options(**_options(config.render)).bind(config)
     engine = EngineReplica.options(**engine_options(config)).bind(config)
-    return ConnectionActor.options(**_options(config.connection)).bind(render, engine, config)
+    safety = None
+    if config.safety.enabled:
+        guard = None
+        if config.safety.classifier == "guard":
+            g = config.safety.guard
+            guard_config = LoopserveConfig(model=g.model, engine=g.engine, engine_deployment=g.deployment,
+                                           routing={"policy": "least_loaded"}, safety={"enabled": False})
+            guard = EngineReplica.options(name="GuardEngine", **engine_options(guard_config)).bind(guard_config)
+        safety = SafetyActor.options(**_options(config.safety.deployment)).bind(config, guard)
+    return ConnectionActor.options(**_options(config.connection)).bind(render, engine, config, safety)

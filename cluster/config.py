@@ -121,6 +121,43 @@ class CacheConfig(_Strict):
     replica_max_bytes: int = 1024 * 1024 * 1024
 
 
+class GuardConfig(_Strict):
+    """A Llama Guard-style model served by its own engine deployment."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.5))
+    max_tokens: int = 10
+
+
+class SafetyConfig(_Strict):
+    """Input/output classification by the SafetyActor.
+
+    `default`: the scikit-learn profanity model shipped in `alt-profanity-check`
+    plus the `policy` patterns; `policy`: the patterns only; `guard`: a Llama
+    Guard-style model on the engine tier (plus the patterns).
+    """
+
+    enabled: bool = True
+    classifier: Literal["default", "policy", "guard"] = "default"
+    profanity_threshold: float = Field(0.9, ge=0, le=1)
+    # category -> regular expressions (case-insensitive); a match flags the text.
+    policy: dict[str, list[str]] = Field(default_factory=dict)
+    # Tool outputs are the client's own data (files, command output): not
+    # classified unless asked, to keep false positives out of agent loops.
+    classify_tool_outputs: bool = False
+    output_chunk_chars: int = Field(256, ge=16)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.1))
+
+
+class PostWorkConfig(_Strict):
+    retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.2, ge=0)
+    # Extra hooks: "package.module:factory"; factory(config) -> async hook(TurnRecord).
+    hooks: list[str] = Field(default_factory=list)
+
+
 class LoopserveConfig(_Strict):
     """Top-level application config (`args:` of the serve config)."""
 
@@ -129,6 +166,8 @@ class LoopserveConfig(_Strict):
     websocket: WebSocketConfig = Field(default_factory=WebSocketConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)
+    post_work: PostWorkConfig = Field(default_factory=PostWorkConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
     render: DeploymentResources = Field(default_factory=DeploymentResources)
     engine_deployment: DeploymentResources = Field(

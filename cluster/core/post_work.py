@@ -129,3 +129,14 @@ class SafetyLedger:
     def snapshot(self) -> dict[str, Any]:
         return {"turns": self.turns, "input_chars": self.input_chars, "output_chars": self.output_chars,
                 "flagged": dict(self.flagged)}
+
+
+def load_hook(spec: str, config: Any) -> Hook:
+    """`package.module:factory` -> factory(config), an async hook."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"post-work hook {spec!r} must look like 'package.module:factory'")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(config)

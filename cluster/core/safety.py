@@ -50,19 +50,44 @@ class PolicyClassifier:
 
 
 class ProfanityClassifier:
-    """The scikit-learn model shipped inside `alt-profanity-check` (no download)."""
+    """The scikit-learn model shipped inside `alt-profanity-check` (no download).
+
+    Its `predict_prob` goes through `CalibratedClassifierCV` (5 calibrated
+    LinearSVCs, ~8 ms a call of sklearn overhead). The same arithmetic, done as
+    one sparse product over the stacked coefficients, takes ~0.05 ms; a unit
+    test checks both agree.
+    """
 
     def __init__(self, threshold: float = 0.9) -> None:
-        from profanity_check import predict_prob
+        import numpy as np
+        from profanity_check import profanity_check as pc
 
-        self._predict = predict_prob
         self.threshold = threshold
+        self._vectorizer = pc.vectorizer
+        self._reference = pc.predict_prob
+        folds = pc.model.calibrated_classifiers_
+        if list(pc.model.classes_) != [0, 1] or any(len(f.calibrators) != 1 for f in folds):
+            self._coef = None  # an unexpected model layout: use the package's own path
+            return
+        self._np = np
+        self._coef = np.vstack([f.estimator.coef_[0] for f in folds]).T  # features x folds
+        self._intercept = np.array([float(f.estimator.intercept_[0]) for f in folds])
+        self._a = np.array([f.calibrators[0].a_ for f in folds])
+        self._b = np.array([f.calibrators[0].b_ for f in folds])
+
+    def probabilities(self, texts: Sequence[str]) -> list[float]:
+        if self._coef is None:
+            return [float(p) for p in self._reference(list(texts))]
+        np = self._np
+        decision = self._vectorizer.transform(list(texts)) @ self._coef + self._intercept
+        # sklearn's sigmoid calibration: P(class 1) = 1 / (1 + exp(a * f + b)), averaged over folds
+        return [float(p) for p in (1.0 / (1.0 + np.exp(self._a * decision + self._b))).mean(axis=1)]
 
     def classify(self, texts: Sequence[str]) -> list[Verdict]:
         if not texts:
             return []
-        probs = self._predict(list(texts))
-        return [Verdict(bool(p >= self.threshold), "harassment" if p >= self.threshold else None, float(p)) for p in probs]
+        t = self.threshold
+        return [Verdict(p >= t, "harassment" if p >= t else None, p) for p in self.probabilities(texts)]
 
 
 @dataclass
@@ -80,14 +105,14 @@ class CombinedClassifier:
         return verdicts
 
 
-def item_texts(items: Sequence[dict[str, Any]]) -> list[str]:
-    """The user-visible text of input items (messages and tool outputs)."""
+def item_texts(items: Sequence[dict[str, Any]], tool_outputs: bool = False) -> list[str]:
+    """The text of input items to classify: messages, and tool outputs if asked."""
     texts = []
     for item in items:
         kind = item.get("type", "message")
         if kind == "message" and item.get("role") != "assistant":
             text = _content_text(item.get("content"))
-        elif kind == "function_call_output":
+        elif kind == "function_call_output" and tool_outputs:
             text = _content_text(item.get("output"))
         else:
             continue
@@ -149,10 +174,20 @@ class TurnSafety:
         self._asyncio = asyncio
         self._port = port
         self.input_chars = sum(len(t) for t in input_texts) if port else 0
-        self._input = asyncio.ensure_future(port(input_texts)) if port and input_texts else None
+        self._input = asyncio.ensure_future(self._timed(port, input_texts)) if port and input_texts else None
+        self.input_seconds = 0.0
         self.monitor = OutputMonitor(chunk_chars)
         self._outputs: list[Any] = []
         self.flag: Optional[dict[str, Any]] = None
+
+    async def _timed(self, port: SafetyPort, texts: list[str]) -> list[dict[str, Any]]:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            return await port(texts)
+        finally:
+            self.input_seconds = time.perf_counter() - t0
 
     @property
     def output_chars(self) -> int:
@@ -195,4 +230,33 @@ class TurnSafety:
             task.cancel()
 
     def summary(self) -> dict[str, Any]:
-        return {"input_chars": self.input_chars, "output_chars": self.output_chars, "flag": self.flag}
+        return {"input_chars": self.input_chars, "output_chars": self.output_chars, "flag": self.flag,
+                "input_seconds": self.input_seconds}
+
+
+GUARD_CATEGORIES = (
+    "S1: Violent Crimes.\nS2: Non-Violent Crimes.\nS3: Sex Crimes.\nS4: Child Exploitation.\n"
+    "S5: Defamation.\nS6: Specialized Advice.\nS7: Privacy.\nS8: Intellectual Property.\n"
+    "S9: Indiscriminate Weapons.\nS10: Hate.\nS11: Self-Harm.\nS12: Sexual Content.\nS13: Elections."
+)
+
+
+def guard_prompt(text: str, role: str = "User") -> str:
+    """The Llama Guard 3 task prompt for one piece of content."""
+    return (
+        f"Task: Check if there is unsafe content in '{role}' messages in conversations according to our "
+        "safety policy with the below categories.\n\n<BEGIN UNSAFE CONTENT CATEGORIES>\n"
+        f"{GUARD_CATEGORIES}\n<END UNSAFE CONTENT CATEGORIES>\n\n<BEGIN CONVERSATION>\n\n"
+        f"{role}: {text}\n\n<END CONVERSATION>\n\nProvide your safety assessment for ONLY THE LAST {role} "
+        "message in the above conversation:\n - First line must read 'safe' or 'unsafe'.\n"
+        " - If unsafe, a second line must include a comma-separated list of violated categories."
+    )
+
+
+def parse_guard_output(text: str) -> Verdict:
+    """'safe' | 'unsafe\\nS1,S10' -> Verdict; anything else is treated as safe (and logged by the caller)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if lines and lines[0].lower() == "unsafe":
+        category = lines[1].split(",")[0].strip() if len(lines) > 1 else None
+        return Verdict(True, category, 1.0)
+    return SAFE

@@ -59,6 +59,7 @@ class TurnDriver:
         verify_renders: bool = False,
         safety: Optional[SafetyPort] = None,
         output_chunk_chars: int = 256,
+        classify_tool_outputs: bool = False,
         post_work: Optional[PostWorkQueue] = None,
     ) -> None:
         self.model_name = model_name
@@ -69,6 +70,7 @@ class TurnDriver:
         self.verify_renders = verify_renders
         self._safety = safety
         self.output_chunk_chars = output_chunk_chars
+        self.classify_tool_outputs = classify_tool_outputs
         self.post_work = post_work
         self.blocked_turns = 0
         self.timings: list[TurnTiming] = []  # recent turns, bounded
@@ -125,7 +127,8 @@ class TurnDriver:
 
         # Classify only what no earlier turn classified (new input items); it
         # runs while the engine prefills.
-        safety = TurnSafety(self._safety, item_texts(ctx.items[ctx.new_start :]), self.output_chunk_chars)
+        new_texts = item_texts(ctx.items[ctx.new_start :], self.classify_tool_outputs) if self._safety else []
+        safety = TurnSafety(self._safety, new_texts, self.output_chunk_chars)
         response_id = new_id("resp")
         timing.response_id = response_id
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)

@@ -45,6 +45,9 @@ class TurnTiming:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     delta_tokens: int = 0
+    safety_input_ms: float = 0.0  # the input check's own duration (it overlaps prefill)
+    safety_input_chars: int = 0
+    safety_output_chars: int = 0
     engine_replica: str = ""
     session_moved: bool = False  # the previous turn ran on another engine replica
 
@@ -215,6 +218,9 @@ class TurnStream:
             yield ev
 
     def schedule_post_work(self) -> None:
+        t, sf = self.timing, self.safety
+        t.safety_input_ms, t.safety_input_chars, t.safety_output_chars = (
+            sf.input_seconds * 1000, sf.input_chars, sf.output_chars)
         if self.posted or self.d.post_work is None:
             return
         self.posted = True

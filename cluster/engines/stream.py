@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -85,24 +86,27 @@ async def stream_chunks(
         start_in_reasoning=tail.rstrip().endswith(fmt.think_open),
     )
     output_tokens = 0
-    async for delta in engine.generate(request):
-        output_tokens += delta.new_tokens
-        chunk = pieces_to_dicts(parser.feed(delta.text)) if delta.text else []
-        if delta.new_tokens and not delta.finished:
-            # Token progress: a turn stopped early (client gone, content filter)
-            # still knows what it cost.
-            chunk.append({"t": "tokens", "n": delta.new_tokens})
-        if delta.finished:
-            chunk += pieces_to_dicts(parser.finish())
-            chunk.append(
-                {
-                    "t": "done",
-                    "prompt_tokens": delta.prompt_tokens,
-                    "cached_tokens": delta.cached_tokens,
-                    "output_tokens": output_tokens,
-                    "finish_reason": delta.finish_reason,
-                    "replica": replica,
-                }
-            )
-        if chunk:
-            yield chunk
+    # aclosing: leaving early (client gone, content filter) closes the engine's
+    # generator now, which aborts the request, instead of whenever GC runs.
+    async with aclosing(engine.generate(request)) as deltas:
+        async for delta in deltas:
+            output_tokens += delta.new_tokens
+            chunk = pieces_to_dicts(parser.feed(delta.text)) if delta.text else []
+            if delta.new_tokens and not delta.finished:
+                # Token progress: a turn stopped early (client gone, content filter)
+                # still knows what it cost.
+                chunk.append({"t": "tokens", "n": delta.new_tokens})
+            if delta.finished:
+                chunk += pieces_to_dicts(parser.finish())
+                chunk.append(
+                    {
+                        "t": "done",
+                        "prompt_tokens": delta.prompt_tokens,
+                        "cached_tokens": delta.cached_tokens,
+                        "output_tokens": output_tokens,
+                        "finish_reason": delta.finish_reason,
+                        "replica": replica,
+                    }
+                )
+            if chunk:
+                yield chunk

@@ -63,6 +63,7 @@ def scripted_url(serve_instance):
                    "scripted": {"tokens_per_second": 100, "prefill_tokens_per_second": 1_000_000,
                                 "answer_text": SCRIPTED_ANSWER, "max_output_tokens": 128}},
         "websocket": {"max_frame_bytes": 256 * 1024},
+        "safety": {"classifier": "default", "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
         "verify_renders": True,
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.1},
     }
@@ -113,3 +114,20 @@ def affinity_url(serve_instance):
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05},
     }
     return _deploy("affinity", "/affinity", args, serve_instance, 240)
+
+
+@pytest.fixture(scope="session")
+def guard_url(serve_instance):
+    """Safety by a guard model on its own engine deployment.
+
+    The guard engine is the scripted backend standing in for Llama Guard (no
+    GPU, no weights here): it answers every prompt with `unsafe / S10`.
+    """
+    args = {
+        "engine": {"backend": "scripted"},
+        "safety": {"classifier": "guard", "guard": {
+            "engine": {"backend": "scripted", "scripted": {"answer_text": "unsafe\nS10"}},
+            "deployment": {"num_cpus": 0.05}}, "deployment": {"num_cpus": 0.05}},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+    }
+    return _deploy("guard", "/guard", args, serve_instance, 240)

@@ -7,10 +7,12 @@ behind the same chunk stream an EngineReplica produces.
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any
 
 from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.core.render import render_job
+from cluster.core.safety import Classifier
 from cluster.core.turn import TurnDriver
 from cluster.engines.parsers import vllm_tool_call_extractor
 from cluster.engines.scripted import ScriptedEngine
@@ -19,7 +21,8 @@ from cluster.tokenizer import renderer_for
 
 
 class InProcessStack:
-    def __init__(self, tokenizer, *, verify: bool = True, max_model_len: int = 32768, **scripted: Any) -> None:
+    def __init__(self, tokenizer, *, verify: bool = True, max_model_len: int = 32768, safety=None,
+                 post_work=None, chunk_chars: int = 256, **scripted: Any) -> None:
         self.renderer = renderer_for(tokenizer)
         backend = tokenizer.backend_tokenizer
         self.engine = ScriptedEngine(
@@ -40,6 +43,9 @@ class InProcessStack:
             default_max_tokens=64,
             max_model_len=max_model_len,
             verify_renders=verify,
+            safety=safety,
+            output_chunk_chars=chunk_chars,
+            post_work=post_work,
         )
 
     async def render(self, job):
@@ -51,5 +57,27 @@ class InProcessStack:
     async def engine_port(self, req):
         if self.fail_engine:
             raise RuntimeError("engine replica died")
-        async for chunk in stream_chunks(self.engine, req, self.extractor):
-            yield chunk
+        async with aclosing(stream_chunks(self.engine, req, self.extractor)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+
+class CountingSafety:
+    """A safety port over a real classifier that records what it was sent."""
+
+    def __init__(self, classifier: Classifier, delay: float = 0.0) -> None:
+        self.classifier = classifier
+        self.delay = delay
+        self.calls: list[list[str]] = []
+
+    async def __call__(self, texts):
+        import asyncio
+
+        self.calls.append(list(texts))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return [v.as_dict() for v in self.classifier.classify(texts)]
+
+    @property
+    def chars(self) -> int:
+        return sum(len(t) for call in self.calls for t in call)

@@ -1,0 +1,80 @@
+"""SafetyActor: classifies only what it is sent (new input, output chunks)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, Optional
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import LoopserveConfig
+from cluster.core.safety import (
+    Classifier,
+    CombinedClassifier,
+    PolicyClassifier,
+    ProfanityClassifier,
+    Verdict,
+    guard_prompt,
+    parse_guard_output,
+)
+
+log = logging.getLogger("loopserve.safety")
+
+
+@serve.deployment(name="SafetyActor")
+class SafetyActor:
+    async def __init__(self, config: LoopserveConfig, guard: Optional[DeploymentHandle] = None) -> None:
+        cfg = config.safety
+        self.config = config
+        members: list[Classifier] = []
+        if cfg.policy:
+            members.append(PolicyClassifier(cfg.policy))
+        if cfg.classifier == "default":
+            members.append(await asyncio.to_thread(ProfanityClassifier, cfg.profanity_threshold))
+        self.local = CombinedClassifier(members)
+        self.guard = guard.options(stream=True) if (cfg.classifier == "guard" and guard is not None) else None
+        self.guard_tokenizer = None
+        if self.guard is not None:
+            from cluster.tokenizer import load_tokenizer
+
+            guard_cfg = LoopserveConfig(model=cfg.guard.model, engine=cfg.guard.engine, safety={"enabled": False})
+            self.guard_tokenizer = await asyncio.to_thread(load_tokenizer, guard_cfg)
+        self.texts = 0
+        self.chars = 0
+        self.flagged = 0
+
+    async def classify(self, texts: list[str]) -> list[dict[str, Any]]:
+        self.texts += len(texts)
+        self.chars += sum(len(t) for t in texts)
+        verdicts = self.local.classify(texts)
+        if self.guard is not None:
+            guard = await asyncio.gather(*[self._guard_one(t) for t in texts])
+            verdicts = [v if v.flagged else g for v, g in zip(verdicts, guard)]
+        self.flagged += sum(v.flagged for v in verdicts)
+        return [v.as_dict() for v in verdicts]
+
+    async def _guard_one(self, text: str) -> Verdict:
+        tok = self.guard_tokenizer
+        prompt = tok.apply_chat_template([{"role": "user", "content": guard_prompt(text)}], tokenize=False,
+                                         add_generation_prompt=True)
+        ids = tok.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
+        req = {
+            "request_id": f"guard-{uuid.uuid4().hex}",
+            "session_key": "guard",
+            "prompt_token_ids": ids,
+            "max_tokens": self.config.safety.guard.max_tokens,
+            "temperature": 0.0,
+            "tools": [],
+            "tool_choice": "none",
+            "last_item": "user",
+        }
+        out = []
+        async for chunk in self.guard.generate.remote(req):
+            out.extend(p["v"] for p in chunk if p["t"] == "text")
+        return parse_guard_output("".join(out))
+
+    async def stats(self) -> dict[str, int]:
+        return {"texts": self.texts, "chars": self.chars, "flagged": self.flagged}

@@ -1,0 +1,74 @@
+"""SafetyActor in the real app: blocked input over HTTP and WebSocket, guard model path."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+
+pytestmark = pytest.mark.integration
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+SECRET = "my key is -----BEGIN RSA PRIVATE KEY----- MIIE..."
+
+
+def stats(url):
+    return httpx.get(url + "/loopserve/stats", timeout=30).json()
+
+
+def test_blocked_input_over_http_streams_no_output(scripted_url, client_for):
+    client = client_for(scripted_url)
+    resp = client.responses.create(model="loopserve-tiny", input="you are a fucking idiot")
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "content_filter"
+    assert resp.output == []
+    with client.responses.stream(model="loopserve-tiny", input=SECRET) as stream:
+        types = [e.type for e in stream]
+    assert types == ["response.created", "response.in_progress", "response.incomplete"]
+    # and an ordinary request right after is served
+    assert client.responses.create(model="loopserve-tiny", input="hello").status == "completed"
+
+
+async def test_blocked_input_over_websocket_keeps_the_socket(scripted_url):
+    url = scripted_url.replace("http://", "ws://") + "/v1/responses"
+    async with connect(url, open_timeout=10) as ws:
+        async def turn(text):
+            await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": text}))
+            types = []
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 20))
+                types.append(ev["type"])
+                if ev["type"] in TERMINAL:
+                    return types, ev
+
+        types, ev = await turn(SECRET)
+        assert types == ["response.created", "response.in_progress", "response.incomplete"]
+        assert ev["response"]["incomplete_details"] == {"reason": "content_filter"}
+        types, ev = await turn("hello again")
+        assert ev["type"] == "response.completed" and "response.output_text.delta" in types
+    s = stats(scripted_url)
+    assert s["blocked_turns"] >= 1 and s["safety"]["flagged"] >= 1
+    assert any(k.startswith("input:") for k in s["safety_ledger"]["flagged"])
+
+
+async def test_usage_is_metered_after_the_client_disconnects(scripted_url):
+    before = sum(u["requests"] for u in stats(scripted_url)["usage"])
+    url = scripted_url.replace("http://", "ws://") + "/v1/responses"
+    async with connect(url, open_timeout=10) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "talk"}))
+        while json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] != "response.output_text.delta":
+            pass
+    for _ in range(50):
+        after = sum(u["requests"] for u in stats(scripted_url)["usage"])
+        if after > before:
+            break
+        await asyncio.sleep(0.1)
+    assert after == before + 1
+    assert stats(scripted_url)["post_work"]["failed"] == 0
+
+
+def test_guard_model_on_the_engine_tier_blocks(guard_url, client_for):
+    resp = client_for(guard_url).responses.create(model="loopserve-tiny", input="anything at all")
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "content_filter"
+    s = stats(guard_url)
+    assert s["safety"]["flagged"] >= 1
+    assert "input:S10" in s["safety_ledger"]["flagged"]

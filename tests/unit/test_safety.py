@@ -1,0 +1,176 @@
+"""Safety gate, incremental classification and post-inference work, no Ray."""
+
+import asyncio
+
+import pytest
+
+from cluster.core.post_work import PostWorkQueue, TurnRecord, UsageMeter
+from cluster.core.safety import (
+    CombinedClassifier,
+    OutputMonitor,
+    PolicyClassifier,
+    ProfanityClassifier,
+    parse_guard_output,
+)
+from cluster.core.session_cache import SessionCache
+from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import parse_request
+
+from .harness import CountingSafety, InProcessStack
+from .test_ws_session import Peer
+
+POLICY = PolicyClassifier({"secrets": [r"BEGIN RSA PRIVATE KEY"], "violence": [r"\bbuild a bomb\b"]})
+ANSWER = ("Here is the plan. First we read the config and the tests. " * 3
+          + "Then we build a bomb of logs. " + "Afterwards we tidy up the workspace and report back. " * 4)
+
+
+async def run(stack, body, cache=None):
+    cache = SessionCache() if cache is None else cache
+    return [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
+
+
+def test_classifiers():
+    assert [v.flagged for v in POLICY.classify(["hello", "-----BEGIN RSA PRIVATE KEY-----"])] == [False, True]
+    prof = ProfanityClassifier(0.9)
+    verdicts = CombinedClassifier([POLICY, prof]).classify(["read the file please", "you are a fucking idiot"])
+    assert [v.flagged for v in verdicts] == [False, True]
+    assert verdicts[1].category == "harassment"
+    assert parse_guard_output("unsafe\nS10,S1").category == "S10"
+    assert parse_guard_output(" safe ").flagged is False
+    assert parse_guard_output("garbage").flagged is False
+
+
+def test_output_monitor_chunks_with_overlap():
+    m = OutputMonitor(chunk_chars=10, overlap=4)
+    assert m.feed("abcde") is None
+    assert m.feed("fghijk") == "abcdefghijk"
+    assert m.feed("lmnopqrstu") == "hijklmnopqrstu"
+    assert m.flush() is None and m.classified_chars == 21
+
+
+async def test_blocked_input_streams_no_model_output(tokenizer):
+    safety = CountingSafety(POLICY, delay=0.1)  # slower than the engine's first token
+    stack = InProcessStack(tokenizer, safety=safety, tokens_per_second=500)
+    evs = await run(stack, {"input": "here is my key -----BEGIN RSA PRIVATE KEY----- abc"})
+    types = [e["type"] for e in evs]
+    assert types == ["response.created", "response.in_progress", "response.incomplete"]
+    resp = evs[-1]["response"]
+    assert resp["incomplete_details"] == {"reason": "content_filter"} and resp["output"] == []
+    # generation was stopped: at most what was in flight while the verdict came
+    assert stack.engine.stats.aborted == 1
+    assert stack.engine.stats.output_tokens < 64
+    # a blocked response is not continued
+    with pytest.raises(ApiError) as e:
+        await run(stack, {"input": "more", "previous_response_id": resp["id"]})
+    assert e.value.code == "previous_response_not_found"
+
+
+async def test_allowed_input_adds_no_latency_to_the_first_token(tokenizer):
+    # A 0.3 s input check and a ~0.3 s prefill: run one after the other, the
+    # first token would come at ~0.6 s; overlapped, at ~0.3 s.
+    safety = CountingSafety(POLICY, delay=0.3)
+    stack = InProcessStack(tokenizer, safety=safety, prefill_tokens_per_second=50)
+    evs = await run(stack, {"input": "please read the config"})
+    assert evs[-1]["type"] == "response.completed"
+    prompt = evs[-1]["response"]["usage"]["input_tokens"]
+    assert 0.25 < prompt / 50 < 0.4
+    timing = stack.driver.timings[-1]
+    assert 0.3 <= timing.first_token < 0.5, timing
+
+
+async def test_flagged_output_stops_the_stream_mid_way(tokenizer):
+    safety = CountingSafety(POLICY)
+    stack = InProcessStack(tokenizer, safety=safety, chunk_chars=32, answer_text=ANSWER, max_output_tokens=400,
+                           tokens_per_second=300)
+    evs = await run(stack, {"input": "what is the plan?", "max_output_tokens": 400})
+    resp = evs[-1]["response"]
+    assert evs[-1]["type"] == "response.incomplete"
+    assert resp["incomplete_details"] == {"reason": "content_filter"}
+    streamed = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
+    assert "build a bomb" in streamed or "build a" in streamed
+    assert len(streamed) < len(ANSWER) - 100  # stopped well before the end
+    assert stack.engine.stats.aborted == 1
+
+
+async def test_thirty_turn_loop_classifies_only_new_content(tokenizer):
+    safety = CountingSafety(POLICY)
+    stack = InProcessStack(tokenizer, safety=safety)
+    cache = SessionCache()
+    prev, per_turn = None, []
+    for turn in range(30):
+        before = safety.chars
+        evs = await run(stack, {"input": f"turn {turn:02d}: please continue with the next file " * 3,
+                                "previous_response_id": prev}, cache)
+        assert evs[-1]["type"] == "response.completed"
+        prev = evs[-1]["response"]["id"]
+        per_turn.append(safety.chars - before)
+    # new message (~150 chars) + the answer's output chunk(s); flat, not growing with history
+    assert per_turn[0] == per_turn[29]
+    assert max(per_turn) == min(per_turn)
+
+
+async def test_slow_post_work_does_not_delay_the_next_turn(tokenizer):
+    done = []
+
+    async def slow_hook(record):
+        await asyncio.sleep(1.0)
+        done.append(record.response_id)
+
+    queue = PostWorkQueue({"slow": slow_hook})
+    stack = InProcessStack(tokenizer, post_work=queue)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "one"})
+    await p.frame({"type": "response.create", "input": "two"})
+    await p.idle()
+    times = p.sent
+    ends = [i for i, e in enumerate(times) if e["type"] == "response.completed"]
+    assert len(ends) == 2 and not done  # both turns finished while post-work still runs
+    assert queue.pending == 2
+    await queue.drain()
+    assert len(done) == 2 and queue.completed == 2
+    await p.session.shutdown()
+
+
+async def test_post_work_survives_client_disconnect(tokenizer):
+    meter = UsageMeter()
+    gate = asyncio.Event()
+
+    async def blocking_hook(record):
+        await gate.wait()
+
+    queue = PostWorkQueue({"usage": meter, "slow": blocking_hook})
+    stack = InProcessStack(tokenizer, post_work=queue, tokens_per_second=50)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "finish me"})
+    await p.idle()
+    await p.frame({"type": "response.create", "input": "abandon me"})
+    await asyncio.sleep(0.2)
+    await p.session.shutdown()  # client vanished mid-response
+    gate.set()
+    await queue.drain()
+    totals = meter.snapshot()
+    assert totals[0]["requests"] == 2  # the abandoned turn was metered too
+    assert queue.completed == 4 and queue.failed == 0
+
+
+async def test_failing_hook_is_retried():
+    calls = []
+
+    async def flaky(record):
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("store unavailable")
+
+    queue = PostWorkQueue({"flaky": flaky}, retries=3, backoff_s=0.01)
+    queue.schedule(TurnRecord("r", "m", None, "completed", {}, True))
+    await queue.drain()
+    assert len(calls) == 3 and queue.retried == 2 and queue.completed == 1
+
+
+def test_fast_profanity_path_matches_the_package():
+    from profanity_check import predict_prob
+
+    texts = ["read the file please", "you are a fucking idiot", "kill the process and restart it",
+             "this damn build is broken again", "", "x" * 3000]
+    prof = ProfanityClassifier(0.9)
+    assert prof.probabilities(texts) == pytest.approx([float(p) for p in predict_prob(texts)], abs=1e-9)
