@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.websockets import WebSocketDisconnect
 
 from cluster.config import LoopserveConfig
-from cluster.core.post_work import PostWorkQueue, SafetyLedger, UsageMeter, load_hook
+from cluster.core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
 from cluster.core.session_cache import SessionCache
 from cluster.core.state import ResponseState
 from cluster.core.turn import TurnDriver
@@ -81,6 +81,8 @@ class ConnectionActor:
             retries=config.post_work.retries,
             backoff_s=config.post_work.backoff_s,
         )
+        if safety is not None:
+            self.post_work.add("output_safety", OutputTailCheck(self._classify, self.safety_ledger))
         for spec in config.post_work.hooks:
             self.post_work.add(spec, load_hook(spec, config))
         eng = config.engine

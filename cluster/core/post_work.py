@@ -30,6 +30,8 @@ class TurnRecord:
     safety: dict[str, Any] = field(default_factory=dict)
     timing: dict[str, Any] = field(default_factory=dict)
     finished_at: float = field(default_factory=time.time)
+    # Called by output-safety post-work when the output's tail is flagged late.
+    on_late_flag: Optional[Callable[[dict[str, Any]], None]] = None
 
 
 Hook = Callable[[TurnRecord], Awaitable[None]]
@@ -140,3 +142,26 @@ def load_hook(spec: str, config: Any) -> Hook:
         raise ValueError(f"post-work hook {spec!r} must look like 'package.module:factory'")
     factory = getattr(importlib.import_module(module_name), attr)
     return factory(config)
+
+
+class OutputTailCheck:
+    """Classifies the output text no chunk check covered, after the terminal event.
+
+    A flag there blocks continuations of the response (`on_late_flag`) and is
+    counted by the ledger as `output-late:<category>`.
+    """
+
+    def __init__(self, classify: Callable[[list[str]], Awaitable[list[dict[str, Any]]]], ledger: "SafetyLedger") -> None:
+        self._classify = classify
+        self._ledger = ledger
+
+    async def __call__(self, record: TurnRecord) -> None:
+        tail = (record.safety or {}).get("tail")
+        if not tail:
+            return
+        self._ledger.output_chars += len(tail)
+        hit = next((v for v in await self._classify([tail]) if v.get("flagged")), None)
+        if hit:
+            self._ledger.flagged[f"output-late:{hit.get('category') or 'unknown'}"] += 1
+            if record.on_late_flag is not None:
+                record.on_late_flag({**hit, "stage": "output"})

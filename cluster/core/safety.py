@@ -179,6 +179,7 @@ class TurnSafety:
         self.monitor = OutputMonitor(chunk_chars)
         self._outputs: list[Any] = []
         self.flag: Optional[dict[str, Any]] = None
+        self.tail_text = ""  # generated text left for post-inference classification
 
     async def _timed(self, port: SafetyPort, texts: list[str]) -> list[dict[str, Any]]:
         import time
@@ -216,11 +217,15 @@ class TurnSafety:
         return self.flag
 
     async def finish(self) -> Optional[dict[str, Any]]:
+        """At the end of generation: the input verdict and the chunks already sent.
+
+        The unclassified tail (shorter than a chunk, e.g. a whole tool-call
+        turn) is *not* awaited here: it is classified as post-inference work
+        (`tail_text`), so a clean turn's terminal event waits for nothing.
+        """
         await self.gate()
         if self._port is not None:
-            chunk = self.monitor.flush()
-            if chunk:
-                self._outputs.append(self._asyncio.ensure_future(self._port([chunk])))
+            self.tail_text = self.monitor.flush() or ""
         if self._outputs:
             await self._asyncio.gather(*self._outputs)
         return self.check_output()
@@ -231,7 +236,7 @@ class TurnSafety:
 
     def summary(self) -> dict[str, Any]:
         return {"input_chars": self.input_chars, "output_chars": self.output_chars, "flag": self.flag,
-                "input_seconds": self.input_seconds}
+                "input_seconds": self.input_seconds, "tail": self.tail_text}
 
 
 GUARD_CATEGORIES = (

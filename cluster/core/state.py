@@ -49,6 +49,9 @@ class ResponseState:
     owner: Optional[str] = None
     affinity_key: Optional[str] = None  # the session key engine calls are routed by
     engine_replica: str = ""  # the replica that holds this context's prefix KV
+    # Set when output safety flags this response after its terminal event
+    # (post-inference classification of the output's tail): no continuation.
+    blocked: Optional[dict[str, Any]] = None
     response: Optional[dict[str, Any]] = None  # the final Response object (JSON form)
     nbytes: int = field(default=0)
 

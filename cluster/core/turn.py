@@ -110,6 +110,14 @@ class TurnDriver:
                 parent = await lookup(prev_id)
             if parent is None:
                 raise previous_response_not_found(prev_id)
+            if parent.blocked:
+                cache.evict(prev_id)
+                raise ApiError(
+                    400,
+                    f"Previous response with id '{prev_id}' was stopped by the content filter and cannot be continued.",
+                    code="previous_response_not_found",
+                    param="previous_response_id",
+                )
         if parent is not None and parent.affinity_key:
             # Keep the chain on the engine replica that holds its prefix KV.
             session_key = parent.affinity_key

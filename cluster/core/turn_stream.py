@@ -80,6 +80,7 @@ class TurnStream:
         self.cached = 0
         self.status = "cancelled"
         self.posted = False
+        self.state = None
 
     def _evict_parent(self) -> None:
         if self.req.previous_response_id:
@@ -91,6 +92,7 @@ class TurnStream:
                               self.owner, self.session_key)
         state.engine_replica = replica
         state.response = self.asm.response
+        self.state = state
         self.cache.put(state)
         if self.on_state:
             self.on_state(state)
@@ -217,6 +219,10 @@ class TurnStream:
         for ev in terminal:
             yield ev
 
+    def _late_flag(self, flag: dict[str, Any]) -> None:
+        if self.state is not None:
+            self.state.blocked = flag
+
     def schedule_post_work(self) -> None:
         t, sf = self.timing, self.safety
         t.safety_input_ms, t.safety_input_chars, t.safety_output_chars = (
@@ -236,5 +242,6 @@ class TurnStream:
                 response=resp if self.asm.finished else None,
                 safety=self.safety.summary(),
                 timing=self.timing.as_dict(),
+                on_late_flag=self._late_flag,
             )
         )

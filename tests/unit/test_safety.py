@@ -174,3 +174,23 @@ def test_fast_profanity_path_matches_the_package():
              "this damn build is broken again", "", "x" * 3000]
     prof = ProfanityClassifier(0.9)
     assert prof.probabilities(texts) == pytest.approx([float(p) for p in predict_prob(texts)], abs=1e-9)
+
+
+async def test_short_output_is_checked_after_the_terminal_event_and_blocks_continuation(tokenizer):
+    from cluster.core.post_work import OutputTailCheck, SafetyLedger
+
+    safety = CountingSafety(PolicyClassifier({"leak": [r"task is complete"]}))
+    ledger = SafetyLedger()
+    queue = PostWorkQueue()
+    queue.add("output_safety", OutputTailCheck(safety, ledger))
+    stack = InProcessStack(tokenizer, safety=safety, post_work=queue)
+    cache = SessionCache()
+    evs = await run(stack, {"input": "status?"}, cache)
+    # the answer (shorter than a chunk) streamed without waiting for its check
+    assert evs[-1]["type"] == "response.completed"
+    assert safety.calls == [["status?"]]
+    await queue.drain()
+    assert ledger.flagged == {"output-late:leak": 1}
+    with pytest.raises(ApiError) as e:
+        await run(stack, {"input": "go on", "previous_response_id": evs[-1]["response"]["id"]}, cache)
+    assert e.value.code == "previous_response_not_found" and "content filter" in e.value.message
