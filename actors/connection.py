@@ -1,8 +1,9 @@
 """ConnectionActor: the Serve ingress (FastAPI), HTTP + SSE and WebSocket routes.
 
-Owns one `SessionCache` per WebSocket connection and a replica-wide cache of
-`store: true` responses (HTTP continuations, reconnects). Turns are driven by
-the shared `TurnDriver`; render and engine are reached through handles.
+Owns one `SessionCache` per WebSocket connection, a replica-wide cache of
+`store: true` responses, the durable store, auth and per-key limits. Turns are
+driven by the shared `TurnDriver`; render, engine and safety are reached
+through handles. Routes are thin: the logic lives in `cluster.serving`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import statistics
 import uuid
 from typing import Any, AsyncIterator, Optional
 
@@ -22,14 +24,16 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.websockets import WebSocketDisconnect
 
+from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
 from cluster.core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
 from cluster.core.session_cache import SessionCache
-from cluster.core.state import ResponseState
 from cluster.core.turn import TurnDriver
 from cluster.core.ws_session import WebSocketSession
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request
+from cluster.serving.responses import ResponsesService
+from cluster.store import open_store
 
 log = logging.getLogger("loopserve.connection")
 
@@ -53,17 +57,33 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return _error_response(ApiError(400, "Invalid request.", code="invalid_value"))
+    first = (exc.errors() or [{}])[0]
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return _error_response(ApiError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.",
+                                    param=param, code="invalid_value"))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return _error_response(server_error())
 
 
 def _sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
 
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError:
+        raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+
+
 @serve.deployment(name="ConnectionActor")
 @serve.ingress(app)
 class ConnectionActor:
-    def __init__(
+    async def __init__(
         self,
         render: DeploymentHandle,
         engine: DeploymentHandle,
@@ -74,6 +94,8 @@ class ConnectionActor:
         self.render_handle = render
         self.engine_handle = engine.options(stream=True)
         self.safety_handle = safety
+        self.auth = Authenticator(config.auth)
+        self.store = await open_store(config.store)
         self.usage = UsageMeter()
         self.safety_ledger = SafetyLedger()
         self.post_work = PostWorkQueue(
@@ -81,10 +103,6 @@ class ConnectionActor:
             retries=config.post_work.retries,
             backoff_s=config.post_work.backoff_s,
         )
-        if safety is not None:
-            self.post_work.add("output_safety", OutputTailCheck(self._classify, self.safety_ledger))
-        for spec in config.post_work.hooks:
-            self.post_work.add(spec, load_hook(spec, config))
         eng = config.engine
         default_max = eng.vllm.default_max_tokens if eng.backend == "vllm" else eng.scripted.max_output_tokens
         self.driver = TurnDriver(
@@ -99,13 +117,21 @@ class ConnectionActor:
             classify_tool_outputs=config.safety.classify_tool_outputs,
             post_work=self.post_work,
         )
-        # Replica-wide: `store: true` responses, for HTTP continuations and reconnects.
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
+        self.responses = ResponsesService(self.driver, self.registry, self.store)
+        self.post_work.add("persist", self.responses.persist)
+        if safety is not None:
+            self.post_work.add("output_safety", OutputTailCheck(self._classify, self.safety_ledger))
+        for spec in config.post_work.hooks:
+            self.post_work.add(spec, load_hook(spec, config))
         self.open_sockets = 0
 
     # -- ports for the turn driver ----------------------------------------------
     async def _render(self, job: dict[str, Any]):
         return await self.render_handle.render.remote(job)
+
+    async def _classify(self, texts: list[str]) -> list[dict[str, Any]]:
+        return await self.safety_handle.classify.remote(texts)
 
     async def _engine(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         # The session key rides on every engine call: the consistent-hash router
@@ -132,15 +158,8 @@ class ConnectionActor:
                 if not finished:
                     gen.cancel()  # abandoned or failed: cancel (and abort) on the engine
 
-    async def _classify(self, texts: list[str]) -> list[dict[str, Any]]:
-        return await self.safety_handle.classify.remote(texts)
-
-    async def _lookup(self, response_id: str) -> Optional[ResponseState]:
-        return self.registry.get(response_id)
-
-    def _remember(self, state: ResponseState) -> None:
-        if state.store:
-            self.registry.put(state)
+    def _principal(self, request: Request) -> Principal:
+        return self.auth.authenticate(request.headers.get("authorization"))
 
     # -- HTTP --------------------------------------------------------------------
     @app.get("/health")
@@ -148,7 +167,8 @@ class ConnectionActor:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._principal(request)
         return {
             "object": "list",
             "data": [{"id": self.config.model.name, "object": "model", "created": 0, "owned_by": "loopserve"}],
@@ -159,12 +179,14 @@ class ConnectionActor:
         render = await self.render_handle.stats.remote()
         engine = await self.engine_handle.options(stream=False).stats.remote()
         safety = await self.safety_handle.stats.remote() if self.safety_handle is not None else None
+        writes = self.responses.write_latencies
         return {
             "safety": safety,
             "safety_ledger": self.safety_ledger.snapshot(),
             "blocked_turns": self.driver.blocked_turns,
             "usage": self.usage.snapshot(),
             "post_work": self.post_work.stats(),
+            "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None},
             "render": render,
             "engine": engine,  # one engine replica's counters
             "open_sockets": self.open_sockets,
@@ -173,42 +195,72 @@ class ConnectionActor:
             "turns": [t.as_dict() for t in self.driver.timings[-max(1, min(last, 1024)):]],
         }
 
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens(self, request: Request) -> dict[str, Any]:
+        p = self._principal(request)
+        return await self.responses.input_tokens(await _json_body(request), p.tenant)
+
+    @app.post("/v1/responses/compact")
+    async def compact(self, request: Request) -> dict[str, Any]:
+        p = self._principal(request)
+        return await self.responses.compact(await _json_body(request), p.tenant)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(self, request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
+                          order: str = "desc") -> dict[str, Any]:
+        p = self._principal(request)
+        return await self.responses.input_items(response_id, p.tenant, after=after, limit=limit, order=order)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(self, request: Request, response_id: str) -> dict[str, Any]:
+        return await self.responses.cancel(response_id, self._principal(request).tenant)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(self, request: Request, response_id: str) -> dict[str, Any]:
+        return await self.responses.delete(response_id, self._principal(request).tenant)
+
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(self, response_id: str) -> JSONResponse:
-        state = self.registry.get(response_id)
-        if state is None or state.response is None:
-            raise ApiError(404, f"Response with id '{response_id}' not found.", code="not_found", param="response_id")
-        return JSONResponse(state.response)
+    async def retrieve(self, request: Request, response_id: str, stream: bool = False,
+                       starting_after: Optional[int] = None):
+        p = self._principal(request)
+        if stream:
+            events = await self.responses.replay(response_id, p.tenant, starting_after)
+
+            async def replay():
+                for ev in events:
+                    yield _sse(ev)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(replay(), media_type="text/event-stream")
+        return JSONResponse(await self.responses.retrieve(response_id, p.tenant))
 
     @app.post("/v1/responses")
     async def create(self, request: Request):
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except ValueError:
-            return _error_response(
-                ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json")
-            )
-        try:
-            req = parse_request(body)
+            p = self._principal(request)
+            self.auth.admit_request(p)
+            req = parse_request(await _json_body(request))
+            session_key = (request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id
+                           or uuid.uuid4().hex)
             if req.background:
-                raise ApiError(400, "background responses are not supported yet.", param="background", code="unsupported_value")
+                if req.stream:
+                    raise ApiError(400, "background responses cannot be streamed here; poll GET /v1/responses/{id}.",
+                                   param="stream", code="unsupported_value")
+                return JSONResponse(self.responses.start_background(req, p.tenant, session_key))
         except ApiError as err:
             return _error_response(err)
-        session_key = request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id or uuid.uuid4().hex
         events = self.driver.run(
             req,
             SessionCache(1),  # HTTP has no connection: state goes to the registry
             session_key=session_key,
-            lookup=self._lookup,
-            on_state=self._remember,
+            lookup=self.responses.lookup_for(p.tenant),
+            on_state=self.responses.remember,
+            owner=p.tenant,
         )
         try:
             first = await events.__anext__()
         except ApiError as err:
             return _error_response(err)
-        except StopAsyncIteration:  # pragma: no cover - the driver always yields
-            return _error_response(server_error())
         if req.stream:
             return StreamingResponse(
                 self._sse_stream(first, events),
@@ -241,6 +293,12 @@ class ConnectionActor:
     # -- WebSocket ---------------------------------------------------------------
     @app.websocket("/v1/responses")
     async def websocket(self, ws: WebSocket) -> None:
+        try:
+            p = self.auth.authenticate(ws.headers.get("authorization"))
+            self.auth.open_connection(p)
+        except ApiError as err:
+            await self._deny(ws, err)  # before the upgrade: a plain HTTP error
+            return
         await ws.accept()
         self.open_sockets += 1
         lock = asyncio.Lock()
@@ -260,8 +318,10 @@ class ConnectionActor:
             config=self.config.websocket,
             send=send,
             close=close,
-            lookup=self._lookup,
-            on_state=self._remember,
+            lookup=self.responses.lookup_for(p.tenant),
+            on_state=self.responses.remember,
+            owner=p.tenant,
+            admit=lambda: self.auth.admit_request(p),
         )
         session.start()
         try:
@@ -277,4 +337,16 @@ class ConnectionActor:
             pass
         finally:
             self.open_sockets -= 1
+            self.auth.close_connection(p)
             await session.shutdown()
+
+    async def _deny(self, ws: WebSocket, err: ApiError) -> None:
+        try:
+            await ws.send_denial_response(JSONResponse(err.http_body(), status_code=err.status))
+        except Exception:  # the server does not support denial responses: refuse the upgrade
+            await ws.close(code=1008, reason=err.message[:120])
+
+    async def __del__(self) -> None:
+        await self.post_work.drain(timeout=10)
+        if self.store is not None:
+            await self.store.close()

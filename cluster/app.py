@@ -86,4 +86,15 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
                                            routing={"policy": "least_loaded"}, safety={"enabled": False})
             guard = EngineReplica.options(name="GuardEngine", **engine_options(guard_config)).bind(guard_config)
         safety = SafetyActor.options(**_options(config.safety.deployment)).bind(config, guard)
-    return ConnectionActor.options(**_options(config.connection)).bind(render, engine, config, safety)
+    conn_opts = _options(config.connection)
+    if config.routing.policy == "session_affinity":
+        from ray.serve.config import RequestRouterConfig
+
+        # The proxy routes by `x-session-id` (HTTP and WebSocket upgrades), so an
+        # HTTP continuation reaches the replica holding the session in memory.
+        conn_opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=CONSISTENT_HASH_ROUTER,
+            request_router_kwargs={"num_virtual_nodes": config.routing.num_virtual_nodes,
+                                   "num_fallback_replicas": config.routing.num_fallback_replicas},
+        )
+    return ConnectionActor.options(**conn_opts).bind(render, engine, config, safety)

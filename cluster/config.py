@@ -158,6 +158,28 @@ class PostWorkConfig(_Strict):
     hooks: list[str] = Field(default_factory=list)
 
 
+class StoreConfig(_Strict):
+    """Where `store: true` responses live beyond memory."""
+
+    backend: Literal["sqlite", "postgres", "none"] = "sqlite"
+    sqlite_path: str = str(Path.home() / ".cache" / "loopserve" / "responses.sqlite3")
+    postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+class ApiKey(_Strict):
+    # sha256 hex digest of the key: configs never hold keys in clear.
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tenant: str
+    max_connections: int = Field(64, ge=1)
+    requests_per_minute: int = Field(600, ge=1)
+
+
+class AuthConfig(_Strict):
+    """Bearer keys; with none configured every request is the `default` tenant."""
+
+    keys: list[ApiKey] = Field(default_factory=list)
+
+
 class LoopserveConfig(_Strict):
     """Top-level application config (`args:` of the serve config)."""
 
@@ -168,6 +190,8 @@ class LoopserveConfig(_Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
     post_work: PostWorkConfig = Field(default_factory=PostWorkConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
     render: DeploymentResources = Field(default_factory=DeploymentResources)
     engine_deployment: DeploymentResources = Field(

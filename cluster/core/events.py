@@ -109,16 +109,16 @@ class EventAssembler:
             self._ev("response.in_progress", response=self._snapshot()),
         ]
 
-    def text(self, delta: str) -> list[Event]:
-        return self._delta("message", "response.output_text.delta", delta, logprobs=[])
+    def text(self, delta: str, *, item_id: Optional[str] = None) -> list[Event]:
+        return self._delta("message", "response.output_text.delta", delta, item_id, logprobs=[])
 
-    def reasoning(self, delta: str) -> list[Event]:
-        return self._delta("reasoning", "response.reasoning_text.delta", delta)
+    def reasoning(self, delta: str, *, item_id: Optional[str] = None) -> list[Event]:
+        return self._delta("reasoning", "response.reasoning_text.delta", delta, item_id)
 
-    def _delta(self, kind: str, event_type: str, delta: str, **extra: Any) -> list[Event]:
+    def _delta(self, kind: str, event_type: str, delta: str, item_id: Optional[str], **extra: Any) -> list[Event]:
         if not delta:
             return []
-        events = self._ensure_open(kind)
+        events = self._ensure_open(kind, item_id)
         item = self._open
         assert item is not None
         item["content"][0]["text"] += delta
@@ -127,13 +127,21 @@ class EventAssembler:
         )
         return events
 
-    def tool_call(self, name: str, arguments: str, *, namespace: Optional[str] = None) -> list[Event]:
+    def tool_call(
+        self,
+        name: str,
+        arguments: str,
+        *,
+        namespace: Optional[str] = None,
+        item_id: Optional[str] = None,
+        call_id: Optional[str] = None,
+    ) -> list[Event]:
         events = self._close_open()
         item: dict[str, Any] = {
-            "id": new_id("fc"),
+            "id": item_id or new_id("fc"),
             "type": "function_call",
             "status": "in_progress",
-            "call_id": new_id("call"),
+            "call_id": call_id or new_id("call"),
             "name": name,
             "arguments": "",
         }
@@ -198,14 +206,15 @@ class EventAssembler:
         return events
 
     # -- output items --------------------------------------------------------
-    def _ensure_open(self, kind: str) -> list[Event]:
-        if self._open_kind == kind:
+    def _ensure_open(self, kind: str, item_id: Optional[str] = None) -> list[Event]:
+        if self._open_kind == kind and (item_id is None or self._open["id"] == item_id):
             return []
         events = self._close_open()
         if kind == "message":
-            item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            item = {"id": item_id or new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                    "content": []}
         else:
-            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": []}
+            item = {"id": item_id or new_id("rs"), "type": "reasoning", "summary": [], "content": []}
         self.response["output"].append(item)
         self._open, self._open_kind = item, kind
         idx = self.output_index
@@ -267,3 +276,38 @@ class EventAssembler:
 
 def _copy_item(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "content": [dict(p) for p in item.get("content", [])]}
+
+
+def replay_events(response: dict[str, Any]) -> list[Event]:
+    """The event stream of a finished response, rebuilt from the stored object.
+
+    Same item ids and final objects; each text comes as one delta, so
+    sequence numbers are those of the replay, not of the original stream.
+    """
+    skeleton = {**response, "status": "in_progress", "output": [], "usage": None, "completed_at": None,
+                "incomplete_details": None, "error": None}
+    asm = EventAssembler(skeleton)
+    events = asm.start()
+    for item in response.get("output") or []:
+        kind = item.get("type")
+        if kind == "message":
+            text = "".join(p.get("text") or "" for p in item.get("content") or [])
+            events += asm.text(text, item_id=item["id"])
+        elif kind == "reasoning":
+            text = "".join(p.get("text") or "" for p in item.get("content") or [])
+            events += asm.reasoning(text, item_id=item["id"])
+        elif kind == "function_call":
+            events += asm.tool_call(item["name"], item.get("arguments") or "", item_id=item.get("id"),
+                                    call_id=item.get("call_id"), namespace=item.get("namespace"))
+    status = response.get("status")
+    if status == "failed":
+        events += asm._close_open()
+        asm.response.update(status="failed", error=response.get("error"), usage=response.get("usage"))
+        events.append(asm._ev("response.failed", response=asm._snapshot()))
+        return events
+    reason = (response.get("incomplete_details") or {}).get("reason") if status == "incomplete" else None
+    events += asm.finish(response.get("usage") or usage_object(0, 0, 0), incomplete_reason=reason)
+    events[-1]["response"].update(completed_at=response.get("completed_at"), created_at=response.get("created_at"))
+    if status == "cancelled":
+        events[-1]["response"]["status"] = "cancelled"
+    return events

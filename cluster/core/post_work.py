@@ -32,6 +32,7 @@ class TurnRecord:
     finished_at: float = field(default_factory=time.time)
     # Called by output-safety post-work when the output's tail is flagged late.
     on_late_flag: Optional[Callable[[dict[str, Any]], None]] = None
+    state: Any = None  # the committed ResponseState (None if the turn did not commit)
 
 
 Hook = Callable[[TurnRecord], Awaitable[None]]

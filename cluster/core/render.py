@@ -37,6 +37,17 @@ def _content_text(content: Any) -> str:
     return "".join(parts)
 
 
+def compaction_text(item: dict[str, Any]) -> str:
+    """A compaction item (ours: base64 JSON with a summary) as the text the model sees."""
+    import base64
+
+    try:
+        data = json.loads(base64.b64decode(item.get("encrypted_content") or "", validate=True))
+        return "Summary of the earlier conversation:\n" + str(data["summary"])
+    except Exception:  # another server's opaque compaction: keep a marker
+        return "[earlier conversation compacted]"
+
+
 def _arguments(raw: str) -> Any:
     try:
         return json.loads(raw)
@@ -79,7 +90,7 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
             )
             starts.append(i)
         elif kind == "compaction":
-            messages.append({"role": "system", "content": "[earlier conversation compacted]"})
+            messages.append({"role": "system", "content": compaction_text(item)})
             starts.append(i)
         # reasoning items are not re-rendered (chat templates drop past reasoning)
     return messages, starts

@@ -46,7 +46,8 @@ class ResponseState:
     known_call_ids: frozenset[str]
     pending_call_ids: tuple[str, ...]  # function calls without output, in order
     store: bool = True
-    owner: Optional[str] = None
+    owner: Optional[str] = None  # the tenant that created it; other tenants never see it
+    input_start: int = 0  # items[input_start:output_start] is this response's own input
     affinity_key: Optional[str] = None  # the session key engine calls are routed by
     engine_replica: str = ""  # the replica that holds this context's prefix KV
     # Set when output safety flags this response after its terminal event

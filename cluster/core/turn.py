@@ -98,6 +98,7 @@ class TurnDriver:
         on_state: Optional[Callable[[ResponseState], None]] = None,
         stream_id: Optional[str] = None,
         owner: Optional[str] = None,
+        response_id: Optional[str] = None,
     ) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError."""
         timing = TurnTiming()
@@ -106,6 +107,8 @@ class TurnDriver:
         prev_id = req.previous_response_id
         if prev_id:
             parent = cache.get(prev_id)
+            if parent is not None and owner is not None and parent.owner not in (None, owner):
+                parent = None  # another tenant's response: as if it did not exist
             if parent is None and lookup is not None:
                 parent = await lookup(prev_id)
             if parent is None:
@@ -137,7 +140,7 @@ class TurnDriver:
         # runs while the engine prefills.
         new_texts = item_texts(ctx.items[ctx.new_start :], self.classify_tool_outputs) if self._safety else []
         safety = TurnSafety(self._safety, new_texts, self.output_chunk_chars)
-        response_id = new_id("resp")
+        response_id = response_id or new_id("resp")
         timing.response_id = response_id
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)
         asm = EventAssembler(response, stream_id=stream_id)
@@ -158,6 +161,11 @@ class TurnDriver:
             # Post-inference work is scheduled even when the client went away
             # mid-turn (tokens were spent); never awaited here.
             turn.schedule_post_work()
+
+    async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState]) -> int:
+        """What `input_tokens` would be for this request (renders, does not generate)."""
+        _, rendered, _, _ = await self._prepare(req, parent, TurnTiming())
+        return len(rendered.prompt_token_ids)
 
     async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming):
         t0 = time.perf_counter()
@@ -218,6 +226,7 @@ class TurnDriver:
             pending_call_ids=ctx.pending_call_ids + tuple(calls),
             store=req.store is not False,
             owner=owner,
+            input_start=ctx.new_start,
             affinity_key=session_key,
         )
 

@@ -243,5 +243,6 @@ class TurnStream:
                 safety=self.safety.summary(),
                 timing=self.timing.as_dict(),
                 on_late_flag=self._late_flag,
+                state=self.state,
             )
         )

@@ -38,6 +38,7 @@ class WebSocketSession:
         lookup: Optional[Lookup] = None,
         on_state: Optional[Callable[[Any], None]] = None,
         owner: Optional[str] = None,
+        admit: Optional[Callable[[], None]] = None,
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -48,6 +49,7 @@ class WebSocketSession:
         self._lookup = lookup
         self._on_state = on_state  # e.g. publish `store: true` responses replica-wide
         self._owner = owner
+        self._admit = admit  # per-key rate limit for each response.create (raises ApiError)
         self._queue: asyncio.Queue[Optional[Union[str, bytes]]] = asyncio.Queue()
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
@@ -162,6 +164,8 @@ class WebSocketSession:
             # Tolerate the nested form some clients send: {"type", "response": {...}}.
             body = {**body.pop("response"), **body}
         try:
+            if self._admit is not None:
+                self._admit()
             req = parse_request(body)
             if req.background:
                 raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")

@@ -56,9 +56,10 @@ def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float) -> st
 
 
 @pytest.fixture(scope="session")
-def scripted_url(serve_instance):
-    """The app with the scripted engine (stands in for a GPU engine), at the root."""
+def scripted_url(serve_instance, tmp_path_factory):
+    """The app with the scripted engine (stands in for a GPU engine), at the root; SQLite store."""
     args = {
+        "store": {"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("store") / "responses.db")},
         "engine": {"backend": "scripted",
                    "scripted": {"tokens_per_second": 100, "prefill_tokens_per_second": 1_000_000,
                                 "answer_text": SCRIPTED_ANSWER, "max_output_tokens": 128}},
@@ -76,6 +77,7 @@ def vllm_url(serve_instance):
     pytest.importorskip("vllm")
     args = {
         "model": {"max_model_len": 4096},
+        "store": {"backend": "none"},
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 8, "cpu_kvcache_space_gib": 1}},
         "verify_renders": True,
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
@@ -99,6 +101,7 @@ def short_limit_url(serve_instance):
     args = {
         "engine": {"backend": "scripted"},
         "websocket": {"max_connection_seconds": 2},
+        "store": {"backend": "none"},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
     }
     return _deploy("shortlimit", "/short", args, serve_instance, 180)
@@ -110,6 +113,7 @@ def affinity_url(serve_instance):
     args = {
         "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000}},
         "routing": {"policy": "session_affinity", "num_fallback_replicas": 1},
+        "store": {"backend": "none"},
         "engine_deployment": {"num_replicas": 3, "num_cpus": 0.05},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05},
     }
@@ -125,6 +129,7 @@ def guard_url(serve_instance):
     """
     args = {
         "engine": {"backend": "scripted"},
+        "store": {"backend": "none"},
         "safety": {"classifier": "guard", "guard": {
             "engine": {"backend": "scripted", "scripted": {"answer_text": "unsafe\nS10"}},
             "deployment": {"num_cpus": 0.05}}, "deployment": {"num_cpus": 0.05}},

@@ -1,0 +1,80 @@
+"""API keys, tenants and per-key limits (in-process; per connection replica)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from .config import ApiKey, AuthConfig
+from .protocol.errors import ApiError
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    key_id: str  # a short, non-secret id (hash prefix) for logs and limits
+    max_connections: int
+    requests_per_minute: int
+
+
+ANONYMOUS = Principal("default", "anonymous", 1_000_000, 1_000_000_000)
+
+
+class Authenticator:
+    def __init__(self, config: AuthConfig) -> None:
+        self._keys: list[tuple[bytes, ApiKey]] = [(bytes.fromhex(k.sha256), k) for k in config.keys]
+        self._windows: dict[str, deque[float]] = {}
+        self._connections: dict[str, int] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def authenticate(self, authorization: Optional[str]) -> Principal:
+        if not self._keys:
+            return ANONYMOUS
+        token = ""
+        if authorization and authorization[:7].lower() == "bearer ":
+            token = authorization[7:].strip()
+        if not token:
+            raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                           code="missing_api_key", type="invalid_request_error")
+        digest = hashlib.sha256(token.encode()).digest()
+        match = None
+        for expected, key in self._keys:  # constant time per key, no early exit
+            if hmac.compare_digest(digest, expected):
+                match = key
+        if match is None:
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key", type="invalid_request_error")
+        return Principal(match.tenant, match.sha256[:12], match.max_connections, match.requests_per_minute)
+
+    def admit_request(self, p: Principal, now: Optional[float] = None) -> None:
+        """Sliding one-minute window per key; 429 past the limit."""
+        now = time.monotonic() if now is None else now
+        window = self._windows.setdefault(p.key_id, deque())
+        while window and window[0] <= now - 60.0:
+            window.popleft()
+        if len(window) >= p.requests_per_minute:
+            retry = max(0.0, 60.0 - (now - window[0]))
+            raise ApiError(429, f"Rate limit reached: {p.requests_per_minute} requests per minute. "
+                                f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded")
+        window.append(now)
+
+    def open_connection(self, p: Principal) -> None:
+        n = self._connections.get(p.key_id, 0)
+        if n >= p.max_connections:
+            raise ApiError(429, f"Too many concurrent connections for this key (limit {p.max_connections}).",
+                           code="rate_limit_exceeded", type="rate_limit_exceeded")
+        self._connections[p.key_id] = n + 1
+
+    def close_connection(self, p: Principal) -> None:
+        self._connections[p.key_id] = max(0, self._connections.get(p.key_id, 1) - 1)
+
+
+def key_sha256(key: str) -> str:
+    """What goes into `auth.keys[].sha256` for a key."""
+    return hashlib.sha256(key.encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Serving logic per endpoint family (no web framework here; routes live in actors/)."""

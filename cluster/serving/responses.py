@@ -1,0 +1,244 @@
+"""The Responses endpoint family beyond create: retrieve, delete, cancel, input items,
+input token counts, compaction, background responses, and the durable store.
+
+Plain Python with injected ports (driver, caches, store), used by the
+ConnectionActor's routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from typing import Any, Optional
+
+from ..core.events import build_response, replay_events
+from ..core.ids import new_id
+from ..core.post_work import TurnRecord
+from ..core.render import _content_text
+from ..core.session_cache import SessionCache
+from ..core.state import ResponseState
+from ..core.turn import TurnDriver
+from ..protocol.errors import ApiError, previous_response_not_found
+from ..protocol.requests import parse_request
+from ..store import ResponseStore, StoredResponse, state_from_chain
+
+log = logging.getLogger(__name__)
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+             "compaction": "cmp"}
+
+
+def not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", code="not_found", param="response_id")
+
+
+class ResponsesService:
+    def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore]) -> None:
+        self.driver = driver
+        self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
+        self.store = store
+        self.background: dict[str, dict[str, Any]] = {}  # id -> {"task", "response", "tenant"}
+        self.write_latencies: list[float] = []
+
+    # -- lookups -----------------------------------------------------------------
+    async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
+        state = self.registry.get(response_id)
+        if state is not None:
+            return state if state.owner in (None, tenant) else None
+        if self.store is None:
+            return None
+        chain = await self.store.chain(response_id, tenant)
+        if not chain:
+            return None
+        state = state_from_chain(chain)
+        self.registry.put(state)
+        return state
+
+    def lookup_for(self, tenant: str):
+        async def lookup(response_id: str) -> Optional[ResponseState]:
+            return await self.lookup(response_id, tenant)
+
+        return lookup
+
+    def remember(self, state: ResponseState) -> None:
+        if state.store:
+            self.registry.put(state)
+
+    # -- persistence (post-inference work) ------------------------------------------
+    async def persist(self, record: TurnRecord) -> None:
+        state: Optional[ResponseState] = record.state
+        if self.store is None or not record.store or state is None or record.response is None:
+            return
+        t0 = time.perf_counter()
+        await self.store.put(self._stored(state, record.response))
+        self.write_latencies.append(time.perf_counter() - t0)
+        del self.write_latencies[:-1000]
+
+    def _stored(self, state: ResponseState, response: dict[str, Any]) -> StoredResponse:
+        inputs = []
+        for item in state.items[state.input_start : state.output_start]:
+            if "id" not in item:
+                item["id"] = new_id(ID_PREFIX.get(item.get("type", "message"), "item"))  # stable from now on
+            inputs.append(item)
+        return StoredResponse(
+            id=state.response_id, tenant=state.owner or "default",
+            previous_response_id=response.get("previous_response_id"), created_at=float(response["created_at"]),
+            model=state.model, input_items=inputs, output=response.get("output") or [], response=response,
+            instructions=state.instructions, tools=state.tools, affinity_key=state.affinity_key,
+        )
+
+    # -- endpoints -----------------------------------------------------------------
+    async def retrieve(self, response_id: str, tenant: str) -> dict[str, Any]:
+        bg = self.background.get(response_id)
+        if bg is not None and bg["tenant"] == tenant:
+            return bg["response"]
+        state = await self.lookup(response_id, tenant)
+        if state is None or state.response is None:
+            raise not_found(response_id)
+        return state.response
+
+    async def replay(self, response_id: str, tenant: str, starting_after: Optional[int]) -> list[dict[str, Any]]:
+        events = replay_events(await self.retrieve(response_id, tenant))
+        if starting_after is not None:
+            events = [e for e in events if e["sequence_number"] > starting_after]
+        return events
+
+    async def delete(self, response_id: str, tenant: str) -> dict[str, Any]:
+        state = self.registry.get(response_id)
+        found = state is not None and state.owner in (None, tenant)
+        if found:
+            self.registry.evict(response_id)
+        if self.store is not None:
+            found = await self.store.delete(response_id, tenant) or found
+        if not found:
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def input_items(self, response_id: str, tenant: str, *, after: Optional[str], limit: int,
+                          order: str) -> dict[str, Any]:
+        if not 1 <= limit <= 100:
+            raise ApiError(400, "limit must be between 1 and 100.", param="limit", code="invalid_value")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "order must be 'asc' or 'desc'.", param="order", code="invalid_value")
+        state = await self.lookup(response_id, tenant)
+        if state is None:
+            raise not_found(response_id)
+        items = self._stored(state, state.response or {"created_at": 0}).input_items
+        if order == "desc":
+            items = list(reversed(items))
+        if after is not None:
+            ids = [i["id"] for i in items]
+            if after not in ids:
+                raise ApiError(400, f"No item with id '{after}' in this response's input.", param="after",
+                               code="invalid_value")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    async def _parent(self, req, tenant: str) -> Optional[ResponseState]:
+        if not req.previous_response_id:
+            return None
+        parent = await self.lookup(req.previous_response_id, tenant)
+        if parent is None:
+            raise previous_response_not_found(req.previous_response_id)
+        return parent
+
+    async def input_tokens(self, body: Any, tenant: str) -> dict[str, Any]:
+        req = parse_request(body)
+        self.driver.check_model(req)
+        count = await self.driver.count_input_tokens(req, await self._parent(req, tenant))
+        return {"object": "response.input_tokens", "input_tokens": count}
+
+    async def compact(self, body: Any, tenant: str, keep_last: int = 4, summary_chars: int = 4000) -> dict[str, Any]:
+        """Truncation policy: keep the last user message and what follows it (at least
+        `keep_last` items); everything before becomes one `compaction` item whose summary
+        lists each earlier message/tool output (role + first 200 characters)."""
+        if not isinstance(body, dict) or not body.get("model"):
+            raise ApiError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+        req = parse_request(body)
+        self.driver.check_model(req)
+        parent = await self._parent(req, tenant)
+        items = (parent.items if parent else []) + req.input_items()
+        cut = max(0, len(items) - keep_last)
+        for i in range(len(items) - 1, -1, -1):
+            if items[i].get("type", "message") == "message" and items[i].get("role") == "user":
+                cut = min(cut, i)
+                break
+        dropped, kept = items[:cut], items[cut:]
+        lines = []
+        for item in dropped:
+            kind = item.get("type", "message")
+            if kind == "message":
+                lines.append(f"{item.get('role')}: {_content_text(item.get('content'))[:200]}")
+            elif kind == "function_call":
+                lines.append(f"tool call {item.get('name')}({(item.get('arguments') or '')[:200]})")
+            elif kind == "function_call_output":
+                lines.append(f"tool result: {_content_text(item.get('output'))[:200]}")
+        summary = "\n".join(lines)[:summary_chars]
+        payload = base64.b64encode(json.dumps({"v": 1, "summary": summary}).encode()).decode()
+        output = ([{"id": new_id("cmp"), "type": "compaction", "encrypted_content": payload}] if dropped else []) + kept
+        count = await self.driver.count_input_tokens(parse_request({"input": items}), None) if items else 0
+        return {"id": new_id("cmp"), "object": "response.compaction", "created_at": int(time.time()),
+                "output": output,
+                "usage": {"input_tokens": count, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": count}}
+
+    # -- background ----------------------------------------------------------------
+    def start_background(self, req, tenant: str, session_key: str) -> dict[str, Any]:
+        if req.store is False:
+            raise ApiError(400, "background responses require store: true.", param="background", code="invalid_value")
+        rid = new_id("resp")
+        response = build_response(response_id=rid, model=self.driver.model_name, request=req,
+                                  previous_response_id=req.previous_response_id)
+        response["status"] = "queued"
+        entry = {"response": response, "tenant": tenant}
+        entry["task"] = asyncio.get_running_loop().create_task(self._run_background(req, tenant, session_key, rid, entry))
+        self.background[rid] = entry
+        return response
+
+    async def _run_background(self, req, tenant: str, session_key: str, rid: str, entry: dict[str, Any]) -> None:
+        try:
+            async for ev in self.driver.run(req, SessionCache(1), session_key=session_key, owner=tenant,
+                                            lookup=self.lookup_for(tenant), on_state=self.remember, response_id=rid):
+                if "response" in ev:
+                    entry["response"] = ev["response"]
+        except ApiError as err:
+            entry["response"] = {**entry["response"], "status": "failed",
+                                 "error": {"code": err.code or err.type, "message": err.message}}
+        finally:
+            if entry["response"]["status"] in TERMINAL_STATUSES:
+                self.background.pop(rid, None)
+
+    async def cancel(self, response_id: str, tenant: str) -> dict[str, Any]:
+        entry = self.background.get(response_id)
+        if entry is None or entry["tenant"] != tenant:
+            state = await self.lookup(response_id, tenant)
+            if state is None:
+                raise not_found(response_id)
+            if state.response and state.response.get("background"):
+                return state.response  # already finished: cancelling is a no-op
+            raise ApiError(400, "Only background responses can be cancelled.", param="response_id",
+                           code="invalid_value")
+        entry["task"].cancel()
+        try:
+            await entry["task"]
+        except (asyncio.CancelledError, Exception):
+            pass
+        response = {**entry["response"], "status": "cancelled", "completed_at": int(time.time())}
+        self.background.pop(response_id, None)
+        state = ResponseState(response_id=response_id, model=self.driver.model_name, items=[], output_start=0,
+                              instructions=response.get("instructions"), tools=response.get("tools") or [],
+                              rendered=None, known_call_ids=frozenset(), pending_call_ids=(), store=True,
+                              owner=tenant, response=response)
+        self.registry.put(state)
+        if self.store is not None:
+            await self.store.put(self._stored(state, response))
+        return response
+
+
+TERMINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")

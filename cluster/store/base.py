@@ -1,0 +1,103 @@
+"""The `ResponseStore` interface and how a stored chain becomes a `ResponseState` again."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from ..core.state import ResponseState
+
+
+@dataclass
+class StoredResponse:
+    """One response as stored: its own input and output, linked to its parent."""
+
+    id: str
+    tenant: str
+    previous_response_id: Optional[str]
+    created_at: float
+    model: str
+    input_items: list[dict[str, Any]]  # this response's new input, with ids
+    output: list[dict[str, Any]]
+    response: dict[str, Any]  # the Response object as last sent
+    instructions: Optional[str]
+    tools: list[dict[str, Any]]
+    affinity_key: Optional[str] = None
+
+    def row(self) -> tuple:
+        return (
+            self.id, self.tenant, self.previous_response_id, self.created_at, self.model,
+            json.dumps(self.input_items), json.dumps(self.output), json.dumps(self.response),
+            self.instructions, json.dumps(self.tools), self.affinity_key,
+        )
+
+    @classmethod
+    def from_row(cls, row: Any) -> "StoredResponse":
+        r = tuple(row)
+        return cls(r[0], r[1], r[2], float(r[3]), r[4], json.loads(r[5]), json.loads(r[6]), json.loads(r[7]),
+                   r[8], json.loads(r[9]), r[10])
+
+
+COLUMNS = ("id, tenant, previous_response_id, created_at, model, input_items, output, response, "
+           "instructions, tools, affinity_key")
+
+
+class ResponseStore(Protocol):
+    """Responses owned by tenants; every read names the tenant (others see nothing)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def put(self, record: StoredResponse) -> None: ...
+
+    async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]: ...
+
+    async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
+        """The response and its ancestors, oldest first ([] if not found for this tenant)."""
+        ...
+
+    async def delete(self, response_id: str, tenant: str) -> bool: ...
+
+
+def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
+    """Rebuild the continuation state of `chain[-1]` (a cache miss: rendering starts over)."""
+    items: list[dict[str, Any]] = []
+    for rec in chain:
+        items.extend(rec.input_items)
+        items.extend(_as_context(rec.output))
+    last = chain[-1]
+    known: set[str] = set()
+    pending: list[str] = []
+    for item in items:
+        if item.get("type") == "function_call":
+            known.add(item["call_id"])
+            pending.append(item["call_id"])
+        elif item.get("type") == "function_call_output" and item.get("call_id") in pending:
+            pending.remove(item["call_id"])
+    return ResponseState(
+        response_id=last.id,
+        model=last.model,
+        items=items,
+        output_start=len(items) - len(last.output),
+        instructions=last.instructions,
+        tools=last.tools,
+        rendered=None,
+        known_call_ids=frozenset(known),
+        pending_call_ids=tuple(pending),
+        store=True,
+        owner=last.tenant,
+        affinity_key=last.affinity_key,
+        response=last.response,
+    )
+
+
+def _as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for item in output:
+        if item.get("type") == "message":
+            out.append({"type": "message", "role": "assistant", "id": item["id"], "content": item["content"]})
+        else:
+            out.append(item)
+    return out

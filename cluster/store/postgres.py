@@ -1,0 +1,77 @@
+"""PostgreSQL store (multi-node): asyncpg pool, schema created/migrated on start."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .base import COLUMNS, StoredResponse
+
+MIGRATIONS = [
+    # version 1
+    [
+        """CREATE TABLE IF NOT EXISTS responses (
+            id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT,
+            created_at DOUBLE PRECISION NOT NULL, model TEXT NOT NULL, input_items TEXT NOT NULL,
+            output TEXT NOT NULL, response TEXT NOT NULL, instructions TEXT, tools TEXT NOT NULL,
+            affinity_key TEXT)""",
+        "CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)",
+    ],
+]
+
+CHAIN = f"""
+WITH RECURSIVE chain(depth, {COLUMNS}) AS (
+    SELECT 0, {COLUMNS} FROM responses WHERE id = $1 AND tenant = $2
+    UNION ALL
+    SELECT chain.depth + 1, r.id, r.tenant, r.previous_response_id, r.created_at, r.model, r.input_items,
+           r.output, r.response, r.instructions, r.tools, r.affinity_key
+    FROM responses r JOIN chain ON r.id = chain.previous_response_id AND r.tenant = chain.tenant
+)
+SELECT {COLUMNS} FROM chain ORDER BY depth DESC
+"""
+
+
+class PostgresStore:
+    def __init__(self, dsn: str, *, min_size: int = 1, max_size: int = 8) -> None:
+        self.dsn = dsn
+        self.min_size, self.max_size = min_size, max_size
+        self._pool = None
+
+    async def start(self) -> None:
+        import asyncpg
+
+        self._pool = await asyncpg.create_pool(self.dsn, min_size=self.min_size, max_size=self.max_size)
+        async with self._pool.acquire() as conn:
+            # Serialize migrations across replicas starting at once.
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(771177)")
+                await conn.execute("CREATE TABLE IF NOT EXISTS loopserve_schema (version INTEGER NOT NULL)")
+                version = await conn.fetchval("SELECT max(version) FROM loopserve_schema") or 0
+                for number, steps in enumerate(MIGRATIONS[version:], start=version + 1):
+                    for stmt in steps:
+                        await conn.execute(stmt)
+                    await conn.execute("INSERT INTO loopserve_schema VALUES ($1)", number)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def put(self, record: StoredResponse) -> None:
+        await self._pool.execute(
+            f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11)
+                ON CONFLICT (id) DO UPDATE SET response = EXCLUDED.response, output = EXCLUDED.output""",
+            *record.row(),
+        )
+
+    async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]:
+        row = await self._pool.fetchrow(f"SELECT {COLUMNS} FROM responses WHERE id = $1 AND tenant = $2",
+                                        response_id, tenant)
+        return StoredResponse.from_row(row) if row else None
+
+    async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
+        rows = await self._pool.fetch(CHAIN, response_id, tenant)
+        return [StoredResponse.from_row(r) for r in rows]
+
+    async def delete(self, response_id: str, tenant: str) -> bool:
+        result = await self._pool.execute("DELETE FROM responses WHERE id = $1 AND tenant = $2", response_id, tenant)
+        return result.endswith(" 1")

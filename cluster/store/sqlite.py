@@ -1,0 +1,79 @@
+"""SQLite store: the embedded default (one machine, zero set-up)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Optional
+
+from .base import COLUMNS, StoredResponse
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS loopserve_schema (version INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS responses (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT, created_at REAL NOT NULL,
+        model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
+        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT)""",
+    """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
+]
+
+CHAIN = f"""
+WITH RECURSIVE chain(depth, {COLUMNS}) AS (
+    SELECT 0, {COLUMNS} FROM responses WHERE id = ? AND tenant = ?
+    UNION ALL
+    SELECT chain.depth + 1, r.id, r.tenant, r.previous_response_id, r.created_at, r.model, r.input_items,
+           r.output, r.response, r.instructions, r.tools, r.affinity_key
+    FROM responses r JOIN chain ON r.id = chain.previous_response_id AND r.tenant = chain.tenant
+)
+SELECT {COLUMNS} FROM chain ORDER BY depth DESC
+"""
+
+
+class SQLiteStore:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._db: Optional[sqlite3.Connection] = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        def open_db() -> sqlite3.Connection:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            for stmt in SCHEMA:
+                db.execute(stmt)
+            if db.execute("SELECT count(*) FROM loopserve_schema").fetchone()[0] == 0:
+                db.execute("INSERT INTO loopserve_schema VALUES (1)")
+            return db
+
+        self._db = await asyncio.to_thread(open_db)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    async def _run(self, fn):
+        async with self._lock:  # one connection; writes are off the critical path anyway
+            return await asyncio.to_thread(fn, self._db)
+
+    async def put(self, record: StoredResponse) -> None:
+        await self._run(lambda db: db.execute(
+            f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", record.row()))
+
+    async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]:
+        row = await self._run(lambda db: db.execute(
+            f"SELECT {COLUMNS} FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant)).fetchone())
+        return StoredResponse.from_row(row) if row else None
+
+    async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
+        rows = await self._run(lambda db: db.execute(CHAIN, (response_id, tenant)).fetchall())
+        return [StoredResponse.from_row(r) for r in rows]
+
+    async def delete(self, response_id: str, tenant: str) -> bool:
+        cur = await self._run(lambda db: db.execute(
+            "DELETE FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant)))
+        return cur.rowcount > 0
