@@ -275,7 +275,9 @@ class EventAssembler:
 
 
 def _copy_item(item: dict[str, Any]) -> dict[str, Any]:
-    return {**item, "content": [dict(p) for p in item.get("content", [])]}
+    if "content" not in item:
+        return dict(item)
+    return {**item, "content": [dict(p) for p in item["content"]]}
 
 
 def replay_events(response: dict[str, Any]) -> list[Event]:

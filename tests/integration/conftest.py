@@ -136,3 +136,52 @@ def guard_url(serve_instance):
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
     }
     return _deploy("guard", "/guard", args, serve_instance, 240)
+
+
+KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
+PG_DATABASE = "loopserve_test"
+
+
+def _ensure_pg_database() -> str:
+    import asyncio
+
+    import asyncpg
+
+    async def create():
+        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
+        try:
+            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", PG_DATABASE):
+                await conn.execute(f"CREATE DATABASE {PG_DATABASE}")
+        finally:
+            await conn.close()
+
+    # (callable from async tests too: run on a thread with its own loop)
+    import threading
+
+    t = threading.Thread(target=lambda: asyncio.run(create()))
+    t.start()
+    t.join(30)
+    return f"postgresql://postgres@127.0.0.1:5432/{PG_DATABASE}"
+
+
+def pg_app_args() -> dict:
+    from cluster.auth import key_sha256
+
+    return {
+        "engine": {"backend": "scripted"},
+        "store": {"backend": "postgres", "postgres_dsn": _ensure_pg_database()},
+        "auth": {"keys": [
+            {"sha256": key_sha256(KEY_A), "tenant": "tenant-a"},
+            {"sha256": key_sha256(KEY_B), "tenant": "tenant-b"},
+            {"sha256": key_sha256(KEY_LIMITED), "tenant": "tenant-c", "max_connections": 1,
+             "requests_per_minute": 3},
+        ]},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+        "safety": {"deployment": {"num_cpus": 0.05}},
+    }
+
+
+@pytest.fixture(scope="session")
+def pg_url(serve_instance):
+    """Scripted engine + PostgreSQL store (127.0.0.1:5432) + API keys for three tenants."""
+    return _deploy("pg", "/pg", pg_app_args(), serve_instance, 240)

@@ -129,3 +129,21 @@ def test_sent_events_are_snapshots():
     a.text("x")
     a.finish(usage_object(1, 0, 1))
     assert created["response"]["output"] == [] and created["response"]["status"] == "in_progress"
+
+
+def test_function_call_items_carry_no_content_field():
+    a = assembler()
+    evs = a.start() + a.tool_call("f", "{}") + a.finish(usage_object(1, 0, 1))
+    assert "content" not in evs[-1]["response"]["output"][0]
+
+
+def test_replay_rebuilds_the_same_items():
+    from cluster.core.events import replay_events
+
+    a = assembler()
+    evs = a.start() + a.text("Hi there") + a.tool_call("f", '{"a": 1}') + a.finish(usage_object(3, 1, 2))
+    final = evs[-1]["response"]
+    replay = replay_events(final)
+    check(replay)
+    assert replay[-1]["response"]["output"] == final["output"]
+    assert replay[-1]["response"]["usage"] == final["usage"]

@@ -1,0 +1,181 @@
+"""Durable store (SQLite and PostgreSQL), the rest of the HTTP surface, tenants and limits."""
+
+import asyncio
+import base64
+import json
+import time
+
+import httpx
+import pytest
+from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI, RateLimitError
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from .conftest import KEY_A, KEY_B, KEY_LIMITED, _deploy, pg_app_args
+
+pytestmark = pytest.mark.integration
+TOOLS = [{"type": "function", "name": "read_file",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
+def sdk(url: str, key: str = KEY_A) -> OpenAI:
+    return OpenAI(base_url=url + "/v1", api_key=key, timeout=60, max_retries=0)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request):
+    return request.getfixturevalue("scripted_url" if request.param == "sqlite" else "pg_url")
+
+
+def test_every_endpoint_with_the_sdk(store_url):
+    client = sdk(store_url)
+    first = client.responses.create(model="loopserve-tiny", input="Read the readme", tools=TOOLS,
+                                    instructions="be brief")
+    call = first.output[0]
+    second = client.responses.create(
+        model="loopserve-tiny", previous_response_id=first.id, tools=TOOLS,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "# readme"},
+               {"role": "user", "content": "now summarise"}])
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == second.output_text
+    # stream replay, then from a sequence number on
+    with httpx.stream("GET", f"{store_url}/v1/responses/{second.id}", params={"stream": "true"},
+                      headers={"authorization": f"Bearer {KEY_A}"}, timeout=30) as r:
+        body = "".join(r.iter_text())
+    events = [json.loads(b.split("data: ", 1)[1]) for b in body.split("\n\n") if b.startswith("event:")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    replayed = events[-1]["response"]["output"]
+    assert [(o["id"], o["type"]) for o in replayed] == [(o.id, o.type) for o in got.output]
+    assert replayed == [o.model_dump(mode="json", exclude_none=True) for o in got.output]
+    after = httpx.get(f"{store_url}/v1/responses/{second.id}", params={"stream": "true", "starting_after": 3},
+                      headers={"authorization": f"Bearer {KEY_A}"}, timeout=30).text
+    assert json.loads(after.split("data: ", 1)[1].split("\n")[0])["sequence_number"] == 4
+    # input items of the second response: its own new input, newest first by default
+    items = client.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["message", "function_call_output"]
+    asc = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert asc.data[0].type == "function_call_output" and asc.has_more is True
+    rest = client.responses.input_items.list(second.id, order="asc", after=asc.last_id)
+    assert [i.type for i in rest.data] == ["message"] and rest.has_more is False
+    # token counting and compaction
+    count = client.responses.input_tokens.count(model="loopserve-tiny", input="hello there", tools=TOOLS)
+    assert count.input_tokens > 10
+    call2 = second.output[0]
+    compacted = client.responses.compact(
+        model="loopserve-tiny", previous_response_id=second.id,
+        input=[{"type": "function_call_output", "call_id": call2.call_id, "output": "summary: fine"},
+               {"role": "user", "content": "and now the tests"}])
+    assert compacted.object == "response.compaction" and compacted.output[0].type == "compaction"
+    summary = json.loads(base64.b64decode(compacted.output[0].encrypted_content))["summary"]
+    assert "Read the readme" in summary
+    follow = client.responses.create(model="loopserve-tiny",
+                                     input=[o.model_dump(exclude_none=True) for o in compacted.output])
+    assert follow.status == "completed"
+    # delete
+    deleted = client.responses.delete(second.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(second.id)
+
+
+def test_background_response_and_cancel(store_url):
+    client = sdk(store_url)
+    bg = client.responses.create(model="loopserve-tiny", input="work in the background", background=True)
+    assert bg.status in ("queued", "in_progress")
+    for _ in range(100):
+        done = client.responses.retrieve(bg.id)
+        if done.status == "completed":
+            break
+        time.sleep(0.05)
+    assert done.status == "completed" and done.output_text
+    with pytest.raises(BadRequestError):
+        client.responses.cancel(client.responses.create(model="loopserve-tiny", input="x").id)
+    # a long background response, cancelled while it runs
+    long = client.responses.create(model="loopserve-tiny", input="long one", background=True, max_output_tokens=64)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status in ("cancelled", "completed")
+    assert client.responses.retrieve(long.id).status == cancelled.status
+    with pytest.raises(BadRequestError):
+        client.responses.create(model="loopserve-tiny", input="x", background=True, store=False)
+
+
+def test_tenants_cannot_see_each_other(pg_url):
+    a, b = sdk(pg_url, KEY_A), sdk(pg_url, KEY_B)
+    mine = a.responses.create(model="loopserve-tiny", input="tenant a's secret plan")
+    with pytest.raises(NotFoundError):
+        b.responses.retrieve(mine.id)
+    with pytest.raises(NotFoundError):
+        b.responses.input_items.list(mine.id)
+    with pytest.raises(NotFoundError):
+        b.responses.delete(mine.id)
+    with pytest.raises(BadRequestError) as e:
+        b.responses.create(model="loopserve-tiny", input="continue it", previous_response_id=mine.id)
+    assert e.value.body["code"] == "previous_response_not_found"
+    assert a.responses.retrieve(mine.id).id == mine.id  # still there for its owner
+
+
+async def test_auth_on_http_and_before_the_websocket_upgrade(pg_url):
+    with pytest.raises(AuthenticationError):
+        sdk(pg_url, "sk-wrong").responses.create(model="loopserve-tiny", input="x")
+    r = httpx.post(pg_url + "/v1/responses", json={"model": "loopserve-tiny", "input": "x"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+    url = pg_url.replace("http://", "ws://") + "/v1/responses"
+    with pytest.raises(InvalidStatus) as e:
+        async with connect(url, open_timeout=10):
+            pass
+    assert e.value.response.status_code in (401, 403)
+    async with connect(url, open_timeout=10, additional_headers={"Authorization": f"Bearer {KEY_A}"}) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi"}))
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 20)))["type"] not in TERMINAL:
+            pass
+        assert ev["type"] == "response.completed"
+
+
+async def test_per_key_limits_answer_429(pg_url):
+    limited = sdk(pg_url, KEY_LIMITED)
+    url = pg_url.replace("http://", "ws://") + "/v1/responses"
+    headers = {"Authorization": f"Bearer {KEY_LIMITED}"}
+    async with connect(url, open_timeout=10, additional_headers=headers):
+        with pytest.raises(InvalidStatus) as e:
+            async with connect(url, open_timeout=10, additional_headers=headers):
+                pass
+        assert e.value.response.status_code in (429, 403)
+    codes = []
+    for _ in range(5):
+        try:
+            limited.responses.create(model="loopserve-tiny", input="x")
+            codes.append(200)
+        except RateLimitError as err:
+            codes.append(429)
+            assert err.body["code"] == "rate_limit_exceeded"
+    assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
+
+
+async def test_conversation_survives_a_restart_of_every_actor(serve_instance):
+    from ray import serve
+
+    url = _deploy("restart", "/restart", pg_app_args(), serve_instance, 240)
+    client = sdk(url)
+    first = client.responses.create(model="loopserve-tiny", input="remember this", tools=TOOLS)
+    call = first.output[0]
+    # let the post-inference write land, then take the whole app down and up again
+    await asyncio.sleep(0.5)
+    serve.delete("restart")
+    url = _deploy("restart", "/restart", pg_app_args(), serve_instance, 240)
+    client = sdk(url)
+    assert client.responses.retrieve(first.id).output[0].call_id == call.call_id
+    # a socket continues the stored chain (loaded from PostgreSQL, rendered from scratch)
+    ws_url = url.replace("http://", "ws://") + "/v1/responses"
+    async with connect(ws_url, open_timeout=10, additional_headers={"Authorization": f"Bearer {KEY_A}"}) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "tools": TOOLS,
+                                  "previous_response_id": first.id,
+                                  "input": [{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "done"}]}))
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL:
+            pass
+        assert ev["type"] == "response.completed", ev
+        assert ev["response"]["previous_response_id"] == first.id
+    stats = httpx.get(url + "/loopserve/stats", timeout=30).json()
+    assert stats["render"]["full_renders"] >= 1
+    serve.delete("restart")
