@@ -340,6 +340,16 @@ class ConnectionActor:
             self.auth.close_connection(p)
             await session.shutdown()
 
+    @app.websocket("/loopserve/echo")
+    async def echo(self, ws: WebSocket) -> None:
+        """Echoes frames: the latency floor of a WebSocket through the Serve proxy."""
+        await ws.accept()
+        try:
+            while True:
+                await ws.send_text(await ws.receive_text())
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+
     async def _deny(self, ws: WebSocket, err: ApiError) -> None:
         try:
             await ws.send_denial_response(JSONResponse(err.http_body(), status_code=err.status))

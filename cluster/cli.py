@@ -75,10 +75,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--address", default=None, help="join an existing Ray cluster instead of starting one")
     s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
     s.set_defaults(fn=cmd_serve)
+    b = sub.add_parser("bench", help="the agent-loop benchmark (see `loopserve bench --help`)", add_help=False)
+    b.set_defaults(fn=None)
     m = sub.add_parser("make-model", help="generate the tiny local model (no download)")
     m.add_argument("path", nargs="?", default=None)
     m.set_defaults(fn=cmd_make_model)
-    ns = parser.parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["bench"]:
+        from .bench.runner import main as bench_main
+
+        return bench_main(args[1:])
+    ns = parser.parse_args(args)
     return ns.fn(ns)
 
 

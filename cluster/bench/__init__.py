@@ -1,0 +1,1 @@
+"""The agent-loop benchmark (`loopserve bench`)."""
