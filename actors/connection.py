@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import statistics
+import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
@@ -236,6 +237,7 @@ class ConnectionActor:
 
     @app.post("/v1/responses")
     async def create(self, request: Request):
+        received_at = time.perf_counter()
         try:
             p = self._principal(request)
             self.auth.admit_request(p)
@@ -256,6 +258,7 @@ class ConnectionActor:
             lookup=self.responses.lookup_for(p.tenant),
             on_state=self.responses.remember,
             owner=p.tenant,
+            received_at=received_at,
         )
         try:
             first = await events.__anext__()

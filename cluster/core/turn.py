@@ -99,9 +99,16 @@ class TurnDriver:
         stream_id: Optional[str] = None,
         owner: Optional[str] = None,
         response_id: Optional[str] = None,
+        received_at: Optional[float] = None,
     ) -> AsyncIterator[Event]:
-        """Yield the events of one response. Errors before `response.created` raise ApiError."""
+        """Yield the events of one response. Errors before `response.created` raise ApiError.
+
+        `received_at` (perf_counter) is when the request arrived, so the turn's
+        server time includes reading, parsing and validating it (and queueing).
+        """
         timing = TurnTiming()
+        if received_at is not None:
+            timing.started = received_at
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id

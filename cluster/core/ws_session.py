@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from ..config import WebSocketConfig
@@ -50,7 +51,7 @@ class WebSocketSession:
         self._on_state = on_state  # e.g. publish `store: true` responses replica-wide
         self._owner = owner
         self._admit = admit  # per-key rate limit for each response.create (raises ApiError)
-        self._queue: asyncio.Queue[Optional[Union[str, bytes]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Union[str, bytes], float]] = asyncio.Queue()
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self.busy = False
@@ -70,7 +71,7 @@ class WebSocketSession:
                 ApiError(429, "Too many queued requests on this connection.", code="rate_limit_exceeded")
             )
             return
-        self._queue.put_nowait(data)
+        self._queue.put_nowait((data, time.perf_counter()))
 
     async def shutdown(self) -> None:
         """The client went away: cancel the in-flight turn, drop the queue."""
@@ -112,13 +113,13 @@ class WebSocketSession:
 
     async def _work(self) -> None:
         while True:
-            data = await self._queue.get()
+            data, received_at = await self._queue.get()
             try:
                 if self.expired:
                     await self._expire()
                     return
                 self.busy = True
-                await self._handle(data)
+                await self._handle(data, received_at)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one frame kill the connection
@@ -131,7 +132,7 @@ class WebSocketSession:
                 await self._expire()
                 return
 
-    async def _handle(self, data: Union[str, bytes]) -> None:
+    async def _handle(self, data: Union[str, bytes], received_at: Optional[float] = None) -> None:
         if len(data) > self.config.max_frame_bytes:
             await self._send_error(
                 ApiError(
@@ -178,6 +179,7 @@ class WebSocketSession:
                 on_state=self._on_state,
                 stream_id=stream_id,
                 owner=self._owner,
+                received_at=received_at,
             ):
                 await self._send(ev)
             self.responses += 1
