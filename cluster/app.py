@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Union
 
 from ray.serve import Application
@@ -42,6 +43,10 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
             # Keep the engine core in the replica's process: faster start, one actor.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         }
+        if not config.engine_deployment.num_gpus:
+            # Ray sets OMP_NUM_THREADS=1 for fractional-CPU actors; a CPU engine
+            # would then run its kernels on one thread.
+            env["OMP_NUM_THREADS"] = str(config.engine.vllm.cpu_threads or os.cpu_count() or 1)
     opts = _options(config.engine_deployment, env)
     opts["health_check_timeout_s"] = 120
     routing = config.routing

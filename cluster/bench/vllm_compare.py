@@ -1,0 +1,197 @@
+"""The agent loop on the real engine: loopserve (vllm backend) vs the engine floor vs vLLM's server.
+
+    python -m cluster.bench.vllm_compare --turns 50 --message-chars 1500
+
+Same tiny model, same loop, one run, one engine at a time:
+- floor:     vLLM's AsyncLLM in this process, fed token ids directly (no server);
+- loopserve: WebSocket mode, previous_response_id, only new items;
+- peer:      vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`),
+             `/v1/responses` chained with previous_response_id (VLLM_ENABLE_RESPONSES_API_STORE=1).
+Each turn adds a user message of `--message-chars` (unique per run) and the
+model answers `--max-tokens` tokens (temperature 0). Prefix caching everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32
+MAX_LEN = 32768  # the tiny model's max_position_embeddings
+
+
+def _message(turn: int, chars: int, prefix: str) -> str:
+    line = f"[{prefix}] turn {turn}: the file src/mod_{turn}.py reads data, parses it and writes the report. "
+    return (line * (chars // len(line) + 1))[:chars]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def floor(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[float]:
+    """AsyncLLM fed token ids: each turn's prompt = previous prompt + output + the new message's tokens."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, enforce_eager=True, dtype="float32",
+                                                    max_model_len=MAX_LEN, enable_prefix_caching=True,
+                                                    block_size=BLOCK, seed=0))
+    prefix = secrets.token_hex(8)
+    prompt: list[int] = []
+    times = []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+    try:
+        for i in range(turns):
+            msg = tok.apply_chat_template([{"role": "user", "content": _message(i, chars, prefix)}], tokenize=False,
+                                          add_generation_prompt=True)
+            prompt = prompt + tok.encode(msg, add_special_tokens=False)
+            t0 = time.perf_counter()
+            out: list[int] = []
+            async for o in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"floor-{i}"):
+                out.extend(o.outputs[0].token_ids)
+            times.append(time.perf_counter() - t0)
+            prompt = prompt + out + tok.encode("<|im_end|>\n", add_special_tokens=False)
+    finally:
+        llm.shutdown()
+    return times
+
+
+async def ws_chain(url: str, turns: int, chars: int, max_tokens: int, model: str) -> list[float]:
+    from websockets.asyncio.client import connect
+
+    prefix = secrets.token_hex(8)
+    times = []
+    async with connect(url.replace("http://", "ws://") + "/v1/responses", max_size=None, compression=None,
+                       open_timeout=60) as ws:
+        prev = None
+        for i in range(turns):
+            t0 = time.perf_counter()
+            await ws.send(json.dumps({"type": "response.create", "model": model, "store": False,
+                                      "previous_response_id": prev, "max_output_tokens": max_tokens,
+                                      "temperature": 0, "input": _message(i, chars, prefix)}))
+            while True:
+                ev = json.loads(await ws.recv())
+                if ev["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
+                    break
+            if ev["type"] == "error":
+                raise RuntimeError(ev)
+            times.append(time.perf_counter() - t0)
+            prev = ev["response"]["id"]
+    return times
+
+
+async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: str) -> list[float]:
+    import httpx
+
+    prefix = secrets.token_hex(8)
+    times = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        prev = None
+        for i in range(turns):
+            body: dict[str, Any] = {"model": model, "input": _message(i, chars, prefix), "max_output_tokens": max_tokens,
+                                    "temperature": 0, "store": True}
+            if prev:
+                body["previous_response_id"] = prev
+            t0 = time.perf_counter()
+            r = await client.post(url + "/v1/responses", json=body)
+            times.append(time.perf_counter() - t0)
+            r.raise_for_status()
+            prev = r.json()["id"]
+    return times
+
+
+def run_loopserve(turns: int, chars: int, max_tokens: int) -> list[float]:
+    from .runner import _local_cluster
+
+    url = _local_cluster({"engine": {"backend": "vllm", "vllm": {"block_size": BLOCK, "default_max_tokens": max_tokens}},
+                          "model": {"max_model_len": MAX_LEN}, "store": {"backend": "none"},
+                          "safety": {"enabled": False}})
+    try:
+        return asyncio.run(ws_chain(url, turns, chars, max_tokens, "loopserve-tiny"))
+    finally:
+        from ray import serve
+        import ray
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[float]:
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+         "--host", "127.0.0.1", "--served-model-name", "peer", "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", str(MAX_LEN), "--enable-prefix-caching", "--block-size", str(BLOCK), "--seed", "0"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError("vLLM's server exited during start-up")
+            time.sleep(0.5)
+        return asyncio.run(http_chain(url, turns, chars, max_tokens, "peer"))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cluster.bench.vllm_compare", description=__doc__)
+    ap.add_argument("--turns", type=int, default=50)
+    ap.add_argument("--message-chars", type=int, default=1500)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--skip-peer", action="store_true")
+    ns = ap.parse_args(argv)
+    from ..config import DEFAULT_MODEL_DIR
+    from ..tiny_model import ensure_tiny_model
+
+    model_dir = str(ensure_tiny_model(DEFAULT_MODEL_DIR))
+    results: dict[str, list[float]] = {}
+    results["floor"] = asyncio.run(floor(model_dir, ns.turns, ns.message_chars, ns.max_tokens))
+    results["loopserve-ws"] = run_loopserve(ns.turns, ns.message_chars, ns.max_tokens)
+    if not ns.skip_peer:
+        results["vllm-server"] = run_peer(model_dir, ns.turns, ns.message_chars, ns.max_tokens)
+    base = sum(results["floor"])
+    print(f"\nreal engine (vLLM, tiny model, CPU): {ns.turns} turns, +{ns.message_chars} chars/turn, "
+          f"{ns.max_tokens} output tokens")
+    for name, times in results.items():
+        print(f"{name:13s} loop {sum(times):7.2f} s   {sum(times) / base:5.2f}x the floor   "
+              f"turn 1 {times[0] * 1000:7.1f} ms   last turn {times[-1] * 1000:7.1f} ms")
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm_compare.json").write_text(json.dumps({"args": vars(ns), "turn_seconds": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
