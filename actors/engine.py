@@ -12,7 +12,7 @@ from ray import serve
 from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
-from cluster.engines.stream import OutputFormat, stream_chunks
+from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 
 from cluster.tokenizer import load_tokenizer
 
@@ -45,9 +45,9 @@ class EngineReplica:
             self.replica_id = "local"
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
-        chunks = stream_chunks(
+        chunks = coalesce(stream_chunks(
             self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
-        )
+        ))
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

@@ -73,3 +73,51 @@ def test_reasoning_then_answer():
 def test_tools_disabled_leaves_tags_as_text():
     pieces = run(StreamingOutputParser(tools_enabled=False), ['<tool_call>{"name":"a","arguments":{}}</tool_call>'])
     assert all(isinstance(p, TextPiece) for p in pieces)
+
+
+async def test_coalesce_batches_while_the_consumer_is_busy_and_keeps_order():
+    import asyncio
+
+    from cluster.engines.stream import coalesce
+
+    async def produce():
+        for i in range(20):
+            yield [{"t": "text", "v": str(i)}]
+            await asyncio.sleep(0.001)
+
+    batches = []
+    async for batch in coalesce(produce()):
+        batches.append(batch)
+        await asyncio.sleep(0.01)  # a slow consumer
+    flat = [p["v"] for b in batches for p in b]
+    assert flat == [str(i) for i in range(20)]
+    assert len(batches[0]) == 1 and len(batches) < 10
+
+
+async def test_coalesce_propagates_errors_and_cancels_the_producer():
+    import asyncio
+
+    from cluster.engines.stream import coalesce
+
+    closed = []
+
+    async def produce():
+        try:
+            yield [{"t": "text", "v": "a"}]
+            await asyncio.sleep(10)
+        finally:
+            closed.append(True)
+
+    gen = coalesce(produce())
+    assert await gen.__anext__() == [{"t": "text", "v": "a"}]
+    await gen.aclose()
+    await asyncio.sleep(0)
+    assert closed == [True]
+
+    async def failing():
+        yield [{"t": "text", "v": "a"}]
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        async for _ in coalesce(failing()):
+            pass
