@@ -1,6 +1,6 @@
 """The agent loop on the real engine: loopserve (vllm backend) vs the engine floor vs vLLM's server.
 
-    python -m cluster.bench.vllm_compare --turns 50 --message-chars 1500
+    python -m cluster.bench.vllm_compare --turns 50 --message-chars 800
 
 Same tiny model, same loop, one run, one engine at a time:
 - floor:     vLLM's AsyncLLM in this process, fed token ids directly (no server);
@@ -167,7 +167,7 @@ def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[fl
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.vllm_compare", description=__doc__)
     ap.add_argument("--turns", type=int, default=50)
-    ap.add_argument("--message-chars", type=int, default=1500)
+    ap.add_argument("--message-chars", type=int, default=800)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-peer", action="store_true")
