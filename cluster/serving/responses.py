@@ -82,7 +82,7 @@ class ResponsesService:
         for item in state.items[state.input_start : state.output_start]:
             if "id" not in item:
                 item["id"] = new_id(ID_PREFIX.get(item.get("type", "message"), "item"))  # stable from now on
-            inputs.append(item)
+            inputs.append(_listed(item))
         return StoredResponse(
             id=state.response_id, tenant=state.owner or "default",
             previous_response_id=response.get("previous_response_id"), created_at=float(response["created_at"]),
@@ -180,6 +180,7 @@ class ResponsesService:
                 lines.append(f"tool result: {_content_text(item.get('output'))[:200]}")
         summary = "\n".join(lines)[:summary_chars]
         payload = base64.b64encode(json.dumps({"v": 1, "summary": summary}).encode()).decode()
+        kept = [_listed(item) for item in kept]
         output = ([{"id": new_id("cmp"), "type": "compaction", "encrypted_content": payload}] if dropped else []) + kept
         count = await self.driver.count_input_tokens(parse_request({"input": items}), None) if items else 0
         return {"id": new_id("cmp"), "object": "response.compaction", "created_at": int(time.time()),
@@ -242,3 +243,19 @@ class ResponsesService:
 
 
 TERMINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as the API lists it: typed, with a status and content parts."""
+    out = {"type": item.get("type", "message"), **item}
+    if out["type"] == "message":
+        if isinstance(out.get("content"), str):
+            kind = "output_text" if out.get("role") == "assistant" else "input_text"
+            part: dict[str, Any] = {"type": kind, "text": out["content"]}
+            if kind == "output_text":
+                part["annotations"] = []
+            out["content"] = [part]
+        out.setdefault("status", "completed")
+    elif out["type"] in ("function_call", "function_call_output"):
+        out.setdefault("status", "completed")
+    return out
