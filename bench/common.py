@@ -3,49 +3,26 @@
 from __future__ import annotations
 
 import json
-import socket
-import tempfile
 import time
 from typing import Optional
 
 
 def start_cluster() -> str:
-    import ray
-    from ray import serve
+    from cluster.bench.local import start_local_serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ls-bench-"), log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return f"http://127.0.0.1:{port}"
+    return start_local_serve()
 
 
 def stop_cluster() -> None:
-    import ray
-    from ray import serve
+    from cluster.bench.local import stop_local_serve
 
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_serve()
 
 
 def deploy(base: str, name: str, args: dict, timeout: float = 300) -> str:
-    import httpx
-    from ray import serve
+    from cluster.bench import local
 
-    from cluster.app import build_app
-
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}", blocking=False)
-    url = f"{base}/{name}"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{name} did not start")
+    return local.deploy(base, name, f"/{name}", args, timeout)
 
 
 async def ws_loop(url: str, turns: int, text: str, headers: Optional[dict] = None, store: bool = False) -> list[dict]:

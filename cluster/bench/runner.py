@@ -20,30 +20,9 @@ SCRIPTED = {"tokens_per_second": 1000, "prefill_tokens_per_second": 20000, "max_
 
 
 def _local_cluster(args: dict[str, Any]) -> str:
-    import socket
-    import tempfile
+    from .local import deploy, start_local_serve
 
-    import httpx
-    import ray
-    from ray import serve
-
-    from ..app import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ls-bench-"), log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="bench", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the local cluster did not start")
+    return deploy(start_local_serve(), "bench", "/", args, timeout=300)
 
 
 async def echo_floor(url: str, n: int = 500) -> dict[str, float]:
@@ -148,11 +127,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      for m in ns.concurrency.split(",")]
     finally:
         if local:
-            from ray import serve
-            import ray
+            from .local import stop_local_serve
 
-            serve.shutdown()
-            ray.shutdown()
+            stop_local_serve()
     print_report(report)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     png = plot(report["modes"], out / "overhead.png")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import socket
-import time
 
-import httpx
 import pytest
 
 SCRIPTED_ANSWER = (
@@ -38,21 +36,9 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
 
 
 def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float) -> str:
-    from ray import serve
+    from cluster.bench.local import deploy
 
-    from cluster.app import build_app
-
-    serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
-    url = base + (prefix if prefix != "/" else "")
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"app {name} did not become healthy in {timeout}s")
+    return deploy(base, name, prefix, args, timeout)
 
 
 @pytest.fixture(scope="session")
