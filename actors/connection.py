@@ -164,8 +164,16 @@ class ConnectionActor:
 
     # -- HTTP --------------------------------------------------------------------
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """Ready only when every deployment a turn needs answers (not just this ingress)."""
+        checks = [self.render_handle.stats.remote(), self.engine_handle.options(stream=False).stats.remote()]
+        if self.safety_handle is not None:
+            checks.append(self.safety_handle.stats.remote())
+        try:
+            await asyncio.wait_for(asyncio.gather(*checks), timeout=5)
+        except Exception:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
