@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import socket
-import tempfile
 import time
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
@@ -29,22 +27,14 @@ def main() -> None:
     ns = ap.parse_args()
 
     import httpx
-    import ray
     from openai import OpenAI
-    from ray import serve
 
-    from cluster.app import build_app
+    from .common import deploy, start_cluster, stop_cluster
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ls-bench-"), log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {"engine": {"backend": ns.backend}, "model": {"max_model_len": 65536}}
+    args = {"engine": {"backend": ns.backend}, "model": {"max_model_len": 32768}}
     if ns.backend == "vllm":
         args["engine"]["vllm"] = {"block_size": 32, "default_max_tokens": 8}
-    serve.run(build_app(args), blocking=False)
-    url = f"http://127.0.0.1:{port}"
+    url = deploy(start_cluster(), "timings", args)
     client = OpenAI(base_url=url + "/v1", api_key="x", timeout=120)
     unique = secrets.token_hex(8)  # no run hits the KV cache of an earlier one
     rows = []
@@ -66,16 +56,13 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 prev = ev.response
                 calls = [o for o in prev.output if o.type == "function_call"]
-                if not calls and ns.backend == "vllm":
-                    calls = []
                 new = [{"type": "function_call_output", "call_id": c.call_id,
                         "output": (f"line {i} of the file " * 200)[: ns.output_bytes]} for c in calls]
                 new.append({"type": "message", "role": "user", "content": f"step {i}: read the next file"})
                 rows.append((i + 1, sent, prev.usage.input_tokens, prev.usage.input_tokens_details.cached_tokens, wall))
         stats = httpx.get(url + "/loopserve/stats", timeout=30).json()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_cluster()
     turns = [t for t in stats["turns"] if t["prompt_tokens"]][-ns.turns:]
     print(f"backend={ns.backend} turns={ns.turns} tool-output bytes={ns.output_bytes}")
     print("turn  bytes_sent  ctx_items  prompt_tok  cached_tok  render_ms  resolve_ms  overhead_ms  total_ms  client_ms  full")

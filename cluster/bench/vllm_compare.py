@@ -18,12 +18,13 @@ import asyncio
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .local import free_port
 
 BLOCK = 32
 MAX_LEN = 32768  # the tiny model's max_position_embeddings
@@ -32,12 +33,6 @@ MAX_LEN = 32768  # the tiny model's max_position_embeddings
 def _message(turn: int, chars: int, prefix: str) -> str:
     line = f"[{prefix}] turn {turn}: the file src/mod_{turn}.py reads data, parses it and writes the report. "
     return (line * (chars // len(line) + 1))[:chars]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def floor(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[float]:
@@ -137,7 +132,7 @@ def run_loopserve(turns: int, chars: int, max_tokens: int) -> list[float]:
 def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[float]:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),

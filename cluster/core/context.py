@@ -53,6 +53,17 @@ def resolve_context(new_items: list[dict[str, Any]], parent: Optional[ResponseSt
     return ResolvedContext(items, len(base), frozenset(known), tuple(pending), parent)
 
 
+def output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as they re-enter the context (the same dict shape as input items)."""
+    items = []
+    for item in output:
+        if item.get("type") == "message":
+            items.append({"type": "message", "role": "assistant", "id": item["id"], "content": item["content"]})
+        else:
+            items.append(item)
+    return items
+
+
 def output_call_ids(output: list[dict[str, Any]]) -> list[str]:
     return [item["call_id"] for item in output if item.get("type") == "function_call"]
 

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..protocol.requests import ResponsesRequest
-from .context import normalize_tools, output_call_ids, resolve_context
+from .context import normalize_tools, output_as_context, output_call_ids, resolve_context
 from .events import Event, EventAssembler, build_response
 from .ids import new_id
 from .render import RenderResult
@@ -34,17 +34,6 @@ class RenderPort(Protocol):
 # engine request dict -> async iterator of chunk lists (see actors/engine.py)
 EnginePort = Callable[[dict[str, Any]], AsyncIterator[list[dict[str, Any]]]]
 Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
-
-
-def _output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Output items as they re-enter the context (the same dict shape as input)."""
-    items = []
-    for item in output:
-        if item["type"] == "message":
-            items.append({"type": "message", "role": "assistant", "id": item["id"], "content": item["content"]})
-        else:
-            items.append(item)
-    return items
 
 
 class TurnDriver:
@@ -219,7 +208,7 @@ class TurnDriver:
         return ctx, Rendered(prefix, prompt, rendered.anchor_start), tools_spec, key
 
     def _state(self, response_id, req, ctx, output, rendered: Rendered, key, owner, session_key) -> ResponseState:
-        out_items = _output_as_context(output)
+        out_items = output_as_context(output)
         calls = output_call_ids(output)
         return ResponseState(
             response_id=response_id,

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+from ..core.context import output_as_context
 from ..core.state import ResponseState
 
 
@@ -43,6 +44,20 @@ COLUMNS = ("id, tenant, previous_response_id, created_at, model, input_items, ou
            "instructions, tools, affinity_key")
 
 
+def chain_query(id_param: str, tenant_param: str) -> str:
+    """A response and its ancestors (same tenant at every hop), oldest first, in one query."""
+    joined = ", ".join(f"r.{c.strip()}" for c in COLUMNS.split(","))
+    return f"""
+WITH RECURSIVE chain(depth, {COLUMNS}) AS (
+    SELECT 0, {COLUMNS} FROM responses WHERE id = {id_param} AND tenant = {tenant_param}
+    UNION ALL
+    SELECT chain.depth + 1, {joined}
+    FROM responses r JOIN chain ON r.id = chain.previous_response_id AND r.tenant = chain.tenant
+)
+SELECT {COLUMNS} FROM chain ORDER BY depth DESC
+"""
+
+
 class ResponseStore(Protocol):
     """Responses owned by tenants; every read names the tenant (others see nothing)."""
 
@@ -66,7 +81,7 @@ def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
     items: list[dict[str, Any]] = []
     for rec in chain:
         items.extend(rec.input_items)
-        items.extend(_as_context(rec.output))
+        items.extend(output_as_context(rec.output))
     last = chain[-1]
     known: set[str] = set()
     pending: list[str] = []
@@ -92,12 +107,3 @@ def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
         response=last.response,
     )
 
-
-def _as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for item in output:
-        if item.get("type") == "message":
-            out.append({"type": "message", "role": "assistant", "id": item["id"], "content": item["content"]})
-        else:
-            out.append(item)
-    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import COLUMNS, StoredResponse
+from .base import COLUMNS, StoredResponse, chain_query
 
 MIGRATIONS = [
     # version 1
@@ -18,16 +18,7 @@ MIGRATIONS = [
     ],
 ]
 
-CHAIN = f"""
-WITH RECURSIVE chain(depth, {COLUMNS}) AS (
-    SELECT 0, {COLUMNS} FROM responses WHERE id = $1 AND tenant = $2
-    UNION ALL
-    SELECT chain.depth + 1, r.id, r.tenant, r.previous_response_id, r.created_at, r.model, r.input_items,
-           r.output, r.response, r.instructions, r.tools, r.affinity_key
-    FROM responses r JOIN chain ON r.id = chain.previous_response_id AND r.tenant = chain.tenant
-)
-SELECT {COLUMNS} FROM chain ORDER BY depth DESC
-"""
+CHAIN = chain_query("$1", "$2")
 
 
 class PostgresStore:

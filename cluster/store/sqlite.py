@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 from typing import Optional
 
-from .base import COLUMNS, StoredResponse
+from .base import COLUMNS, StoredResponse, chain_query
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS loopserve_schema (version INTEGER NOT NULL)""",
@@ -18,16 +18,7 @@ SCHEMA = [
     """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
 ]
 
-CHAIN = f"""
-WITH RECURSIVE chain(depth, {COLUMNS}) AS (
-    SELECT 0, {COLUMNS} FROM responses WHERE id = ? AND tenant = ?
-    UNION ALL
-    SELECT chain.depth + 1, r.id, r.tenant, r.previous_response_id, r.created_at, r.model, r.input_items,
-           r.output, r.response, r.instructions, r.tools, r.affinity_key
-    FROM responses r JOIN chain ON r.id = chain.previous_response_id AND r.tenant = chain.tenant
-)
-SELECT {COLUMNS} FROM chain ORDER BY depth DESC
-"""
+CHAIN = chain_query("?", "?")
 
 
 class SQLiteStore:
