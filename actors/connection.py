@@ -14,6 +14,7 @@ import logging
 import statistics
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request, WebSocket
@@ -25,8 +26,13 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.websockets import WebSocketDisconnect
 
+from opentelemetry import context as otel_context
+
+from actors.drain import DrainWatch
+from cluster import telemetry
 from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
+from cluster.core.render import render_job
 from cluster.core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
 from cluster.core.session_cache import SessionCache
 from cluster.core.turn import TurnDriver
@@ -35,6 +41,7 @@ from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request
 from cluster.serving.responses import ResponsesService
 from cluster.store import open_store
+from cluster.tokenizer import load_tokenizer, renderer_for
 
 log = logging.getLogger("loopserve.connection")
 
@@ -92,6 +99,8 @@ class ConnectionActor:
         safety: Optional[DeploymentHandle] = None,
     ) -> None:
         self.config = config
+        telemetry.setup(config.telemetry, "connection")
+        self.metrics = telemetry.Metrics()
         self.render_handle = render
         self.engine_handle = engine.options(stream=True)
         self.safety_handle = safety
@@ -117,6 +126,7 @@ class ConnectionActor:
             output_chunk_chars=config.safety.output_chunk_chars,
             classify_tool_outputs=config.safety.classify_tool_outputs,
             post_work=self.post_work,
+            metrics=self.metrics,
         )
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
         self.responses = ResponsesService(self.driver, self.registry, self.store)
@@ -126,13 +136,42 @@ class ConnectionActor:
         for spec in config.post_work.hooks:
             self.post_work.add(spec, load_hook(spec, config))
         self.open_sockets = 0
+        self.local_renderer = None
+        if config.inline_delta_render:
+            tokenizer = await asyncio.to_thread(load_tokenizer, config)
+            self.local_renderer = renderer_for(tokenizer)
+        self.local_render_mismatches = 0
+        self.ws_caches: "weakref.WeakSet[SessionCache]" = weakref.WeakSet()
+        self.ws_sessions: set[WebSocketSession] = set()
+        self.drain_watch = DrainWatch(self._drain)
+        self.drain_watch.start()
+        self.metrics.observe("loopserve.session_cache.bytes", self._cache_bytes, "bytes held by session caches", "By")
+        self.metrics.observe("loopserve.session_cache.entries", self._cache_entries, "responses held by session caches")
+
+    def _cache_bytes(self):
+        return [(self.registry.nbytes, {"cache": "replica"}),
+                (sum(c.nbytes for c in list(self.ws_caches)), {"cache": "connections"})]
+
+    def _cache_entries(self):
+        return [(len(self.registry), {"cache": "replica"}),
+                (sum(len(c) for c in list(self.ws_caches)), {"cache": "connections"})]
+
+    async def _drain(self) -> None:
+        # Scale-down: live sockets finish their turn, then get a clean close to
+        # reconnect on (another replica; `store: true` chains continue there).
+        await asyncio.gather(*[s.drain() for s in list(self.ws_sessions)], return_exceptions=True)
 
     # -- ports for the turn driver ----------------------------------------------
     async def _render(self, job: dict[str, Any]):
+        if self.local_renderer is not None and job["mode"] == "delta" and "verify_items" not in job:
+            result, mismatch = render_job(self.local_renderer, job)
+            self.local_render_mismatches += mismatch
+            return result
         return await self.render_handle.render.remote(job)
 
     async def _classify(self, texts: list[str]) -> list[dict[str, Any]]:
-        return await self.safety_handle.classify.remote(texts)
+        # The caller's span is current (TurnSafety, post-work): it rides along.
+        return await self.safety_handle.classify.remote(texts, telemetry.inject(otel_context.get_current()))
 
     async def _engine(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         # The session key rides on every engine call: the consistent-hash router
@@ -197,6 +236,11 @@ class ConnectionActor:
             "post_work": self.post_work.stats(),
             "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None},
             "render": render,
+            "render_inline": None if self.local_renderer is None else {
+                "full_renders": self.local_renderer.full_renders,
+                "delta_renders": self.local_renderer.delta_renders,
+                "mismatches": self.local_render_mismatches,
+            },
             "engine": engine,  # one engine replica's counters
             "open_sockets": self.open_sockets,
             "registry_entries": len(self.registry),
@@ -250,6 +294,7 @@ class ConnectionActor:
             p = self._principal(request)
             self.auth.admit_request(p)
             req = parse_request(await _json_body(request))
+            parsed_at = time.perf_counter()
             session_key = (request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id
                            or uuid.uuid4().hex)
             if req.background:
@@ -267,6 +312,9 @@ class ConnectionActor:
             on_state=self.responses.remember,
             owner=p.tenant,
             received_at=received_at,
+            parsed_at=parsed_at,
+            trace_parent=telemetry.extract_headers(request.headers),
+            transport="http",
         )
         try:
             first = await events.__anext__()
@@ -304,6 +352,10 @@ class ConnectionActor:
     # -- WebSocket ---------------------------------------------------------------
     @app.websocket("/v1/responses")
     async def websocket(self, ws: WebSocket) -> None:
+        if self.drain_watch.draining:
+            await self._deny(ws, ApiError(503, "This server is shutting down; connect again.", code="server_draining",
+                                          type="server_error"))
+            return
         try:
             p = self.auth.authenticate(ws.headers.get("authorization"))
             self.auth.open_connection(p)
@@ -312,6 +364,7 @@ class ConnectionActor:
             return
         await ws.accept()
         self.open_sockets += 1
+        self.metrics.connections.add(1)
         lock = asyncio.Lock()
 
         async def send(event: dict[str, Any]) -> None:
@@ -322,9 +375,11 @@ class ConnectionActor:
             async with lock:
                 await ws.close(code=code, reason=reason)
 
+        cache = SessionCache(self.config.cache.max_entries, self.config.cache.max_bytes)
+        self.ws_caches.add(cache)
         session = WebSocketSession(
             self.driver,
-            SessionCache(self.config.cache.max_entries, self.config.cache.max_bytes),
+            cache,
             session_key=ws.headers.get("x-session-id") or uuid.uuid4().hex,
             config=self.config.websocket,
             send=send,
@@ -333,8 +388,12 @@ class ConnectionActor:
             on_state=self.responses.remember,
             owner=p.tenant,
             admit=lambda: self.auth.admit_request(p),
+            trace_parent=telemetry.extract_headers(ws.headers),
         )
         session.start()
+        self.ws_sessions.add(session)
+        if self.drain_watch.draining:
+            await session.drain()
         try:
             while not session.closed:
                 msg = await ws.receive()
@@ -348,6 +407,8 @@ class ConnectionActor:
             pass
         finally:
             self.open_sockets -= 1
+            self.metrics.connections.add(-1)
+            self.ws_sessions.discard(session)
             self.auth.close_connection(p)
             await session.shutdown()
 
@@ -368,6 +429,7 @@ class ConnectionActor:
             await ws.close(code=1008, reason=err.message[:120])
 
     async def __del__(self) -> None:
+        self.drain_watch.stop()
         await self.post_work.drain(timeout=10)
         if self.store is not None:
             await self.store.close()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
 from ray import serve
 
+from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
@@ -23,6 +25,11 @@ log = logging.getLogger("loopserve.engine")
 class EngineReplica:
     async def __init__(self, config: LoopserveConfig, engine_cls: Optional[type] = None) -> None:
         self.config = config
+        telemetry.setup(config.telemetry, "engine")
+        self.tracer = telemetry.tracer()
+        self.in_flight = 0
+        telemetry.Metrics().observe("loopserve.engine.queue_depth", lambda: [(self.in_flight, {})],
+                                    "requests in this engine replica (queued or running)")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, config)
         backend = self.tokenizer.backend_tokenizer
         cls = engine_cls or engine_class(config.engine)
@@ -45,15 +52,43 @@ class EngineReplica:
             self.replica_id = "local"
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+        start_ns = time.time_ns()
+        span = self.tracer.start_span("engine.generate", context=telemetry.extract(req.get("trace")),
+                                      kind=telemetry.SpanKind.SERVER, start_time=start_ns)
+        self.in_flight += 1
         chunks = coalesce(stream_chunks(
             self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
         ))
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    if span.is_recording() and chunk and chunk[-1].get("t") == "done":
+                        self._engine_spans(span, req, start_ns, chunk[-1])
+                    yield chunk
+        finally:
+            self.in_flight -= 1
+            span.end()
+
+    def _engine_spans(self, span, req: dict[str, Any], start_ns: int, done: dict[str, Any]) -> None:
+        """Queue wait, prefill and decode as child spans, from the engine's own clock."""
+        ctx = telemetry.context_of(span)
+        sent = int(req.get("sent_at_ns") or start_ns)
+        first = start_ns + int(float(done.get("first_token_s") or 0.0) * 1e9)
+        end = start_ns + int(float(done.get("engine_s") or 0.0) * 1e9)
+        telemetry.span_between(self.tracer, "engine.queue_wait", ctx, min(sent, start_ns), start_ns)
+        telemetry.span_between(self.tracer, "engine.prefill", ctx, start_ns, first,
+                               {"gen_ai.usage.input_tokens": done.get("prompt_tokens", 0),
+                                "loopserve.cached_tokens": done.get("cached_tokens", 0)})
+        telemetry.span_between(self.tracer, "engine.decode", ctx, first, end,
+                               {"gen_ai.usage.output_tokens": done.get("output_tokens", 0)})
+        span.set_attribute("gen_ai.response.time_to_first_token_ms", (first - start_ns) / 1e6)
+        span.set_attribute("loopserve.engine.replica", self.replica_id)
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats.as_dict(), "replica": self.replica_id}
+        import ray
+
+        return {**self.engine.stats.as_dict(), "replica": self.replica_id, "node": ray.get_runtime_context().get_node_id(),
+                "in_flight": self.in_flight}
 
     async def check_health(self) -> None:
         llm = getattr(self.engine, "llm", None)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Optional
 
 from ray import serve
 
+from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.render import RenderResult, render_job
 from cluster.tokenizer import load_tokenizer, renderer_for
@@ -18,12 +20,21 @@ log = logging.getLogger("loopserve.render")
 class RenderActor:
     def __init__(self, config: LoopserveConfig) -> None:
         self.config = config
+        telemetry.setup(config.telemetry, "render")
+        self.tracer = telemetry.tracer()
         self.tokenizer = load_tokenizer(config)
         self.renderer = renderer_for(self.tokenizer)
         self.mismatches = 0
 
     async def render(self, job: dict[str, Any]) -> Optional[RenderResult]:
-        result, mismatch = render_job(self.renderer, job)
+        with self.tracer.start_as_current_span("render.execute", context=telemetry.extract(job.get("trace")),
+                                               kind=telemetry.SpanKind.SERVER) as span:
+            span.set_attribute("loopserve.render.mode", job["mode"])
+            if job["mode"] == "delta" and "verify_items" not in job:
+                result, mismatch = render_job(self.renderer, job)  # O(new items): inline
+            else:
+                # O(history): off the replica's event loop (it also serves health checks).
+                result, mismatch = await asyncio.to_thread(render_job, self.renderer, job)
         if mismatch:
             self.mismatches += 1
             log.error("incremental render differs from the full render; used the full one")

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.safety import (
     Classifier,
@@ -29,6 +30,8 @@ class SafetyActor:
     async def __init__(self, config: LoopserveConfig, guard: Optional[DeploymentHandle] = None) -> None:
         cfg = config.safety
         self.config = config
+        telemetry.setup(config.telemetry, "safety")
+        self.tracer = telemetry.tracer()
         members: list[Classifier] = []
         if cfg.policy:
             members.append(PolicyClassifier(cfg.policy))
@@ -46,15 +49,21 @@ class SafetyActor:
         self.chars = 0
         self.flagged = 0
 
-    async def classify(self, texts: list[str]) -> list[dict[str, Any]]:
-        self.texts += len(texts)
-        self.chars += sum(len(t) for t in texts)
-        verdicts = self.local.classify(texts)
-        if self.guard is not None:
-            guard = await asyncio.gather(*[self._guard_one(t) for t in texts])
-            verdicts = [v if v.flagged else g for v, g in zip(verdicts, guard)]
-        self.flagged += sum(v.flagged for v in verdicts)
-        return [v.as_dict() for v in verdicts]
+    async def classify(self, texts: list[str], trace: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+        """Verdicts for `texts`; `trace` is the caller's W3C context (one span tree per turn)."""
+        with self.tracer.start_as_current_span("safety.classify", context=telemetry.extract(trace),
+                                               kind=telemetry.SpanKind.SERVER) as span:
+            self.texts += len(texts)
+            self.chars += sum(len(t) for t in texts)
+            verdicts = self.local.classify(texts)
+            if self.guard is not None:
+                guard = await asyncio.gather(*[self._guard_one(t) for t in texts])
+                verdicts = [v if v.flagged else g for v, g in zip(verdicts, guard)]
+            flagged = sum(v.flagged for v in verdicts)
+            self.flagged += flagged
+            span.set_attribute("loopserve.safety.texts", len(texts))
+            span.set_attribute("loopserve.safety.flagged", flagged)
+            return [v.as_dict() for v in verdicts]
 
     async def _guard_one(self, text: str) -> Verdict:
         tok = self.guard_tokenizer

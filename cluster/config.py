@@ -87,9 +87,15 @@ class DeploymentResources(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = 0.25
     num_gpus: float = 0.0
+    # Custom Ray resources, to place deployments on node groups (e.g. engines on
+    # GPU workers: `{"loopserve_engine": 1}` with the node started with it).
+    resources: dict[str, float] = Field(default_factory=dict)
     max_ongoing_requests: int = 256
     # When set, replaces num_replicas.
     autoscaling: Optional[AutoscalingSettings] = None
+    # Scale-down/redeploy: how long a stopping replica may finish its work
+    # (connection replicas: the turns in flight on their sockets) before it is killed.
+    graceful_shutdown_timeout_s: float = Field(60.0, gt=0)
 
 
 class RoutingConfig(_Strict):
@@ -182,6 +188,20 @@ class AuthConfig(_Strict):
     keys: list[ApiKey] = Field(default_factory=list)
 
 
+class TelemetryConfig(_Strict):
+    """OpenTelemetry export (off by default: no-op tracer and meter, nothing exported)."""
+
+    enabled: bool = False
+    # OTLP over gRPC (collector port 4317) or HTTP/protobuf (port 4318).
+    protocol: Literal["grpc", "http"] = "grpc"
+    endpoint: str = "http://127.0.0.1:4317"
+    insecure: bool = True  # gRPC without TLS (a collector beside the cluster)
+    service_name: str = "loopserve"
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)  # of root spans; children follow their parent
+    export_delay_ms: int = Field(1000, ge=10)
+    metrics_interval_ms: int = Field(10000, ge=100)
+
+
 class LoopserveConfig(_Strict):
     """Top-level application config (`args:` of the serve config)."""
 
@@ -194,10 +214,18 @@ class LoopserveConfig(_Strict):
     post_work: PostWorkConfig = Field(default_factory=PostWorkConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
     render: DeploymentResources = Field(default_factory=DeploymentResources)
     engine_deployment: DeploymentResources = Field(
         default_factory=lambda: DeploymentResources(num_cpus=0.5, max_ongoing_requests=64)
     )
+    # Render delta jobs (anchor + new items, O(new)) in the connection actor
+    # itself: ~1 ms of work that would otherwise cost a handle hop. Full renders
+    # (O(history): cache misses, stateless requests) still go to RenderActor.
+    inline_delta_render: bool = True
+    # Ray Serve's low-latency request path for every deployment (see
+    # `cluster.app.SERVE_FAST_PATH_ENV`).
+    serve_fast_path: bool = True
     # Verify every incremental render against a full render (tests; O(history)).
     verify_renders: bool = False

@@ -212,6 +212,8 @@ def summarize(mode: str, turns: list[Turn]) -> dict[str, Any]:
         "mode": mode,
         "turns": len(turns),
         "loop_s": sum(t.wall_s for t in turns),
+        # the engine's share (prefill of uncached tokens + decode), from the server's timing
+        "engine_s": sum(t.server.get("engine", 0.0) for t in turns),
         "first_event_p50_ms": percentile([t.first_event_s for t in turns], 50) * 1000,
         "first_event_p99_ms": percentile([t.first_event_s for t in turns], 99) * 1000,
         "first_token_p50_ms": percentile([t.first_token_s for t in turns], 50) * 1000,

@@ -16,9 +16,16 @@ def free_port() -> int:
 
 def start_local_serve(num_cpus: int = 4, temp_dir: str | None = None) -> str:
     """ray.init (own temp dir, free ports: never Redis's 6379) + serve.start; returns the base URL."""
+    import os
+
     import ray
     from ray import serve
 
+    from ..app import SERVE_FAST_PATH_ENV
+
+    # The proxy reads these at start from the cluster's environment.
+    for k, v in SERVE_FAST_PATH_ENV.items():
+        os.environ.setdefault(k, v)
     port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              _temp_dir=temp_dir or tempfile.mkdtemp(prefix="loopserve-ray-"))

@@ -142,18 +142,22 @@ def print_report(report: dict[str, Any]) -> None:
     base = next((m for m in modes if m["mode"] == "http-stateless"), None)
     print(f"\nagent loop: {report['turns']} turns, tool output {report['tool_output_bytes']} B, "
           f"final history {max((m['final_input_tokens'] for m in modes), default=0)} tokens")
-    print(f"{'mode':15s} {'loop s':>8s} {'vs stateless':>12s} {'1st event p50/p99 ms':>21s} "
+    print(f"{'mode':15s} {'loop s':>8s} {'engine s':>8s} {'vs stateless':>12s} {'1st event p50/p99 ms':>21s} "
           f"{'1st token p50/p99 ms':>21s} {'overhead p50/p99 ms':>20s} {'early->late ms':>15s} {'KB sent':>8s}")
     for m in modes:
         ratio = f"{m['loop_s'] / base['loop_s']:.2f}x" if base else "-"
-        print(f"{m['mode']:15s} {m['loop_s']:8.2f} {ratio:>12s} "
+        print(f"{m['mode']:15s} {m['loop_s']:8.2f} {m.get('engine_s', 0.0):8.2f} {ratio:>12s} "
               f"{m['first_event_p50_ms']:9.1f}/{m['first_event_p99_ms']:<9.1f} "
               f"{m['first_token_p50_ms']:9.1f}/{m['first_token_p99_ms']:<9.1f} "
               f"{m['overhead_p50_ms']:8.1f}/{m['overhead_p99_ms']:<9.1f} "
               f"{m['overhead_early_ms']:6.1f}->{m['overhead_late_ms']:<6.1f} {m['bytes_sent_total'] / 1024:8.0f}")
+    ws = next((m for m in modes if m["mode"] == "websocket"), None)
+    if base and ws and ws.get("engine_s"):
+        print(f"engine time alone bounds websocket/stateless at >= {ws['engine_s'] / base['loop_s']:.2f}x "
+              f"(websocket spends {ws['loop_s'] - ws['engine_s']:.2f} s outside the engine, "
+              f"stateless {base['loop_s'] - base['engine_s']:.2f} s)")
     floor = report.get("echo_floor")
     if floor:
-        ws = next((m for m in modes if m["mode"] == "websocket"), None)
         print(f"WS echo through the proxy: p50 {floor['p50_ms']:.2f} ms, p99 {floor['p99_ms']:.2f} ms"
               + (f"; websocket overhead p50 = {ws['overhead_p50_ms'] / floor['p50_ms']:.1f}x the echo" if ws else ""))
     for c in report.get("concurrency", []):

@@ -33,13 +33,18 @@ class TurnRecord:
     # Called by output-safety post-work when the output's tail is flagged late.
     on_late_flag: Optional[Callable[[dict[str, Any]], None]] = None
     state: Any = None  # the committed ResponseState (None if the turn did not commit)
+    trace: Any = None  # the turn's OpenTelemetry context: each hook is a child span
 
 
 Hook = Callable[[TurnRecord], Awaitable[None]]
 
 
 class PostWorkQueue:
-    def __init__(self, hooks: Optional[dict[str, Hook]] = None, *, retries: int = 3, backoff_s: float = 0.2) -> None:
+    def __init__(self, hooks: Optional[dict[str, Hook]] = None, *, retries: int = 3, backoff_s: float = 0.2,
+                 tracer: Any = None) -> None:
+        from .. import telemetry
+
+        self.tracer = tracer or telemetry.tracer()
         self.hooks: dict[str, Hook] = dict(hooks or {})
         self.retries = retries
         self.backoff_s = backoff_s
@@ -58,10 +63,15 @@ class PostWorkQueue:
             task.add_done_callback(self._tasks.discard)
 
     async def _run(self, name: str, hook: Hook, record: TurnRecord) -> None:
+        with self.tracer.start_as_current_span(f"post_work.{name}", context=record.trace) as span:
+            await self._attempts(name, hook, record, span)
+
+    async def _attempts(self, name: str, hook: Hook, record: TurnRecord, span) -> None:
         for attempt in range(self.retries + 1):
             try:
                 await hook(record)
                 self.completed += 1
+                span.set_attribute("loopserve.attempts", attempt + 1)
                 return
             except asyncio.CancelledError:
                 raise

@@ -168,11 +168,13 @@ class TurnSafety:
     chunks are classified concurrently with streaming; a flag stops the stream.
     """
 
-    def __init__(self, port: Optional[SafetyPort], input_texts: list[str], chunk_chars: int = 256) -> None:
+    def __init__(self, port: Optional[SafetyPort], input_texts: list[str], chunk_chars: int = 256, *,
+                 tracer: Any = None, trace_parent: Any = None) -> None:
         import asyncio
 
         self._asyncio = asyncio
         self._port = port
+        self._tracer, self._trace_parent = tracer, trace_parent
         self.input_chars = sum(len(t) for t in input_texts) if port else 0
         self._input = asyncio.ensure_future(self._timed(port, input_texts)) if port and input_texts else None
         self.input_seconds = 0.0
@@ -181,12 +183,23 @@ class TurnSafety:
         self.flag: Optional[dict[str, Any]] = None
         self.tail_text = ""  # generated text left for post-inference classification
 
+    async def _traced(self, name: str, port: SafetyPort, texts: list[str]) -> list[dict[str, Any]]:
+        # Runs as its own task: the span is made current there, so the port
+        # (a handle call) propagates it to the safety deployment.
+        if self._tracer is None:
+            return await port(texts)
+        with self._tracer.start_as_current_span(name, context=self._trace_parent) as span:
+            span.set_attribute("loopserve.safety.chars", sum(len(t) for t in texts))
+            verdicts = await port(texts)
+            span.set_attribute("loopserve.safety.flagged", any(v.get("flagged") for v in verdicts))
+            return verdicts
+
     async def _timed(self, port: SafetyPort, texts: list[str]) -> list[dict[str, Any]]:
         import time
 
         t0 = time.perf_counter()
         try:
-            return await port(texts)
+            return await self._traced("safety.input", port, texts)
         finally:
             self.input_seconds = time.perf_counter() - t0
 
@@ -207,7 +220,7 @@ class TurnSafety:
             return
         chunk = self.monitor.feed(text)
         if chunk:
-            self._outputs.append(self._asyncio.ensure_future(self._port([chunk])))
+            self._outputs.append(self._asyncio.ensure_future(self._traced("safety.output", self._port, [chunk])))
 
     def check_output(self) -> Optional[dict[str, Any]]:
         while self._outputs and self._outputs[0].done():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
+from .. import telemetry
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..protocol.requests import ResponsesRequest
 from .context import normalize_tools, output_as_context, output_call_ids, resolve_context
@@ -24,6 +25,9 @@ from .safety import SafetyPort, TurnSafety, item_texts
 from .session_cache import SessionCache
 from .state import RenderedPrefix, RenderKey, ResponseState
 from .turn_stream import Rendered, TurnStream, TurnTiming
+
+
+_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 class RenderPort(Protocol):
@@ -50,6 +54,8 @@ class TurnDriver:
         output_chunk_chars: int = 256,
         classify_tool_outputs: bool = False,
         post_work: Optional[PostWorkQueue] = None,
+        tracer: Optional[Any] = None,
+        metrics: Optional[telemetry.Metrics] = None,
     ) -> None:
         self.model_name = model_name
         self._render = render
@@ -61,6 +67,9 @@ class TurnDriver:
         self.output_chunk_chars = output_chunk_chars
         self.classify_tool_outputs = classify_tool_outputs
         self.post_work = post_work
+        # OpenTelemetry: the global (no-op unless `telemetry.setup` ran) unless injected.
+        self.tracer = tracer or telemetry.tracer()
+        self.metrics = metrics or telemetry.Metrics()
         self.blocked_turns = 0
         self.timings: list[TurnTiming] = []  # recent turns, bounded
         # Continuations whose engine replica differed from their parent's
@@ -89,15 +98,49 @@ class TurnDriver:
         owner: Optional[str] = None,
         response_id: Optional[str] = None,
         received_at: Optional[float] = None,
+        parsed_at: Optional[float] = None,
+        trace_parent: Optional[Any] = None,
+        transport: str = "http",
     ) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
 
-        `received_at` (perf_counter) is when the request arrived, so the turn's
-        server time includes reading, parsing and validating it (and queueing).
+        `received_at`/`parsed_at` (perf_counter) are when the request arrived and
+        was parsed, so the turn's server time includes reading, parsing and
+        validating it (and queueing). `trace_parent` is the caller's trace
+        context (an incoming `traceparent`); the turn is one span tree under it.
         """
         timing = TurnTiming()
         if received_at is not None:
             timing.started = received_at
+        root = self.tracer.start_span("response.create", context=trace_parent, kind=telemetry.SpanKind.SERVER,
+                                      start_time=telemetry.ns_at(timing.started))
+        tctx = telemetry.context_of(root)
+        root.set_attribute("loopserve.transport", transport)
+        root.set_attribute("gen_ai.request.model", self.model_name)
+        root.set_attribute("loopserve.session", telemetry.hash_key(session_key))
+        if parsed_at is not None:
+            telemetry.span_between(self.tracer, "parse", tctx, telemetry.ns_at(timing.started), telemetry.ns_at(parsed_at))
+        status = "error"
+        try:
+            async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
+                                      timing, root, tctx):
+                if ev["type"] in _TERMINAL:
+                    status = ev["response"]["status"]
+                yield ev
+        except ApiError as err:
+            root.set_attribute("error.type", err.code or str(err.status))
+            root.set_status(telemetry.StatusCode.ERROR, err.message[:200])
+            status = "rejected"
+            raise
+        finally:
+            if status == "error":
+                status = "cancelled"
+            root.set_attribute("loopserve.status", status)
+            self.metrics.turns.add(1, {"transport": transport, "status": status})
+            root.end()
+
+    async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
+                   root, tctx) -> AsyncIterator[Event]:
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -105,8 +148,12 @@ class TurnDriver:
             parent = cache.get(prev_id)
             if parent is not None and owner is not None and parent.owner not in (None, owner):
                 parent = None  # another tenant's response: as if it did not exist
+            found = "hit" if parent is not None else "miss"
             if parent is None and lookup is not None:
                 parent = await lookup(prev_id)
+                found = "store" if parent is not None else "miss"
+            root.set_attribute("loopserve.cache", found)
+            self.metrics.cache_lookups.add(1, {"result": found})
             if parent is None:
                 raise previous_response_not_found(prev_id)
             if parent.blocked:
@@ -121,7 +168,7 @@ class TurnDriver:
             # Keep the chain on the engine replica that holds its prefix KV.
             session_key = parent.affinity_key
         try:
-            prep = await self._prepare(req, parent, timing)
+            prep = await self._prepare(req, parent, timing, tctx)
         except ApiError:
             if prev_id:
                 cache.evict(prev_id)
@@ -135,12 +182,15 @@ class TurnDriver:
         # Classify only what no earlier turn classified (new input items); it
         # runs while the engine prefills.
         new_texts = item_texts(ctx.items[ctx.new_start :], self.classify_tool_outputs) if self._safety else []
-        safety = TurnSafety(self._safety, new_texts, self.output_chunk_chars)
+        safety = TurnSafety(self._safety, new_texts, self.output_chunk_chars, tracer=self.tracer, trace_parent=tctx)
         response_id = response_id or new_id("resp")
         timing.response_id = response_id
+        root.set_attribute("loopserve.response_id", response_id)
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)
         asm = EventAssembler(response, stream_id=stream_id)
         turn = TurnStream(self, req, cache, ctx, rendered, key, owner, session_key, parent, asm, safety, timing, on_state)
+        turn.trace = tctx
+        streaming = self.tracer.start_span("stream_events", context=tctx)
         try:
             events = asm.start()
             timing.first_event = time.perf_counter() - timing.started
@@ -154,21 +204,26 @@ class TurnDriver:
                     yield ev
         finally:
             safety.cancel()
+            streaming.end()
+            root.set_attribute("gen_ai.usage.input_tokens", turn.prompt_len)
+            root.set_attribute("gen_ai.usage.output_tokens", turn.output_tokens)
+            root.set_attribute("loopserve.cached_tokens", turn.cached)
             # Post-inference work is scheduled even when the client went away
             # mid-turn (tokens were spent); never awaited here.
             turn.schedule_post_work()
 
     async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState]) -> int:
         """What `input_tokens` would be for this request (renders, does not generate)."""
-        _, rendered, _, _ = await self._prepare(req, parent, TurnTiming())
+        _, rendered, _, _ = await self._prepare(req, parent, TurnTiming(), None)
         return len(rendered.prompt_token_ids)
 
-    async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming):
+    async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx):
         t0 = time.perf_counter()
-        new_items = req.input_items()
-        ctx = resolve_context(new_items, parent)
-        tools_spec = normalize_tools(req.tools)
-        key = RenderKey.of(req.instructions, tools_spec)
+        with self.tracer.start_as_current_span("resolve_context", context=tctx):
+            new_items = req.input_items()
+            ctx = resolve_context(new_items, parent)
+            tools_spec = normalize_tools(req.tools)
+            key = RenderKey.of(req.instructions, tools_spec)
         timing.resolve = time.perf_counter() - t0
         timing.new_items = len(new_items)
         timing.context_items = len(ctx.items)
@@ -189,10 +244,21 @@ class TurnDriver:
                 job["verify_items"], job["verify_prefix"] = ctx.items, pre.token_ids
         else:
             job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
-        rendered = await self._render(job)
-        if rendered is None:  # the delta was not provably exact: render it all
-            job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
+        span = self.tracer.start_span("render", context=tctx)
+        try:
+            carrier = telemetry.inject(telemetry.context_of(span))
+            if carrier:
+                job["trace"] = carrier
             rendered = await self._render(job)
+            if rendered is None:  # the delta was not provably exact: render it all
+                job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
+                if carrier:
+                    job["trace"] = carrier
+                rendered = await self._render(job)
+            span.set_attribute("loopserve.render.mode", "full" if rendered.full else "delta")
+            span.set_attribute("loopserve.render.delta_tokens", rendered.delta_tokens)
+        finally:
+            span.end()
         prefix, prompt = rendered.assemble(pre.token_ids if pre is not None and not rendered.full else None)
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
@@ -226,10 +292,19 @@ class TurnDriver:
             affinity_key=session_key,
         )
 
-    def _record(self, timing: TurnTiming, prompt_len: int, cached: int) -> None:
+    def _record(self, timing: TurnTiming, prompt_len: int, cached: int, output_tokens: int = 0) -> None:
         timing.total = time.perf_counter() - timing.started
         timing.prompt_tokens = prompt_len
         timing.cached_tokens = cached
+        m = self.metrics
+        m.overhead.record((timing.total - timing.engine) * 1000)
+        if timing.first_token:
+            m.ttft.record(timing.first_token * 1000)
+        if output_tokens:
+            m.output_tokens.add(output_tokens)
+            decode = timing.engine_inner - timing.engine_first_token
+            if decode > 0:
+                m.decode_rate.record(output_tokens / decode)
         self.timings.append(timing)
         if len(self.timings) > 1024:
             del self.timings[:512]

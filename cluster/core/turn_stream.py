@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from ..protocol.errors import ApiError, server_error
+from .. import telemetry
 from .events import Event, EventAssembler, usage_object
 from .post_work import TurnRecord
 from .safety import TurnSafety
@@ -49,6 +50,8 @@ class TurnTiming:
     safety_input_chars: int = 0
     safety_output_chars: int = 0
     engine_replica: str = ""
+    engine_inner: float = 0.0  # the engine replica's own time for the request (engine - this = hop cost)
+    engine_first_token: float = 0.0  # engine-side time to the first output token (prefill)
     session_moved: bool = False  # the previous turn ran on another engine replica
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,6 +84,7 @@ class TurnStream:
         self.status = "cancelled"
         self.posted = False
         self.state = None
+        self.trace = None  # the turn's trace context (parent of engine and post-work spans)
 
     def _evict_parent(self) -> None:
         if self.req.previous_response_id:
@@ -101,6 +105,7 @@ class TurnStream:
         # Content filter: end `incomplete`, cache nothing (no continuation of it).
         self.status = "incomplete"
         self.d.blocked_turns += 1
+        self.d.metrics.safety_blocks.add(1, {"stage": str(flag.get("stage", ""))})
         self.d._record(self.timing, self.prompt_len, self.cached)
         return self.asm.finish(usage_object(self.prompt_len, self.cached, self.output_tokens),
                                incomplete_reason="content_filter")
@@ -135,6 +140,11 @@ class TurnStream:
         flag: Optional[dict[str, Any]] = None
         engine_start = time.perf_counter()
         tool_calls = 0
+        span = d.tracer.start_span("engine", context=self.trace, kind=telemetry.SpanKind.CLIENT)
+        carrier = telemetry.inject(telemetry.context_of(span))
+        if carrier:
+            engine_req["trace"] = carrier
+            engine_req["sent_at_ns"] = time.time_ns()  # the replica reports queue wait from it
         stream = d._engine(engine_req)
         try:
             async for chunk in stream:
@@ -190,10 +200,17 @@ class TurnStream:
             return
         finally:
             await stream.aclose()  # stops (aborts) the engine if we left early
+            span.set_attribute("loopserve.engine.replica", str((done or {}).get("replica", "")))
+            if timing.engine_first_token or (done or {}).get("first_token_s"):
+                span.set_attribute("gen_ai.response.time_to_first_token_ms",
+                                   1000 * float((done or {}).get("first_token_s", 0.0)))
+            span.end()
         timing.engine = time.perf_counter() - engine_start
         if done is not None:
             self.cached = int(done.get("cached_tokens", 0))
             self.output_tokens = int(done.get("output_tokens", self.output_tokens))
+            timing.engine_inner = float(done.get("engine_s", 0.0))
+            timing.engine_first_token = float(done.get("first_token_s", 0.0))
         if flag:
             for ev in self._blocked(flag):
                 yield ev
@@ -212,7 +229,7 @@ class TurnStream:
         usage = usage_object(self.prompt_len, self.cached, self.output_tokens, int(done.get("reasoning_tokens", 0)))
         incomplete = "max_output_tokens" if done.get("finish_reason") == "length" else None
         self._commit(asm.response["output"], replica)
-        d._record(timing, self.prompt_len, self.cached)
+        d._record(timing, self.prompt_len, self.cached, self.output_tokens)
         self.status = "incomplete" if incomplete else "completed"
         terminal = asm.finish(usage, incomplete_reason=incomplete)
         self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
@@ -244,5 +261,6 @@ class TurnStream:
                 timing=self.timing.as_dict(),
                 on_late_flag=self._late_flag,
                 state=self.state,
+                trace=self.trace,
             )
         )

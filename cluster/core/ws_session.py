@@ -40,6 +40,7 @@ class WebSocketSession:
         on_state: Optional[Callable[[Any], None]] = None,
         owner: Optional[str] = None,
         admit: Optional[Callable[[], None]] = None,
+        trace_parent: Any = None,
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -51,11 +52,13 @@ class WebSocketSession:
         self._on_state = on_state  # e.g. publish `store: true` responses replica-wide
         self._owner = owner
         self._admit = admit  # per-key rate limit for each response.create (raises ApiError)
+        self._trace_parent = trace_parent  # a `traceparent` sent on the upgrade: every turn joins that trace
         self._queue: asyncio.Queue[tuple[Union[str, bytes], float]] = asyncio.Queue()
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self.busy = False
         self.expired = False
+        self.draining = False
         self.closed = False
         self.responses = 0
 
@@ -86,6 +89,14 @@ class WebSocketSession:
                 except (asyncio.CancelledError, Exception):
                     pass
 
+    async def drain(self) -> None:
+        """The server is going away (scale-down): finish the turn in flight, then
+        tell the client to reconnect (the connection-limit error it already
+        handles) and close with 1001."""
+        self.draining = self.expired = True
+        if not self.busy and self._queue.empty():
+            await self._expire()
+
     async def wait_idle(self) -> None:
         """For tests: until every queued frame has been handled."""
         await self._queue.join()
@@ -102,14 +113,17 @@ class WebSocketSession:
         if self.closed:
             return
         self.closed = True
-        await self._send_error(
-            ApiError(
-                400,
-                "Responses websocket connection limit reached (60 minutes). Create a new websocket connection to continue.",
-                code="websocket_connection_limit_reached",
-            )
-        )
-        await self._close(1000, "connection limit reached")
+        if self.draining:
+            message = ("This server is shutting down this connection (scale-down or restart). "
+                       "Create a new websocket connection to continue.")
+        else:
+            message = ("Responses websocket connection limit reached (60 minutes). "
+                       "Create a new websocket connection to continue.")
+        await self._send_error(ApiError(400, message, code="websocket_connection_limit_reached"))
+        if self.draining:
+            await self._close(1001, "server draining: reconnect")
+        else:
+            await self._close(1000, "connection limit reached")
 
     async def _work(self) -> None:
         while True:
@@ -168,6 +182,7 @@ class WebSocketSession:
             if self._admit is not None:
                 self._admit()
             req = parse_request(body)
+            parsed_at = time.perf_counter()
             if req.background:
                 raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")
             stream_id = req.stream_id
@@ -180,6 +195,9 @@ class WebSocketSession:
                 stream_id=stream_id,
                 owner=self._owner,
                 received_at=received_at,
+                parsed_at=parsed_at,
+                trace_parent=self._trace_parent,
+                transport="websocket",
             ):
                 await self._send(ev)
             self.responses += 1

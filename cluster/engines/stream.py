@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from array import array
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -86,11 +87,17 @@ async def stream_chunks(
         start_in_reasoning=tail.rstrip().endswith(fmt.think_open),
     )
     output_tokens = 0
+    # The engine's own clock: the connection actor subtracts it from what it
+    # saw to get the cost of the handle hop (benchmarks, traces).
+    started = time.perf_counter()
+    first_token = 0.0
     # aclosing: leaving early (client gone, content filter) closes the engine's
     # generator now, which aborts the request, instead of whenever GC runs.
     async with aclosing(engine.generate(request)) as deltas:
         async for delta in deltas:
             output_tokens += delta.new_tokens
+            if delta.new_tokens and not first_token:
+                first_token = time.perf_counter() - started
             chunk = pieces_to_dicts(parser.feed(delta.text)) if delta.text else []
             if delta.new_tokens and not delta.finished:
                 # Token progress: a turn stopped early (client gone, content filter)
@@ -106,6 +113,8 @@ async def stream_chunks(
                         "output_tokens": output_tokens,
                         "finish_reason": delta.finish_reason,
                         "replica": replica,
+                        "engine_s": time.perf_counter() - started,
+                        "first_token_s": first_token,
                     }
                 )
             if chunk:

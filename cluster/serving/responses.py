@@ -74,8 +74,10 @@ class ResponsesService:
             return
         t0 = time.perf_counter()
         await self.store.put(self._stored(state, record.response))
-        self.write_latencies.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.write_latencies.append(took)
         del self.write_latencies[:-1000]
+        self.driver.metrics.store_write.record(took * 1000, {"store": type(self.store).__name__})
 
     def _stored(self, state: ResponseState, response: dict[str, Any]) -> StoredResponse:
         inputs = []

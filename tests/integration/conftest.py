@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 SCRIPTED_ANSWER = (
@@ -12,27 +10,15 @@ SCRIPTED_ANSWER = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def serve_instance(tmp_path_factory, tiny_model_dir):
-    import ray
-    from ray import serve
+    from cluster.bench.local import start_local_serve, stop_local_serve
 
     # Never the shared /tmp/ray, never Redis's port: ray.init() picks free ports.
-    temp_dir = str(tmp_path_factory.mktemp("ray"))
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield start_local_serve(num_cpus=4, temp_dir=str(tmp_path_factory.mktemp("ray")))
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
 
 
 def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float) -> str:
@@ -171,3 +157,26 @@ def pg_app_args() -> dict:
 def pg_url(serve_instance):
     """Scripted engine + PostgreSQL store (127.0.0.1:5432) + API keys for three tenants."""
     return _deploy("pg", "/pg", pg_app_args(), serve_instance, 240)
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver():
+    """An OTLP/HTTP receiver on 127.0.0.1 (stands in for an OpenTelemetry collector)."""
+    from tests.otlp_receiver import OtlpHttpReceiver
+
+    with OtlpHttpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def otel_url(serve_instance, otlp_receiver):
+    """Scripted engine, safety on, traces and metrics exported over OTLP/HTTP to `otlp_receiver`."""
+    args = {
+        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000}},
+        "store": {"backend": "none"},
+        "telemetry": {"enabled": True, "protocol": "http", "endpoint": otlp_receiver.url,
+                      "export_delay_ms": 100, "metrics_interval_ms": 500},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+        "safety": {"deployment": {"num_cpus": 0.05}},
+    }
+    return _deploy("otel", "/otel", args, serve_instance, 240)

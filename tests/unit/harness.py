@@ -22,7 +22,7 @@ from cluster.tokenizer import renderer_for
 
 class InProcessStack:
     def __init__(self, tokenizer, *, verify: bool = True, max_model_len: int = 32768, safety=None,
-                 post_work=None, chunk_chars: int = 256, **scripted: Any) -> None:
+                 post_work=None, chunk_chars: int = 256, tracer=None, metrics=None, **scripted: Any) -> None:
         self.renderer = renderer_for(tokenizer)
         backend = tokenizer.backend_tokenizer
         self.engine = ScriptedEngine(
@@ -46,6 +46,8 @@ class InProcessStack:
             safety=safety,
             output_chunk_chars=chunk_chars,
             post_work=post_work,
+            tracer=tracer,
+            metrics=metrics,
         )
 
     async def render(self, job):

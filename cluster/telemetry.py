@@ -1,0 +1,167 @@
+"""OpenTelemetry traces and metrics for every loopserve process.
+
+Each deployment calls `setup(config.telemetry, role)` once in its constructor:
+it installs the process's tracer and meter providers with OTLP exporters
+(gRPC or HTTP) when telemetry is enabled. When it is off, the OpenTelemetry
+API's no-op tracer and meter are used: a span costs a no-op object, nothing is
+exported. Trace context crosses deployment handle calls as a W3C carrier dict
+(`inject`/`extract`) inside the job, request or call arguments, so the spans
+of one turn form one tree across the connection, render, safety and engine
+processes.
+
+Spans never carry prompt or output text; session keys are hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Any, Optional
+
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
+
+from .config import TelemetryConfig
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "loopserve"
+_installed: Optional[tuple[Any, Any]] = None  # (TracerProvider, MeterProvider) of this process
+
+
+def setup(config: TelemetryConfig, role: str) -> bool:
+    """Install this process's providers (once); returns whether telemetry is on."""
+    global _installed
+    if not config.enabled or _installed is not None:
+        return _installed is not None
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    resource = Resource.create({
+        "service.name": config.service_name,
+        "service.instance.id": f"{role}-{os.getpid()}",
+        "loopserve.role": role,
+        "process.pid": os.getpid(),
+    })
+    span_exporter, metric_exporter = _exporters(config)
+    tracer_provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+    tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter, schedule_delay_millis=config.export_delay_ms))
+    readers = [PeriodicExportingMetricReader(metric_exporter, export_interval_millis=config.metrics_interval_ms)]
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(meter_provider)
+    _installed = (tracer_provider, meter_provider)
+    log.info("telemetry on: %s -> %s (%s)", role, config.endpoint, config.protocol)
+    return True
+
+
+def _exporters(config: TelemetryConfig):
+    if config.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return (OTLPSpanExporter(endpoint=config.endpoint, insecure=config.insecure),
+                OTLPMetricExporter(endpoint=config.endpoint, insecure=config.insecure))
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    base = config.endpoint.rstrip("/")
+    return OTLPSpanExporter(endpoint=base + "/v1/traces"), OTLPMetricExporter(endpoint=base + "/v1/metrics")
+
+
+def flush(timeout_ms: int = 5000) -> None:
+    """Export what is buffered now (tests, shutdown)."""
+    if _installed is not None:
+        _installed[0].force_flush(timeout_ms)
+        _installed[1].force_flush(timeout_ms)
+
+
+def tracer() -> Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+def inject(ctx: Optional[Context]) -> Optional[dict[str, str]]:
+    """W3C trace context of `ctx` as a dict to send along a handle call (None when not recording)."""
+    if ctx is None or not trace.get_current_span(ctx).get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract(carrier: Optional[dict[str, str]]) -> Optional[Context]:
+    return propagate.extract(carrier) if carrier else None
+
+
+def extract_headers(headers: Any) -> Optional[Context]:
+    """The caller's trace context from request (or WebSocket upgrade) headers, if it sent one."""
+    value = headers.get("traceparent")
+    if not value:
+        return None
+    carrier = {"traceparent": value}
+    if headers.get("tracestate"):
+        carrier["tracestate"] = headers.get("tracestate")
+    return propagate.extract(carrier)
+
+
+def context_of(span: Span) -> Context:
+    return trace.set_span_in_context(span)
+
+
+def hash_key(key: str) -> str:
+    """Session keys are identifiers users chose: export a hash, not the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def ns_at(perf: float) -> int:
+    """Wall-clock nanoseconds of an earlier `time.perf_counter()` reading."""
+    return time.time_ns() - int((time.perf_counter() - perf) * 1e9)
+
+
+def span_between(tr: Tracer, name: str, parent: Optional[Context], start_ns: int, end_ns: int,
+                 attributes: Optional[dict[str, Any]] = None) -> None:
+    """A span for an interval measured elsewhere (queue wait, prefill, decode)."""
+    span = tr.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
+    span.end(end_time=max(end_ns, start_ns))
+
+
+class Metrics:
+    """The instruments loopserve records (no-op until a meter provider is installed)."""
+
+    def __init__(self, meter: Optional[metrics.Meter] = None) -> None:
+        m = meter or metrics.get_meter(TRACER_NAME)
+        self.turns = m.create_counter("loopserve.turns", description="responses created, by transport and status")
+        self.overhead = m.create_histogram("loopserve.turn.overhead", unit="ms",
+                                           description="server time of a turn minus engine time")
+        self.ttft = m.create_histogram("loopserve.turn.ttft", unit="ms", description="time to the first output token")
+        self.output_tokens = m.create_counter("loopserve.tokens.output", description="generated tokens")
+        self.decode_rate = m.create_histogram("loopserve.tokens.per_second", unit="1/s",
+                                              description="decode rate of a turn")
+        self.cache_lookups = m.create_counter("loopserve.session_cache.lookups",
+                                              description="previous_response_id lookups, by result (hit|store|miss)")
+        self.safety_blocks = m.create_counter("loopserve.safety.blocks", description="turns stopped by the content filter")
+        self.store_write = m.create_histogram("loopserve.store.write_latency", unit="ms",
+                                              description="durable store write latency")
+        self.connections = m.create_up_down_counter("loopserve.connections.active",
+                                                    description="open WebSocket connections")
+        self._meter = m
+
+    def observe(self, name: str, callback, description: str = "", unit: str = "") -> None:
+        """An observable gauge read at export time (cache bytes, engine queue depth)."""
+        from opentelemetry.metrics import Observation
+
+        def read(_options):
+            return [Observation(v, attrs) for v, attrs in callback()]
+
+        self._meter.create_observable_gauge(name, callbacks=[read], description=description, unit=unit)
+
+
+__all__ = ["setup", "flush", "tracer", "inject", "extract", "extract_headers", "context_of", "hash_key", "ns_at", "span_between",
+           "Metrics", "SpanKind", "StatusCode"]

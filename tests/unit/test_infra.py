@@ -1,0 +1,139 @@
+"""Deployment manifests validate: KubeRay RayService, serve configs, collector config, dashboard, image."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.app import SERVE_FAST_PATH_ENV
+from cluster.config import LoopserveConfig, TelemetryConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+INFRA = ROOT / "infra"
+
+
+def rayservice() -> dict:
+    return yaml.safe_load((INFRA / "k8s" / "rayservice.yaml").read_text())
+
+
+def test_rayservice_shape():
+    rs = rayservice()
+    assert rs["apiVersion"] == "ray.io/v1" and rs["kind"] == "RayService"
+    cluster = rs["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"  # no replicas on the head
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"cpu-workers", "gpu-workers"}
+    for g in groups.values():
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+        (container,) = g["template"]["spec"]["containers"]
+        assert container["image"] and container["resources"]["limits"]["cpu"]
+    gpu = groups["gpu-workers"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert gpu["nvidia.com/gpu"] == "1"
+    # The proxy and every replica run Serve's fast request path (same env everywhere).
+    for c in [head["template"]["spec"]["containers"][0]] + [g["template"]["spec"]["containers"][0] for g in groups.values()]:
+        assert {e["name"]: e["value"] for e in c["env"]} == SERVE_FAST_PATH_ENV
+
+
+def _group_resources(group: dict) -> dict:
+    raw = group["rayStartParams"].get("resources", "{}")
+    return json.loads(json.loads(raw) if raw.startswith('"') else raw)
+
+
+def test_rayservice_serve_config_loads_with_ray_and_our_schema():
+    rs = rayservice()
+    serve_config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_config)  # Ray Serve's own schema
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "cluster.app:build_app"
+    config = LoopserveConfig.model_validate(app["args"])  # ours (extra=forbid: typos fail)
+    groups = {g["groupName"]: _group_resources(g) for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    # Every custom resource a deployment asks for is offered by a worker group.
+    for res in (config.connection, config.render, config.safety.deployment, config.engine_deployment):
+        for name in res.resources:
+            assert any(name in offered for offered in groups.values()), name
+        assert res.autoscaling is not None and res.autoscaling.min_replicas >= 1
+    assert "loopserve_gpu_node" in config.engine_deployment.resources and config.engine_deployment.num_gpus == 1
+    assert config.telemetry.enabled and config.telemetry.endpoint.endswith(":4317")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "serve_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_serve_configs_load_with_ray_schema(path):
+    serve_config = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(serve_config)
+    for app in serve_config["applications"]:
+        LoopserveConfig.model_validate(app.get("args") or {})
+
+
+def test_collector_config_pipelines_are_wired():
+    col = yaml.safe_load((INFRA / "otel-collector.yaml").read_text())
+    for name, pipeline in col["service"]["pipelines"].items():
+        for kind in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(kind, []):
+                assert component in col[kind], (name, kind, component)
+    assert set(col["service"]["pipelines"]) == {"traces", "metrics"}
+    protocols = col["receivers"]["otlp"]["protocols"]
+    # Our default exporter (OTLP/gRPC on 4317) and the HTTP one (4318) both land.
+    assert protocols["grpc"]["endpoint"].endswith(TelemetryConfig().endpoint.rsplit(":", 1)[1])
+    assert protocols["http"]["endpoint"].endswith(":4318")
+
+
+def _prometheus_names() -> set[str]:
+    """Our instruments, named as the collector's Prometheus exporter exposes them."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from cluster import telemetry
+
+    reader = InMemoryMetricReader()
+    m = telemetry.Metrics(MeterProvider(metric_readers=[reader]).get_meter("t"))
+    for inst in (m.turns, m.output_tokens, m.cache_lookups, m.safety_blocks, m.connections):
+        inst.add(1)
+    for inst in (m.overhead, m.ttft, m.decode_rate, m.store_write):
+        inst.record(1.0)
+    m.observe("loopserve.session_cache.bytes", lambda: [(1, {})], unit="By")
+    m.observe("loopserve.engine.queue_depth", lambda: [(1, {})])
+    units = {"ms": "_milliseconds", "By": "_bytes", "1/s": "_per_second", "": ""}
+    names = set()
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                base = metric.name.replace(".", "_")
+                suffix = units[metric.unit or ""]
+                if not base.endswith(suffix):
+                    base += suffix
+                kind = type(metric.data).__name__
+                if kind == "Histogram":
+                    names |= {base + "_bucket", base + "_sum", base + "_count"}
+                elif kind == "Sum" and metric.data.is_monotonic:
+                    names.add(base + "_total")
+                else:
+                    names.add(base)
+    return names
+
+
+def test_dashboard_queries_only_metrics_we_export():
+    dash = json.loads((INFRA / "grafana" / "loopserve-dashboard.json").read_text())
+    exported = _prometheus_names()
+    used = set()
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"loopserve_[a-z_]+", target["expr"]))
+    assert used and used <= exported, used - exported
+    # and every metric family we export has a panel
+    families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}
+    assert families == {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
+
+
+def test_image_definition_matches_the_project():
+    text = (INFRA / "Dockerfile").read_text()
+    for path in re.findall(r"^COPY (\S+) ", text, re.M):
+        if path != "pyproject.toml":
+            assert (ROOT / path).exists(), path
+    cmd = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
+    assert (ROOT / cmd[-1]).exists()
+    for key, value in SERVE_FAST_PATH_ENV.items():
+        assert f"{key}={value}" in text
