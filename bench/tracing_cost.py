@@ -29,7 +29,8 @@ def main(argv=None) -> None:
     base = start_local_serve()
     with OtlpHttpReceiver() as receiver:
         try:
-            common = {"engine": {"backend": "scripted", "scripted": SCRIPTED}, "store": {"backend": "none"}}
+            common = {"engine": {"backend": "scripted", "scripted": SCRIPTED}, "store": {"backend": "none"},
+                      "model": {"max_model_len": 262144}}
             urls = {
                 "off": deploy(base, "off", "/off", common),
                 "on": deploy(base, "on", "/on", {**common, "telemetry": {
