@@ -81,11 +81,24 @@ def _sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    body = bytearray()
+    async for chunk in request.stream():  # chunked bodies are bounded too
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
     try:
-        return json.loads(await request.body())
-    except ValueError:
+        return json.loads(body)
+    except ValueError:  # includes invalid UTF-8
         raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"The request body is {size} bytes or more; the limit is {limit} bytes.",
+                    code="request_too_large")
 
 
 @serve.deployment(name="ConnectionActor")
@@ -127,9 +140,12 @@ class ConnectionActor:
             classify_tool_outputs=config.safety.classify_tool_outputs,
             post_work=self.post_work,
             metrics=self.metrics,
+            max_input_items=config.limits.max_input_items,
+            max_context_tokens=config.limits.max_context_tokens,
         )
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
-        self.responses = ResponsesService(self.driver, self.registry, self.store)
+        self.responses = ResponsesService(self.driver, self.registry, self.store,
+                                          write_retry_s=config.store.write_retry_s)
         self.post_work.add("persist", self.responses.persist)
         if safety is not None:
             self.post_work.add("output_safety", OutputTailCheck(self._classify, self.safety_ledger))
@@ -167,11 +183,25 @@ class ConnectionActor:
             result, mismatch = render_job(self.local_renderer, job)
             self.local_render_mismatches += mismatch
             return result
-        return await self.render_handle.render.remote(job)
+        return await self._retrying("render", lambda: self.render_handle.render.remote(job))
 
     async def _classify(self, texts: list[str]) -> list[dict[str, Any]]:
         # The caller's span is current (TurnSafety, post-work): it rides along.
-        return await self.safety_handle.classify.remote(texts, telemetry.inject(otel_context.get_current()))
+        carrier = telemetry.inject(otel_context.get_current())
+        return await self._retrying("safety", lambda: self.safety_handle.classify.remote(texts, carrier))
+
+    async def _retrying(self, what: str, call):
+        """A unary call to a stateless deployment: a replica that died is retried on
+        another (or on its replacement, which Serve starts within seconds)."""
+        retries = self.config.routing.engine_retries
+        for attempt in range(retries + 1):
+            try:
+                return await call()
+            except (RayActorError, ActorUnavailableError):
+                if attempt == retries:
+                    raise
+                log.warning("%s replica unavailable; retrying (attempt %d)", what, attempt + 1)
+                await asyncio.sleep(0.5 * (attempt + 1))
 
     async def _engine(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         # The session key rides on every engine call: the consistent-hash router
@@ -234,7 +264,8 @@ class ConnectionActor:
             "blocked_turns": self.driver.blocked_turns,
             "usage": self.usage.snapshot(),
             "post_work": self.post_work.stats(),
-            "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None},
+            "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None,
+                             "retried": self.responses.write_retries, "failed": self.responses.write_failures},
             "render": render,
             "render_inline": None if self.local_renderer is None else {
                 "full_renders": self.local_renderer.full_renders,
@@ -243,6 +274,7 @@ class ConnectionActor:
             },
             "engine": engine,  # one engine replica's counters
             "open_sockets": self.open_sockets,
+            "tasks": len(asyncio.all_tasks()),
             "registry_entries": len(self.registry),
             "session_moves": self.driver.session_moves,
             "turns": [t.as_dict() for t in self.driver.timings[-max(1, min(last, 1024)):]],
@@ -251,12 +283,12 @@ class ConnectionActor:
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(self, request: Request) -> dict[str, Any]:
         p = self._principal(request)
-        return await self.responses.input_tokens(await _json_body(request), p.tenant)
+        return await self.responses.input_tokens(await _json_body(request, self.config.limits.max_request_bytes), p.tenant)
 
     @app.post("/v1/responses/compact")
     async def compact(self, request: Request) -> dict[str, Any]:
         p = self._principal(request)
-        return await self.responses.compact(await _json_body(request), p.tenant)
+        return await self.responses.compact(await _json_body(request, self.config.limits.max_request_bytes), p.tenant)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(self, request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
@@ -293,7 +325,8 @@ class ConnectionActor:
         try:
             p = self._principal(request)
             self.auth.admit_request(p)
-            req = parse_request(await _json_body(request))
+            req = parse_request(await _json_body(request, self.config.limits.max_request_bytes),
+                                max_input_items=self.config.limits.max_input_items)
             parsed_at = time.perf_counter()
             session_key = (request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id
                            or uuid.uuid4().hex)
@@ -357,6 +390,11 @@ class ConnectionActor:
                                           type="server_error"))
             return
         try:
+            origin = ws.headers.get("origin")
+            allowed = self.config.websocket.allowed_origins
+            if allowed and origin is not None and origin not in allowed:
+                raise ApiError(403, f"Origin '{origin[:200]}' is not allowed.", code="origin_not_allowed",
+                               type="invalid_request_error")
             p = self.auth.authenticate(ws.headers.get("authorization"))
             self.auth.open_connection(p)
         except ApiError as err:

@@ -111,14 +111,30 @@ class RoutingConfig(_Strict):
     # Successors tried when the session's replica rejects under backpressure.
     num_fallback_replicas: int = Field(1, ge=0)
     # Retries of an engine call that failed before its first chunk (replica died).
-    engine_retries: int = Field(3, ge=0)
+    engine_retries: int = Field(5, ge=0)  # backoff 0.5 s, 1 s, ...: ~7.5 s covers a replica restart
 
 
 class WebSocketConfig(_Strict):
     max_connection_seconds: float = 3600.0
+    # A socket with no frame and no turn in flight for this long is closed
+    # (error event + close 1000), freeing its cache.
+    idle_timeout_seconds: float = Field(900.0, gt=0)
+    # Browser clients: when set, an upgrade whose Origin header is not listed is
+    # refused (403). Requests without an Origin (SDKs, CLIs) are not affected.
+    allowed_origins: list[str] = Field(default_factory=list)
     # Frames above this get an error event (the proxy itself closes above 16 MiB).
     max_frame_bytes: int = 15 * 1024 * 1024
     max_queued_creates: int = 64
+
+
+class LimitsConfig(_Strict):
+    """Bounds on what one request may ask for (each answered with a 4xx in the API's shape)."""
+
+    max_input_items: int = Field(10_000, ge=1)  # items in one request's `input`
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # HTTP body
+    # Prompt tokens of a turn's whole context (history + new input); default:
+    # the model's max_model_len.
+    max_context_tokens: Optional[int] = Field(None, ge=1)
 
 
 class CacheConfig(_Strict):
@@ -172,6 +188,11 @@ class StoreConfig(_Strict):
     backend: Literal["sqlite", "postgres", "none"] = "sqlite"
     sqlite_path: str = str(Path.home() / ".cache" / "loopserve" / "responses.sqlite3")
     postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    # Writes are post-inference work: a failed write is retried with backoff
+    # for this long (the store restarting, a failover), then counted in
+    # `/loopserve/stats` (`store_writes.failed`) and logged with the response
+    # id; the response stays readable and continuable from this replica's memory.
+    write_retry_s: float = Field(60.0, ge=0)
 
 
 class ApiKey(_Strict):
@@ -215,6 +236,7 @@ class LoopserveConfig(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
     render: DeploymentResources = Field(default_factory=DeploymentResources)
     engine_deployment: DeploymentResources = Field(

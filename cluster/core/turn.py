@@ -56,12 +56,17 @@ class TurnDriver:
         post_work: Optional[PostWorkQueue] = None,
         tracer: Optional[Any] = None,
         metrics: Optional[telemetry.Metrics] = None,
+        max_input_items: Optional[int] = None,
+        max_context_tokens: Optional[int] = None,
     ) -> None:
         self.model_name = model_name
         self._render = render
         self._engine = engine
         self.default_max_tokens = default_max_tokens
         self.max_model_len = max_model_len
+        self.max_input_items = max_input_items
+        # A prompt must leave room for one generated token; an operator may bound it lower.
+        self.context_limit = min(max_model_len - 1, max_context_tokens or max_model_len)
         self.verify_renders = verify_renders
         self._safety = safety
         self.output_chunk_chars = output_chunk_chars
@@ -263,10 +268,10 @@ class TurnDriver:
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
         timing.delta_tokens = rendered.delta_tokens
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) > self.context_limit:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"This model's maximum context length is {self.context_limit} tokens, "
                 f"but the input has {len(prompt)} tokens.",
                 code="context_length_exceeded",
                 param="input",

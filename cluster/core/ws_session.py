@@ -59,7 +59,9 @@ class WebSocketSession:
         self.busy = False
         self.expired = False
         self.draining = False
+        self.idle = False
         self.closed = False
+        self._last_activity = time.monotonic()
         self.responses = 0
 
     def start(self) -> None:
@@ -74,6 +76,7 @@ class WebSocketSession:
                 ApiError(429, "Too many queued requests on this connection.", code="rate_limit_exceeded")
             )
             return
+        self._last_activity = time.monotonic()
         self._queue.put_nowait((data, time.perf_counter()))
 
     async def shutdown(self) -> None:
@@ -103,11 +106,23 @@ class WebSocketSession:
 
     # -- internals -------------------------------------------------------------
     async def _limit(self) -> None:
-        await asyncio.sleep(self.config.max_connection_seconds)
-        self.expired = True
-        if not self.busy and self._queue.empty():
-            await self._expire()
-        # else: the worker closes after the response in flight
+        """The connection's lifetime limit and its idle timeout."""
+        started = time.monotonic()
+        cfg = self.config
+        while True:
+            now = time.monotonic()
+            life_left = cfg.max_connection_seconds - (now - started)
+            idle_left = cfg.idle_timeout_seconds - (now - self._last_activity)
+            if life_left <= 0:
+                self.expired = True
+                if not self.busy and self._queue.empty():
+                    await self._expire()
+                return  # else: the worker closes after the response in flight
+            if idle_left <= 0 and not self.busy and self._queue.empty():
+                self.idle = True
+                await self._expire()
+                return
+            await asyncio.sleep(max(0.05, min(life_left, idle_left if idle_left > 0 else 0.5)))
 
     async def _expire(self) -> None:
         if self.closed:
@@ -116,6 +131,9 @@ class WebSocketSession:
         if self.draining:
             message = ("This server is shutting down this connection (scale-down or restart). "
                        "Create a new websocket connection to continue.")
+        elif self.idle:
+            message = (f"This websocket connection was closed after {self.config.idle_timeout_seconds:.0f} "
+                       "seconds without activity. Create a new websocket connection to continue.")
         else:
             message = ("Responses websocket connection limit reached (60 minutes). "
                        "Create a new websocket connection to continue.")
@@ -141,6 +159,7 @@ class WebSocketSession:
                 await self._send_error(server_error())
             finally:
                 self.busy = False
+                self._last_activity = time.monotonic()
                 self._queue.task_done()
             if self.expired and self._queue.empty():
                 await self._expire()
@@ -181,7 +200,7 @@ class WebSocketSession:
         try:
             if self._admit is not None:
                 self._admit()
-            req = parse_request(body)
+            req = parse_request(body, max_input_items=self.driver.max_input_items)
             parsed_at = time.perf_counter()
             if req.background:
                 raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")

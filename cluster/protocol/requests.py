@@ -183,10 +183,19 @@ class ResponsesRequest(_Tolerant):
         return [item.model_dump(exclude_none=True, by_alias=True) for item in self.input]
 
 
-def parse_request(body: Any) -> ResponsesRequest:
+def parse_request(body: Any, *, max_input_items: Optional[int] = None) -> ResponsesRequest:
     """Validate a decoded JSON body; every failure is a 400 `ApiError`."""
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
+    items = body.get("input")
+    if max_input_items is not None and isinstance(items, list) and len(items) > max_input_items:
+        raise ApiError(
+            400,
+            f"Invalid 'input': array too long. Expected an array with maximum length {max_input_items}, "
+            f"but got an array with length {len(items)} instead.",
+            param="input",
+            code="array_above_max_length",
+        )
     bad_item = unknown_item_type_error(body)
     if bad_item is not None:
         raise bad_item

@@ -36,12 +36,16 @@ def not_found(response_id: str) -> ApiError:
 
 
 class ResponsesService:
-    def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore]) -> None:
+    def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore], *,
+                 write_retry_s: float = 60.0) -> None:
         self.driver = driver
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
         self.background: dict[str, dict[str, Any]] = {}  # id -> {"task", "response", "tenant"}
         self.write_latencies: list[float] = []
+        self.write_retries = 0
+        self.write_failures = 0
+        self.write_retry_s = write_retry_s
 
     # -- lookups -----------------------------------------------------------------
     async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
@@ -50,7 +54,7 @@ class ResponsesService:
             return state if state.owner in (None, tenant) else None
         if self.store is None:
             return None
-        chain = await self.store.chain(response_id, tenant)
+        chain = await self._read(self.store.chain(response_id, tenant))
         if not chain:
             return None
         state = state_from_chain(chain)
@@ -72,8 +76,25 @@ class ResponsesService:
         state: Optional[ResponseState] = record.state
         if self.store is None or not record.store or state is None or record.response is None:
             return
-        t0 = time.perf_counter()
-        await self.store.put(self._stored(state, record.response))
+        stored = self._stored(state, record.response)
+        deadline = time.monotonic() + self.write_retry_s
+        delay = 0.2
+        while True:
+            t0 = time.perf_counter()
+            try:
+                await self.store.put(stored)
+                break
+            except Exception as exc:
+                if time.monotonic() + delay > deadline:
+                    self.write_failures += 1
+                    log.error("store write of %s failed for %.0fs (%s); it stays in this replica's memory only",
+                              state.response_id, self.write_retry_s, type(exc).__name__)
+                    return
+                self.write_retries += 1
+                log.warning("store write of %s failed (%s); retrying in %.1fs", state.response_id,
+                            type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
         took = time.perf_counter() - t0
         self.write_latencies.append(took)
         del self.write_latencies[:-1000]
@@ -108,13 +129,22 @@ class ResponsesService:
             events = [e for e in events if e["sequence_number"] > starting_after]
         return events
 
+    async def _read(self, call):
+        """A store read; the store being down is a retryable 503, not a stack trace."""
+        try:
+            return await call
+        except Exception as exc:
+            log.warning("store read failed: %s", type(exc).__name__)
+            raise ApiError(503, "The response store is unavailable right now; retry the request.",
+                           code="store_unavailable", type="server_error") from None
+
     async def delete(self, response_id: str, tenant: str) -> dict[str, Any]:
         state = self.registry.get(response_id)
         found = state is not None and state.owner in (None, tenant)
         if found:
             self.registry.evict(response_id)
         if self.store is not None:
-            found = await self.store.delete(response_id, tenant) or found
+            found = await self._read(self.store.delete(response_id, tenant)) or found
         if not found:
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
@@ -150,7 +180,7 @@ class ResponsesService:
         return parent
 
     async def input_tokens(self, body: Any, tenant: str) -> dict[str, Any]:
-        req = parse_request(body)
+        req = parse_request(body, max_input_items=self.driver.max_input_items)
         self.driver.check_model(req)
         count = await self.driver.count_input_tokens(req, await self._parent(req, tenant))
         return {"object": "response.input_tokens", "input_tokens": count}
@@ -161,7 +191,7 @@ class ResponsesService:
         lists each earlier message/tool output (role + first 200 characters)."""
         if not isinstance(body, dict) or not body.get("model"):
             raise ApiError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
-        req = parse_request(body)
+        req = parse_request(body, max_input_items=self.driver.max_input_items)
         self.driver.check_model(req)
         parent = await self._parent(req, tenant)
         items = (parent.items if parent else []) + req.input_items()

@@ -44,8 +44,13 @@ class PostgresStore:
 
     async def close(self) -> None:
         if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+            import asyncio
+
+            pool, self._pool = self._pool, None
+            try:
+                await asyncio.wait_for(pool.close(), 5)
+            except (asyncio.TimeoutError, Exception):  # a broken server must not hold a shutdown
+                pool.terminate()
 
     async def put(self, record: StoredResponse) -> None:
         await self._pool.execute(

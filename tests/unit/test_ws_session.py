@@ -170,3 +170,61 @@ async def test_store_true_responses_are_published_store_false_are_not(stack):
     stored = [s for s in published if s.store]
     assert len(stored) == 1 and stored[0].response_id == p.terminals()[0]["id"]
     await p.session.shutdown()
+
+
+async def test_idle_timeout_closes_only_an_idle_socket(tokenizer):
+    stack = InProcessStack(tokenizer, tokens_per_second=20)  # a turn lasts longer than the idle timeout
+    p = Peer(stack, idle_timeout_seconds=0.3)
+    await p.frame({"type": "response.create", "input": "hi"})
+    await asyncio.sleep(0.6)
+    assert p.closed is None  # busy: a turn in flight is not idleness
+    await p.idle()
+    await asyncio.sleep(0.6)
+    assert p.closed == 1000
+    assert p.types()[-2] == "response.completed"
+    assert p.sent[-1]["error"]["code"] == "websocket_connection_limit_reached"
+    assert "without activity" in p.sent[-1]["error"]["message"]
+    await p.session.shutdown()
+
+
+async def test_drain_finishes_the_turn_in_flight_then_closes_1001(tokenizer):
+    stack = InProcessStack(tokenizer, tokens_per_second=50)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "hi"})
+    await asyncio.sleep(0.2)
+    await p.session.drain()
+    assert p.closed is None
+    for _ in range(100):
+        if p.closed:
+            break
+        await asyncio.sleep(0.05)
+    assert p.closed == 1001
+    assert p.types()[-2:] == ["response.completed", "error"]
+    assert p.sent[-1]["error"]["code"] == "websocket_connection_limit_reached"
+    await p.session.shutdown()
+
+
+async def test_too_many_input_items_is_a_400_and_the_socket_keeps_working(tokenizer):
+    stack = InProcessStack(tokenizer)
+    stack.driver.max_input_items = 3
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": [{"role": "user", "content": "x"}] * 4})
+    await p.frame({"type": "response.create", "input": [{"role": "user", "content": "x"}] * 3})
+    await p.idle()
+    err = p.sent[0]
+    assert err["type"] == "error" and err["status"] == 400
+    assert err["error"]["code"] == "array_above_max_length" and err["error"]["param"] == "input"
+    assert p.types()[-1] == "response.completed"
+    await p.session.shutdown()
+
+
+async def test_context_token_limit(tokenizer):
+    stack = InProcessStack(tokenizer)
+    stack.driver.context_limit = 50
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "word " * 200})
+    await p.frame({"type": "response.create", "input": "hi"})
+    await p.idle()
+    assert p.sent[0]["error"]["code"] == "context_length_exceeded"
+    assert p.types()[-1] == "response.completed"
+    await p.session.shutdown()

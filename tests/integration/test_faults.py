@@ -1,0 +1,186 @@
+"""Faults: replicas killed mid-stream, a client that vanishes, the store going away.
+
+Every `response.create` must end in exactly one terminal event (or an error
+before `response.created`), sockets stay usable, and the next turn succeeds.
+"""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import ray
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from .conftest import _deploy, _ensure_pg_database
+from .tcp_proxy import TcpProxy
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+@pytest.fixture(scope="module")
+def faults_url(serve_instance, tmp_path_factory):
+    """Slow scripted engine (turns of ~2 s, so kills land mid-stream), 2 engine replicas."""
+    args = {
+        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 30, "answer_text": "word " * 40,
+                                                  "max_output_tokens": 256}},
+        "store": {"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("faults") / "r.db")},
+        "engine_deployment": {"num_replicas": 2, "num_cpus": 0.05},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "safety": {"deployment": {"num_cpus": 0.05}},
+    }
+    return _deploy("faults", "/faults", args, serve_instance, 240)
+
+
+def kill(deployment: str, unique_id: str = "", app: str = "faults") -> None:
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if f"{app}#{deployment}#" in name and unique_id in name:
+            ray.kill(ray.get_actor(name, namespace=actor["namespace"]), no_restart=False)
+            return
+    raise AssertionError(f"no {deployment} replica {unique_id!r} in {app}")
+
+
+def stats(url: str) -> dict:
+    return httpx.get(url + "/loopserve/stats", params={"last": 50}, timeout=30).json()
+
+
+async def turn(ws, body: dict, on_delta=None) -> list[dict]:
+    """Send one create; return its events up to the terminal (or a pre-creation error)."""
+    await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", **body}))
+    events, created = [], False
+    while True:
+        ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+        events.append(ev)
+        created = created or ev["type"] == "response.created"
+        if on_delta and ev["type"] == "response.output_text.delta" and on_delta:
+            await on_delta()
+            on_delta = None
+        if ev["type"] in TERMINAL or (ev["type"] == "error" and not created):
+            return events
+
+
+def ws_url(url: str) -> str:
+    return url.replace("http://", "ws://") + "/v1/responses"
+
+
+async def test_engine_replica_killed_mid_stream(faults_url):
+    async with connect(ws_url(faults_url), open_timeout=30, additional_headers={"x-session-id": "fault-engine"}) as ws:
+        first = (await turn(ws, {"input": "hello"}))[-1]["response"]
+        replica = stats(faults_url)["turns"][-1]["engine_replica"]
+        events = await turn(ws, {"input": "more", "previous_response_id": first["id"]},
+                            on_delta=lambda: asyncio.to_thread(kill, "EngineReplica", replica))
+        types = [e["type"] for e in events]
+        assert types[0] == "response.created" and types[-2:] == ["error", "response.failed"]
+        assert sum(t in TERMINAL for t in types) == 1
+        failed = events[-1]["response"]
+        assert failed["error"]["code"] == "server_error"  # retryable
+        # The socket still works; the retried turn runs on the surviving replica.
+        again = await turn(ws, {"input": "more", "previous_response_id": first["id"]})
+        assert again[-1]["type"] == "response.completed", again[-1]
+        assert stats(faults_url)["turns"][-1]["engine_replica"] != replica
+
+
+@pytest.mark.parametrize("deployment", ["RenderActor", "SafetyActor"])
+async def test_render_or_safety_replica_killed(faults_url, deployment):
+    async with connect(ws_url(faults_url), open_timeout=30) as ws:
+        await turn(ws, {"input": "warm"})
+        await asyncio.to_thread(kill, deployment)
+        # A new conversation needs a full render and an input classification right away.
+        events = await turn(ws, {"input": "a brand new conversation"})
+        outcome = events[-1]
+        assert outcome["type"] == "response.completed" or outcome.get("error", {}).get("code") == "server_error" \
+            or outcome.get("response", {}).get("error", {}).get("code") == "server_error", outcome
+        again = await turn(ws, {"input": "and again"})
+        assert again[-1]["type"] == "response.completed", again[-1]
+
+
+async def test_connection_actor_killed_client_reconnects_and_continues_from_store(faults_url):
+    async with connect(ws_url(faults_url), open_timeout=30) as ws:
+        first = (await turn(ws, {"input": "remember me", "store": True}))[-1]["response"]
+        await asyncio.to_thread(kill, "ConnectionActor")
+        with pytest.raises(ConnectionClosed):
+            for _ in range(10):
+                await turn(ws, {"input": "are you there?", "previous_response_id": first["id"]})
+    deadline = time.time() + 90
+    while True:  # Serve restarts the replica; the client reconnects like Codex does
+        try:
+            async with connect(ws_url(faults_url), open_timeout=30) as ws:
+                events = await turn(ws, {"input": "continue", "previous_response_id": first["id"]})
+                break
+        except (OSError, ConnectionClosed, Exception):
+            if time.time() > deadline:
+                raise
+            await asyncio.sleep(1)
+    assert events[-1]["type"] == "response.completed", events[-1]
+    assert events[-1]["response"]["previous_response_id"] == first["id"]
+
+
+async def test_client_vanishing_mid_stream_aborts_and_frees(faults_url):
+    before = stats(faults_url)
+    for _ in range(3):
+        ws = await connect(ws_url(faults_url), open_timeout=30)
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "long answer"}))
+        while json.loads(await ws.recv())["type"] != "response.output_text.delta":
+            pass
+        ws.transport.abort()  # no close frame: the TCP connection just dies
+    await asyncio.sleep(3)
+    after = stats(faults_url)
+    assert after["open_sockets"] == before["open_sockets"]
+    aborted = after["engine"]["aborted"] - before["engine"]["aborted"]
+    # One engine replica's counters: at least the aborts that landed on it.
+    assert aborted >= 1 or sum(1 for t in after["turns"] if t["engine_replica"] == after["engine"]["replica"]) == 0
+    assert after["tasks"] <= before["tasks"] + 2, (before["tasks"], after["tasks"])
+
+
+async def test_store_unavailable_requests_fail_cleanly_and_writes_resume(serve_instance):
+    import asyncpg
+
+    dsn = _ensure_pg_database()
+    with TcpProxy("127.0.0.1", 5432) as proxy:
+        args = {
+            "engine": {"backend": "scripted"},
+            "store": {"backend": "postgres", "postgres_dsn": f"postgresql://postgres@127.0.0.1:{proxy.port}/loopserve_test",
+                      "write_retry_s": 60},
+            "safety": {"enabled": False},
+            "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+        }
+        url = await asyncio.to_thread(_deploy, "pgcut", "/pgcut", args, serve_instance, 240)
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                r = await client.post(url + "/v1/responses", json={"model": "loopserve-tiny", "input": "before"})
+                assert r.status_code == 200
+                proxy.cut()  # PostgreSQL unreachable
+                r = await client.post(url + "/v1/responses", json={"model": "loopserve-tiny", "input": "during"})
+                assert r.status_code == 200  # the turn itself does not need the store
+                during = r.json()["id"]
+                # A read that must go to the store: a clean, retryable 503 in the API's shape.
+                miss = await client.get(url + "/v1/responses/resp_not_in_memory")
+                assert miss.status_code == 503
+                assert miss.json()["error"]["code"] == "store_unavailable"
+                ws_err = None
+                async with connect(ws_url(url), open_timeout=30) as ws:
+                    ws_err = (await turn(ws, {"input": "x", "previous_response_id": "resp_not_in_memory"}))[-1]
+                    assert ws_err["type"] == "error" and ws_err["error"]["code"] == "store_unavailable"
+                    ok = await turn(ws, {"input": "the socket still works"})
+                    assert ok[-1]["type"] == "response.completed"
+                await asyncio.sleep(2)
+                proxy.restore()
+                conn = await asyncpg.connect(dsn)
+                try:
+                    for _ in range(60):  # the pending write lands once the store is back
+                        if await conn.fetchval("SELECT count(*) FROM responses WHERE id = $1", during):
+                            break
+                        await asyncio.sleep(0.5)
+                    else:
+                        raise AssertionError("the write made during the outage never reached the store")
+                finally:
+                    await conn.close()
+                s = (await client.get(url + "/loopserve/stats")).json()["store_writes"]
+                assert s["retried"] >= 1 and s["failed"] == 0
+        finally:
+            from ray import serve
+
+            await asyncio.to_thread(serve.delete, "pgcut")
