@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import statistics
 import time
 import uuid
@@ -92,8 +93,17 @@ async def _json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
             raise _too_large(len(body), limit)
     try:
         return json.loads(body)
-    except ValueError:  # includes invalid UTF-8
+    except (ValueError, RecursionError):  # invalid UTF-8, nesting deeper than the parser goes
         raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+
+
+def _rss_bytes() -> Optional[int]:
+    """This process's resident memory (Linux), for memory-per-session measurements."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 def _too_large(size: int, limit: int) -> ApiError:
@@ -275,6 +285,8 @@ class ConnectionActor:
             "engine": engine,  # one engine replica's counters
             "open_sockets": self.open_sockets,
             "tasks": len(asyncio.all_tasks()),
+            "rss_bytes": _rss_bytes(),
+            "ws_cache_bytes": sum(c.nbytes for c in list(self.ws_caches)),
             "registry_entries": len(self.registry),
             "session_moves": self.driver.session_moves,
             "turns": [t.as_dict() for t in self.driver.timings[-max(1, min(last, 1024)):]],

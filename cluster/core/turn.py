@@ -30,6 +30,15 @@ from .turn_stream import Rendered, TurnStream, TurnTiming
 _TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
+def _is_input_error(exc: BaseException) -> bool:
+    """Errors a chat template raises on input it cannot render (client errors, not ours)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers brings jinja2
+        TemplateError = ()  # noqa: N806
+    return isinstance(exc, (ValueError, TypeError, KeyError, TemplateError))
+
+
 class RenderPort(Protocol):
     # None from a delta job means "not provably exact, send a full job".
     async def __call__(self, job: dict[str, Any]) -> Optional[RenderResult]: ...
@@ -181,6 +190,10 @@ class TurnDriver:
         except Exception as exc:
             if prev_id:
                 cache.evict(prev_id)
+            cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the render's own error
+            if _is_input_error(cause):
+                raise ApiError(400, f"The input cannot be rendered with this model's chat template: "
+                                    f"{str(cause)[:300]}", param="input", code="invalid_value") from None
             raise server_error(f"Rendering the prompt failed: {type(exc).__name__}") from exc
         ctx, rendered, tools_spec, key = prep
 
@@ -227,6 +240,9 @@ class TurnDriver:
         with self.tracer.start_as_current_span("resolve_context", context=tctx):
             new_items = req.input_items()
             ctx = resolve_context(new_items, parent)
+            if not ctx.items and req.generate is not False:
+                raise ApiError(400, "Missing required parameter: 'input'.", param="input",
+                               code="missing_required_parameter")
             tools_spec = normalize_tools(req.tools)
             key = RenderKey.of(req.instructions, tools_spec)
         timing.resolve = time.perf_counter() - t0

@@ -177,8 +177,9 @@ class WebSocketSession:
             return
         try:
             event = json.loads(data)
-        except ValueError as exc:
-            await self._send_error(ApiError(400, f"The message is not valid JSON: {exc}.", code="invalid_json"))
+        except (ValueError, RecursionError) as exc:
+            reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            await self._send_error(ApiError(400, f"The message is not valid JSON: {reason}.", code="invalid_json"))
             return
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             await self._send_error(

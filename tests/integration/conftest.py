@@ -112,6 +112,7 @@ def guard_url(serve_instance):
 
 KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
 PG_DATABASE = "loopserve_test"
+ALLOWED_ORIGIN = "https://app.example"
 
 
 def _ensure_pg_database() -> str:
@@ -150,6 +151,7 @@ def pg_app_args() -> dict:
         ]},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
         "safety": {"deployment": {"num_cpus": 0.05}},
+        "websocket": {"allowed_origins": [ALLOWED_ORIGIN]},
     }
 
 
