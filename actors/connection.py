@@ -11,25 +11,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import statistics
 import time
 import uuid
 import weakref
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import FastAPI, Request, WebSocket
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request, WebSocket
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.websockets import WebSocketDisconnect
 
 from opentelemetry import context as otel_context
 
 from actors.drain import DrainWatch
+from actors.http import app, error_response, json_body, rss_bytes, sse
 from cluster import telemetry
 from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
@@ -45,71 +43,6 @@ from cluster.store import open_store
 from cluster.tokenizer import load_tokenizer, renderer_for
 
 log = logging.getLogger("loopserve.connection")
-
-app = FastAPI(title="loopserve", docs_url=None, redoc_url=None)
-
-
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.http_body(), status_code=err.status)
-
-
-@app.exception_handler(ApiError)
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return _error_response(exc)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return _error_response(ApiError(exc.status_code, str(exc.detail), code=code))
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    first = (exc.errors() or [{}])[0]
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    return _error_response(ApiError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.",
-                                    param=param, code="invalid_value"))
-
-
-@app.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error")
-    return _error_response(server_error())
-
-
-def _sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
-
-
-async def _json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    body = bytearray()
-    async for chunk in request.stream():  # chunked bodies are bounded too
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(len(body), limit)
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):  # invalid UTF-8, nesting deeper than the parser goes
-        raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
-
-
-def _rss_bytes() -> Optional[int]:
-    """This process's resident memory (Linux), for memory-per-session measurements."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
-
-
-def _too_large(size: int, limit: int) -> ApiError:
-    return ApiError(413, f"The request body is {size} bytes or more; the limit is {limit} bytes.",
-                    code="request_too_large")
-
 
 @serve.deployment(name="ConnectionActor")
 @serve.ingress(app)
@@ -285,7 +218,7 @@ class ConnectionActor:
             "engine": engine,  # one engine replica's counters
             "open_sockets": self.open_sockets,
             "tasks": len(asyncio.all_tasks()),
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": rss_bytes(),
             "ws_cache_bytes": sum(c.nbytes for c in list(self.ws_caches)),
             "registry_entries": len(self.registry),
             "session_moves": self.driver.session_moves,
@@ -295,12 +228,12 @@ class ConnectionActor:
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(self, request: Request) -> dict[str, Any]:
         p = self._principal(request)
-        return await self.responses.input_tokens(await _json_body(request, self.config.limits.max_request_bytes), p.tenant)
+        return await self.responses.input_tokens(await json_body(request, self.config.limits.max_request_bytes), p.tenant)
 
     @app.post("/v1/responses/compact")
     async def compact(self, request: Request) -> dict[str, Any]:
         p = self._principal(request)
-        return await self.responses.compact(await _json_body(request, self.config.limits.max_request_bytes), p.tenant)
+        return await self.responses.compact(await json_body(request, self.config.limits.max_request_bytes), p.tenant)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(self, request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
@@ -325,7 +258,7 @@ class ConnectionActor:
 
             async def replay():
                 for ev in events:
-                    yield _sse(ev)
+                    yield sse(ev)
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(replay(), media_type="text/event-stream")
@@ -337,7 +270,7 @@ class ConnectionActor:
         try:
             p = self._principal(request)
             self.auth.admit_request(p)
-            req = parse_request(await _json_body(request, self.config.limits.max_request_bytes),
+            req = parse_request(await json_body(request, self.config.limits.max_request_bytes),
                                 max_input_items=self.config.limits.max_input_items)
             parsed_at = time.perf_counter()
             session_key = (request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id
@@ -348,7 +281,7 @@ class ConnectionActor:
                                    param="stream", code="unsupported_value")
                 return JSONResponse(self.responses.start_background(req, p.tenant, session_key))
         except ApiError as err:
-            return _error_response(err)
+            return error_response(err)
         events = self.driver.run(
             req,
             SessionCache(1),  # HTTP has no connection: state goes to the registry
@@ -364,7 +297,7 @@ class ConnectionActor:
         try:
             first = await events.__anext__()
         except ApiError as err:
-            return _error_response(err)
+            return error_response(err)
         if req.stream:
             return StreamingResponse(
                 self._sse_stream(first, events),
@@ -379,17 +312,17 @@ class ConnectionActor:
             elif ev["type"] == "error":
                 error = ev
         if final is None:
-            return _error_response(server_error())
+            return error_response(server_error())
         if final["status"] == "failed" and error is not None:
             e = error["error"]
-            return _error_response(ApiError(error.get("status", 500), e["message"], code=e.get("code"), param=e.get("param")))
+            return error_response(ApiError(error.get("status", 500), e["message"], code=e.get("code"), param=e.get("param")))
         return JSONResponse(final)
 
     async def _sse_stream(self, first: dict[str, Any], events: AsyncIterator[dict[str, Any]]):
         try:
-            yield _sse(first)
+            yield sse(first)
             async for ev in events:
-                yield _sse(ev)
+                yield sse(ev)
             yield b"data: [DONE]\n\n"
         finally:
             await events.aclose()  # client gone mid-stream: cancels the engine call

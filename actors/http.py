@@ -1,0 +1,82 @@
+"""The ingress's HTTP plumbing: the FastAPI app, error handlers in the API's error
+shape, bounded JSON bodies, SSE framing. Routes live on `ConnectionActor`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.protocol.errors import ApiError, server_error
+
+log = logging.getLogger("loopserve.connection")
+
+app = FastAPI(title="loopserve", docs_url=None, redoc_url=None)
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.http_body(), status_code=err.status)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = (exc.errors() or [{}])[0]
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error_response(ApiError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.",
+                                    param=param, code="invalid_value"))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return error_response(server_error())
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+async def json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    body = bytearray()
+    async for chunk in request.stream():  # chunked bodies are bounded too
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # invalid UTF-8, nesting deeper than the parser goes
+        raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+
+
+def rss_bytes() -> Optional[int]:
+    """This process's resident memory (Linux), for memory-per-session measurements."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"The request body is {size} bytes or more; the limit is {limit} bytes.",
+                    code="request_too_large")
