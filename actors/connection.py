@@ -14,7 +14,6 @@ import logging
 import statistics
 import time
 import uuid
-import weakref
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request, WebSocket
@@ -87,9 +86,8 @@ class ConnectionActor:
             max_context_tokens=config.limits.max_context_tokens,
         )
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
-        self.responses = ResponsesService(self.driver, self.registry, self.store,
-                                          write_retry_s=config.store.write_retry_s)
-        self.post_work.add("persist", self.responses.persist)
+        self.responses = ResponsesService(self.driver, self.registry, self.store)
+        self.post_work.add("persist", self.responses.persist, retry_for_s=config.store.write_retry_s)
         if safety is not None:
             self.post_work.add("output_safety", OutputTailCheck(self._classify, self.safety_ledger))
         for spec in config.post_work.hooks:
@@ -100,7 +98,6 @@ class ConnectionActor:
             tokenizer = await asyncio.to_thread(load_tokenizer, config)
             self.local_renderer = renderer_for(tokenizer)
         self.local_render_mismatches = 0
-        self.ws_caches: "weakref.WeakSet[SessionCache]" = weakref.WeakSet()
         self.ws_sessions: set[WebSocketSession] = set()
         self.drain_watch = DrainWatch(self._drain)
         self.drain_watch.start()
@@ -109,11 +106,14 @@ class ConnectionActor:
 
     def _cache_bytes(self):
         return [(self.registry.nbytes, {"cache": "replica"}),
-                (sum(c.nbytes for c in list(self.ws_caches)), {"cache": "connections"})]
+                (self._ws_cache_bytes(), {"cache": "connections"})]
 
     def _cache_entries(self):
         return [(len(self.registry), {"cache": "replica"}),
-                (sum(len(c) for c in list(self.ws_caches)), {"cache": "connections"})]
+                (sum(len(s.cache) for s in list(self.ws_sessions)), {"cache": "connections"})]
+
+    def _ws_cache_bytes(self) -> int:
+        return sum(s.cache.nbytes for s in list(self.ws_sessions))
 
     async def _drain(self) -> None:
         # Scale-down: live sockets finish their turn, then get a clean close to
@@ -208,7 +208,8 @@ class ConnectionActor:
             "usage": self.usage.snapshot(),
             "post_work": self.post_work.stats(),
             "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None,
-                             "retried": self.responses.write_retries, "failed": self.responses.write_failures},
+                             "retried": self.post_work.retried_by["persist"],
+                             "failed": self.post_work.failed_by["persist"]},
             "render": render,
             "render_inline": None if self.local_renderer is None else {
                 "full_renders": self.local_renderer.full_renders,
@@ -219,7 +220,7 @@ class ConnectionActor:
             "open_sockets": self.open_sockets,
             "tasks": len(asyncio.all_tasks()),
             "rss_bytes": rss_bytes(),
-            "ws_cache_bytes": sum(c.nbytes for c in list(self.ws_caches)),
+            "ws_cache_bytes": self._ws_cache_bytes(),
             "registry_entries": len(self.registry),
             "session_moves": self.driver.session_moves,
             "turns": [t.as_dict() for t in self.driver.timings[-max(1, min(last, 1024)):]],
@@ -358,11 +359,9 @@ class ConnectionActor:
             async with lock:
                 await ws.close(code=code, reason=reason)
 
-        cache = SessionCache(self.config.cache.max_entries, self.config.cache.max_bytes)
-        self.ws_caches.add(cache)
         session = WebSocketSession(
             self.driver,
-            cache,
+            SessionCache(self.config.cache.max_entries, self.config.cache.max_bytes),
             session_key=ws.headers.get("x-session-id") or uuid.uuid4().hex,
             config=self.config.websocket,
             send=send,

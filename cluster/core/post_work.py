@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
@@ -48,11 +48,17 @@ class PostWorkQueue:
         self.hooks: dict[str, Hook] = dict(hooks or {})
         self.retries = retries
         self.backoff_s = backoff_s
+        self._retry_for: dict[str, float] = {}  # hooks retried until a deadline instead of `retries` times
         self._tasks: set[asyncio.Task] = set()
         self.scheduled = self.completed = self.failed = self.retried = 0
+        self.retried_by: Counter[str] = Counter()
+        self.failed_by: Counter[str] = Counter()
 
-    def add(self, name: str, hook: Hook) -> None:
+    def add(self, name: str, hook: Hook, *, retry_for_s: Optional[float] = None) -> None:
+        """`retry_for_s`: keep retrying (backoff doubling up to 5 s) for that long, e.g. a store restarting."""
         self.hooks[name] = hook
+        if retry_for_s is not None:
+            self._retry_for[name] = retry_for_s
 
     def schedule(self, record: TurnRecord) -> None:
         """Start every hook for `record` in the background and return at once."""
@@ -67,7 +73,10 @@ class PostWorkQueue:
             await self._attempts(name, hook, record, span)
 
     async def _attempts(self, name: str, hook: Hook, record: TurnRecord, span) -> None:
-        for attempt in range(self.retries + 1):
+        retry_for = self._retry_for.get(name)
+        deadline = time.monotonic() + retry_for if retry_for is not None else None
+        attempt = 0
+        while True:
             try:
                 await hook(record)
                 self.completed += 1
@@ -75,13 +84,23 @@ class PostWorkQueue:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                if attempt == self.retries:
+            except Exception as exc:
+                delay = self.backoff_s * (2**attempt)
+                if deadline is not None:
+                    delay = min(delay, 5.0)
+                    give_up = time.monotonic() + delay > deadline
+                else:
+                    give_up = attempt == self.retries
+                if give_up:
                     self.failed += 1
-                    log.exception("post-inference hook %s failed for %s", name, record.response_id)
+                    self.failed_by[name] += 1
+                    log.error("post-inference hook %s failed for %s after %d attempts: %s", name,
+                              record.response_id, attempt + 1, type(exc).__name__)
                     return
                 self.retried += 1
-                await asyncio.sleep(self.backoff_s * (2**attempt))
+                self.retried_by[name] += 1
+                attempt += 1
+                await asyncio.sleep(delay)
 
     @property
     def pending(self) -> int:

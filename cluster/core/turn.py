@@ -134,7 +134,7 @@ class TurnDriver:
         root.set_attribute("loopserve.session", telemetry.hash_key(session_key))
         if parsed_at is not None:
             telemetry.span_between(self.tracer, "parse", tctx, telemetry.ns_at(timing.started), telemetry.ns_at(parsed_at))
-        status = "error"
+        status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
                                       timing, root, tctx):
@@ -147,8 +147,6 @@ class TurnDriver:
             status = "rejected"
             raise
         finally:
-            if status == "error":
-                status = "cancelled"
             root.set_attribute("loopserve.status", status)
             self.metrics.turns.add(1, {"transport": transport, "status": status})
             root.end()

@@ -200,10 +200,9 @@ class TurnStream:
             return
         finally:
             await stream.aclose()  # stops (aborts) the engine if we left early
-            span.set_attribute("loopserve.engine.replica", str((done or {}).get("replica", "")))
-            if timing.engine_first_token or (done or {}).get("first_token_s"):
-                span.set_attribute("gen_ai.response.time_to_first_token_ms",
-                                   1000 * float((done or {}).get("first_token_s", 0.0)))
+            if done is not None:
+                span.set_attribute("loopserve.engine.replica", str(done.get("replica", "")))
+                span.set_attribute("gen_ai.response.time_to_first_token_ms", 1000 * float(done.get("first_token_s", 0.0)))
             span.end()
         timing.engine = time.perf_counter() - engine_start
         if done is not None:

@@ -36,16 +36,12 @@ def not_found(response_id: str) -> ApiError:
 
 
 class ResponsesService:
-    def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore], *,
-                 write_retry_s: float = 60.0) -> None:
+    def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore]) -> None:
         self.driver = driver
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
         self.background: dict[str, dict[str, Any]] = {}  # id -> {"task", "response", "tenant"}
         self.write_latencies: list[float] = []
-        self.write_retries = 0
-        self.write_failures = 0
-        self.write_retry_s = write_retry_s
 
     # -- lookups -----------------------------------------------------------------
     async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
@@ -76,25 +72,9 @@ class ResponsesService:
         state: Optional[ResponseState] = record.state
         if self.store is None or not record.store or state is None or record.response is None:
             return
-        stored = self._stored(state, record.response)
-        deadline = time.monotonic() + self.write_retry_s
-        delay = 0.2
-        while True:
-            t0 = time.perf_counter()
-            try:
-                await self.store.put(stored)
-                break
-            except Exception as exc:
-                if time.monotonic() + delay > deadline:
-                    self.write_failures += 1
-                    log.error("store write of %s failed for %.0fs (%s); it stays in this replica's memory only",
-                              state.response_id, self.write_retry_s, type(exc).__name__)
-                    return
-                self.write_retries += 1
-                log.warning("store write of %s failed (%s); retrying in %.1fs", state.response_id,
-                            type(exc).__name__, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        t0 = time.perf_counter()
+        # A failure raises: the post-work queue retries it (`store.write_retry_s`).
+        await self.store.put(self._stored(state, record.response))
         took = time.perf_counter() - t0
         self.write_latencies.append(took)
         del self.write_latencies[:-1000]

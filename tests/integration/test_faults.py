@@ -55,7 +55,7 @@ async def turn(ws, body: dict, on_delta=None) -> list[dict]:
         ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
         events.append(ev)
         created = created or ev["type"] == "response.created"
-        if on_delta and ev["type"] == "response.output_text.delta" and on_delta:
+        if on_delta and ev["type"] == "response.output_text.delta":
             await on_delta()
             on_delta = None
         if ev["type"] in TERMINAL or (ev["type"] == "error" and not created):

@@ -167,6 +167,27 @@ async def test_failing_hook_is_retried():
     assert len(calls) == 3 and queue.retried == 2 and queue.completed == 1
 
 
+async def test_hook_with_a_deadline_is_retried_until_it_then_counted():
+    calls = []
+
+    async def down(record):  # e.g. the store during an outage
+        calls.append(1)
+        raise RuntimeError("store unavailable")
+
+    async def back_after_five(record):
+        calls.append(2)
+        if calls.count(2) < 6:  # more attempts than `retries` allows
+            raise RuntimeError("store unavailable")
+
+    queue = PostWorkQueue(retries=1, backoff_s=0.01)
+    queue.add("down", down, retry_for_s=0.3)
+    queue.add("back", back_after_five, retry_for_s=5)
+    queue.schedule(TurnRecord("r", "m", None, "completed", {}, True))
+    await queue.drain()
+    assert queue.failed_by == {"down": 1} and queue.completed == 1
+    assert queue.retried_by["back"] == 5 and calls.count(1) > 2
+
+
 def test_fast_profanity_path_matches_the_package():
     from profanity_check import predict_prob
 
