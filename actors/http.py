@@ -1,5 +1,5 @@
 """The ingress's HTTP plumbing: the FastAPI app, error handlers in the API's error
-shape, bounded JSON bodies, SSE framing. Routes live on `ConnectionActor`."""
+shape, bounded JSON bodies, SSE framing. Routes live in `actors/routes.py`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.errors import ApiError, loc_to_param, server_error
 
 log = logging.getLogger("loopserve.connection")
 
@@ -37,8 +37,13 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A bad path or query parameter, named as the client wrote it (`limit`, not the handler's argument)."""
     first = (exc.errors() or [{}])[0]
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    loc = tuple(first.get("loc", ()))
+    param = loc_to_param(loc[1:] if loc and loc[0] in ("query", "path", "header", "body") else loc)
+    if first.get("type") == "missing":
+        return error_response(ApiError(400, f"Missing required parameter: '{param}'.", param=param,
+                                        code="missing_required_parameter"))
     return error_response(ApiError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.",
                                     param=param, code="invalid_value"))
 

@@ -19,7 +19,7 @@ from cluster.core.safety import (
     ProfanityClassifier,
     Verdict,
     guard_prompt,
-    parse_guard_output,
+    guard_verdict,
 )
 
 log = logging.getLogger("loopserve.safety")
@@ -48,6 +48,7 @@ class SafetyActor:
         self.texts = 0
         self.chars = 0
         self.flagged = 0
+        self.guard_unparseable = 0
 
     async def classify(self, texts: list[str], trace: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
         """Verdicts for `texts`; `trace` is the caller's W3C context (one span tree per turn)."""
@@ -83,7 +84,14 @@ class SafetyActor:
         out = []
         async for chunk in self.guard.generate.remote(req):
             out.extend(p["v"] for p in chunk if p["t"] == "text")
-        return parse_guard_output("".join(out))
+        answer = "".join(out)
+        verdict, unparseable = guard_verdict(answer, self.config.safety.guard.on_unparseable)
+        if unparseable:
+            self.guard_unparseable += 1
+            log.warning("guard answer is neither 'safe' nor 'unsafe' (%d chars); policy %r -> %s", len(answer),
+                        self.config.safety.guard.on_unparseable, "flagged" if verdict.flagged else "allowed")
+        return verdict
 
     async def stats(self) -> dict[str, int]:
-        return {"texts": self.texts, "chars": self.chars, "flagged": self.flagged}
+        return {"texts": self.texts, "chars": self.chars, "flagged": self.flagged,
+                "guard_unparseable": self.guard_unparseable}

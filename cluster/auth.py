@@ -27,6 +27,7 @@ ANONYMOUS = Principal("default", "anonymous", 1_000_000, 1_000_000_000)
 class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
         self._keys: list[tuple[bytes, ApiKey]] = [(bytes.fromhex(k.sha256), k) for k in config.keys]
+        self._admin: list[bytes] = [bytes.fromhex(d) for d in config.admin_keys]
         self._windows: dict[str, deque[float]] = {}
         self._connections: dict[str, int] = {}
 
@@ -37,13 +38,7 @@ class Authenticator:
     def authenticate(self, authorization: Optional[str]) -> Principal:
         if not self._keys:
             return ANONYMOUS
-        token = ""
-        if authorization and authorization[:7].lower() == "bearer ":
-            token = authorization[7:].strip()
-        if not token:
-            raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
-                           code="missing_api_key", type="invalid_request_error")
-        digest = hashlib.sha256(token.encode()).digest()
+        digest = _bearer_digest(authorization)
         match = None
         for expected, key in self._keys:  # constant time per key, no early exit
             if hmac.compare_digest(digest, expected):
@@ -51,6 +46,15 @@ class Authenticator:
         if match is None:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key", type="invalid_request_error")
         return Principal(match.tenant, match.sha256[:12], match.max_connections, match.requests_per_minute)
+
+    def authenticate_admin(self, authorization: Optional[str]) -> None:
+        """Operational routes: an admin key, or 403 when the server has none configured."""
+        if not self._admin:
+            raise ApiError(403, "Operational routes are closed: this server has no admin key "
+                                "(set auth.admin_keys).", code="admin_key_required", type="permission_error")
+        digest = _bearer_digest(authorization)
+        if not any([hmac.compare_digest(digest, expected) for expected in self._admin]):  # no early exit
+            raise ApiError(401, "Incorrect admin key provided.", code="invalid_api_key", type="invalid_request_error")
 
     def admit_request(self, p: Principal, now: Optional[float] = None) -> None:
         """Sliding one-minute window per key; 429 past the limit."""
@@ -73,6 +77,16 @@ class Authenticator:
 
     def close_connection(self, p: Principal) -> None:
         self._connections[p.key_id] = max(0, self._connections.get(p.key_id, 1) - 1)
+
+
+def _bearer_digest(authorization: Optional[str]) -> bytes:
+    token = ""
+    if authorization and authorization[:7].lower() == "bearer ":
+        token = authorization[7:].strip()
+    if not token:
+        raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                       code="missing_api_key", type="invalid_request_error")
+    return hashlib.sha256(token.encode()).digest()
 
 
 def key_sha256(key: str) -> str:

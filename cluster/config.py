@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL_DIR = Path(
     os.environ.get("LOOPSERVE_MODEL_DIR", Path.home() / ".cache" / "loopserve" / "tiny-chat")
@@ -39,6 +40,11 @@ class ModelConfig(_Strict):
         return self.path is None
 
 
+class AnswerRule(_Strict):
+    contains: str = Field(min_length=1)
+    text: str
+
+
 class ScriptedEngineConfig(_Strict):
     """Deterministic engine for tests and benchmarks (stands in for a GPU engine)."""
 
@@ -47,6 +53,10 @@ class ScriptedEngineConfig(_Strict):
     prefill_tokens_per_second: float = 200000.0
     answer_text: str = "Done. The task is complete."
     max_output_tokens: int = 64
+    # Answers chosen by what the prompt contains (first match wins; else
+    # `answer_text`): lets the scripted engine stand in for a guard model that
+    # answers `safe`, `unsafe` or something unparseable depending on the content.
+    answer_rules: list[AnswerRule] = Field(default_factory=list)
 
 
 class VLLMEngineConfig(_Strict):
@@ -125,6 +135,17 @@ class WebSocketConfig(_Strict):
     # Frames above this get an error event (the proxy itself closes above 16 MiB).
     max_frame_bytes: int = 15 * 1024 * 1024
     max_queued_creates: int = 64
+    # Bytes of frames waiting behind the response in flight on one socket.
+    max_queued_bytes: int = 32 * 1024 * 1024
+
+
+class OpsConfig(_Strict):
+    """Routes for operators and benchmarks, off the public API."""
+
+    # `/loopserve/echo`: a WebSocket echo through the same ingress, the latency
+    # floor the benchmark compares with. Benchmark-only: off unless turned on,
+    # and even then it needs an admin key and obeys the WebSocket limits.
+    echo_route: bool = False
 
 
 class LimitsConfig(_Strict):
@@ -135,11 +156,21 @@ class LimitsConfig(_Strict):
     # Prompt tokens of a turn's whole context (history + new input); default:
     # the model's max_model_len.
     max_context_tokens: Optional[int] = Field(None, ge=1)
+    # Payload bytes one conversation's state may keep in memory (all items, rendered
+    # or not): what a single chain can pin in a replica's caches.
+    max_context_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # `background: true` responses running at once on one replica (429 beyond).
+    max_background: int = Field(256, ge=1)
 
 
 class CacheConfig(_Strict):
+    # Per WebSocket connection.
     max_entries: int = 64
     max_bytes: int = 256 * 1024 * 1024
+    # All connections' caches on one replica together: past this, the caches of
+    # the least recently used connections are emptied (their next continuation
+    # is `previous_response_not_found` with `store: false`, or a store load).
+    connections_max_bytes: int = 2 * 1024 * 1024 * 1024
     # Replica-wide cache of `store: true` responses, for HTTP continuations.
     replica_max_entries: int = 4096
     replica_max_bytes: int = 1024 * 1024 * 1024
@@ -152,6 +183,9 @@ class GuardConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.5))
     max_tokens: int = 10
+    # A guard answer that is neither `safe` nor `unsafe ...` (a wrong model, a
+    # truncated answer) is logged and counted; this decides the verdict.
+    on_unparseable: Literal["flag", "allow"] = "flag"
 
 
 class SafetyConfig(_Strict):
@@ -173,6 +207,14 @@ class SafetyConfig(_Strict):
     output_chunk_chars: int = Field(256, ge=16)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.1))
+
+    @model_validator(mode="after")
+    def _guard_has_a_model(self) -> "SafetyConfig":
+        g = self.guard
+        if self.enabled and self.classifier == "guard" and g.engine.backend == "vllm" and g.model.path is None:
+            raise ValueError("safety.classifier 'guard' needs safety.guard.model.path (a Llama Guard-style "
+                             "model); the generated tiny model has random weights and cannot judge anything")
+        return self
 
 
 class PostWorkConfig(_Strict):
@@ -204,9 +246,24 @@ class ApiKey(_Strict):
 
 
 class AuthConfig(_Strict):
-    """Bearer keys; with none configured every request is the `default` tenant."""
+    """Bearer keys; with none configured every request is the `default` tenant.
+
+    `admin_keys` (sha256 hex digests) open the operational routes
+    (`/loopserve/stats`, and `/loopserve/echo` when enabled); those routes show
+    every tenant's response ids and usage, so with no admin key configured they
+    are closed (403), whatever `keys` says.
+    """
 
     keys: list[ApiKey] = Field(default_factory=list)
+    admin_keys: list[str] = Field(default_factory=list)
+
+    @field_validator("admin_keys")
+    @classmethod
+    def _digests(cls, v: list[str]) -> list[str]:
+        for digest in v:
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError("admin_keys holds sha256 hex digests of keys, never keys in clear")
+        return v
 
 
 class TelemetryConfig(_Strict):
@@ -237,6 +294,7 @@ class LoopserveConfig(_Strict):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    ops: OpsConfig = Field(default_factory=OpsConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
     render: DeploymentResources = Field(default_factory=DeploymentResources)
     engine_deployment: DeploymentResources = Field(

@@ -106,12 +106,10 @@ def build_tokenizer():
     return fast
 
 
-def build_model_dir(path: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def build_model_dir(path: Path, weights: bool = True) -> None:
+    from transformers import GenerationConfig, LlamaConfig
 
     tokenizer = build_tokenizer()
-    torch.manual_seed(SEED)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = LlamaConfig(
@@ -129,27 +127,57 @@ def build_model_dir(path: Path) -> None:
         pad_token_id=eot,
         torch_dtype="float32",
     )
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
-    model.save_pretrained(path, safe_serialization=True)
+    generation = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
+    if weights:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(SEED)
+        model = LlamaForCausalLM(config)
+        model.generation_config = generation
+        model.save_pretrained(path, safe_serialization=True)
+    else:  # tokenizer and config only: what a node without torch serves the scripted engine with
+        config.save_pretrained(path)
+        generation.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    (path / "loopserve_model.json").write_text(json.dumps({"format": FORMAT_VERSION, "seed": SEED}))
+    (path / "loopserve_model.json").write_text(json.dumps({"format": FORMAT_VERSION, "seed": SEED,
+                                                           "weights": weights}))
 
 
-def ensure_tiny_model(path: str | os.PathLike) -> Path:
-    """Generate the tiny model at `path` unless it is already there (safe across processes)."""
+def _torch_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def _complete(marker: Path, weights: bool) -> bool:
+    if not marker.exists():
+        return False
+    meta = json.loads(marker.read_text())
+    return meta.get("format") == FORMAT_VERSION and (meta.get("weights", True) or not weights)
+
+
+def ensure_tiny_model(path: str | os.PathLike, weights: bool | None = None) -> Path:
+    """Generate the tiny model at `path` unless it is already there (safe across processes).
+
+    `weights=None`: with weights when torch is installed (an engine node), else
+    the tokenizer and config only (the scripted engine and the render path need
+    no weights); a folder without weights gets them when an engine asks.
+    """
+    if weights is None:
+        weights = _torch_installed()
     target = Path(path)
     marker = target / "loopserve_model.json"
-    if marker.exists() and json.loads(marker.read_text()).get("format") == FORMAT_VERSION:
+    if _complete(marker, weights):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(str(target) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and json.loads(marker.read_text()).get("format") == FORMAT_VERSION:
+        if _complete(marker, weights):
             return target
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
         try:
-            build_model_dir(tmp)
+            build_model_dir(tmp, weights)
             if target.exists():
                 shutil.rmtree(target)
             tmp.rename(target)

@@ -12,7 +12,8 @@ def load_tokenizer(config: LoopserveConfig):
     if config.model.is_generated:
         from .tiny_model import ensure_tiny_model
 
-        ensure_tiny_model(config.model.resolved_path())
+        # Weights only where an engine loads them (or torch is there anyway).
+        ensure_tiny_model(config.model.resolved_path(), weights=True if config.engine.backend == "vllm" else None)
     return AutoTokenizer.from_pretrained(config.model.resolved_path())
 
 

@@ -29,6 +29,10 @@ from .local import free_port
 BLOCK = 32
 MAX_LEN = 32768  # the tiny model's max_position_embeddings
 
+# vLLM's own server, started after loopserve's torch-extension guard (`cluster/torch_extras.py`).
+_PEER_MAIN = ("import sys, runpy, cluster; sys.argv[0] = 'vllm-api-server'; "
+              "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)")
+
 
 def _message(turn: int, chars: int, prefix: str) -> str:
     line = f"[{prefix}] turn {turn}: the file src/mod_{turn}.py reads data, parses it and writes the report. "
@@ -135,7 +139,7 @@ def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[fl
     port = free_port()
     env = {**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+        [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port),
          "--host", "127.0.0.1", "--served-model-name", "peer", "--dtype", "float32", "--enforce-eager",
          "--max-model-len", str(MAX_LEN), "--enable-prefix-caching", "--block-size", str(BLOCK), "--seed", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -181,9 +181,11 @@ class OutputTailCheck:
     counted by the ledger as `output-late:<category>`.
     """
 
-    def __init__(self, classify: Callable[[list[str]], Awaitable[list[dict[str, Any]]]], ledger: "SafetyLedger") -> None:
+    def __init__(self, classify: Callable[[list[str]], Awaitable[list[dict[str, Any]]]], ledger: "SafetyLedger",
+                 on_flagged: Optional[Callable[[TurnRecord], Awaitable[None]]] = None) -> None:
         self._classify = classify
         self._ledger = ledger
+        self._on_flagged = on_flagged  # e.g. make the flag durable in the store
 
     async def __call__(self, record: TurnRecord) -> None:
         tail = (record.safety or {}).get("tail")
@@ -195,3 +197,5 @@ class OutputTailCheck:
             self._ledger.flagged[f"output-late:{hit.get('category') or 'unknown'}"] += 1
             if record.on_late_flag is not None:
                 record.on_late_flag({**hit, "stage": "output"})
+            if self._on_flagged is not None:
+                await self._on_flagged(record)

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
-from .render import _content_text
+from .render import _content_text, compaction_text
 
 
 @dataclass(frozen=True)
@@ -106,18 +106,35 @@ class CombinedClassifier:
 
 
 def item_texts(items: Sequence[dict[str, Any]], tool_outputs: bool = False) -> list[str]:
-    """The text of input items to classify: messages, and tool outputs if asked."""
+    """The text of input items the model will read, to classify: every message (any
+    role: a client can put words in the assistant's mouth too), function-call
+    arguments, compaction summaries (rendered as a system message), and tool
+    outputs if asked (they are the client's own data)."""
     texts = []
     for item in items:
         kind = item.get("type", "message")
-        if kind == "message" and item.get("role") != "assistant":
+        if kind == "message":
             text = _content_text(item.get("content"))
+        elif kind == "function_call":
+            text = f"{item.get('name', '')}({item.get('arguments', '')})"
+        elif kind == "compaction":
+            text = compaction_text(item)
         elif kind == "function_call_output" and tool_outputs:
             text = _content_text(item.get("output"))
         else:
             continue
         if text:
             texts.append(text)
+    return texts
+
+
+def turn_input_texts(items: Sequence[dict[str, Any]], instructions: Optional[str],
+                     parent_instructions: Optional[str], tool_outputs: bool = False) -> list[str]:
+    """What a turn classifies before its output is released: its new items, and its
+    `instructions` unless the previous response ran under the same ones already."""
+    texts = item_texts(items, tool_outputs)
+    if instructions and instructions != parent_instructions:
+        texts.insert(0, instructions)
     return texts
 
 
@@ -271,10 +288,21 @@ def guard_prompt(text: str, role: str = "User") -> str:
     )
 
 
-def parse_guard_output(text: str) -> Verdict:
-    """'safe' | 'unsafe\\nS1,S10' -> Verdict; anything else is treated as safe (and logged by the caller)."""
+def parse_guard_output(text: str) -> Optional[Verdict]:
+    """'safe' | 'unsafe\\nS1,S10' -> Verdict; anything else -> None (unparseable: the caller's policy decides)."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    if lines and lines[0].lower() == "unsafe":
+    first = lines[0].lower() if lines else ""
+    if first == "unsafe":
         category = lines[1].split(",")[0].strip() if len(lines) > 1 else None
         return Verdict(True, category, 1.0)
-    return SAFE
+    if first == "safe":
+        return SAFE
+    return None
+
+
+def guard_verdict(text: str, on_unparseable: str) -> tuple[Verdict, bool]:
+    """The verdict for a guard answer, and whether the answer was unparseable."""
+    verdict = parse_guard_output(text)
+    if verdict is not None:
+        return verdict, False
+    return (Verdict(True, "guard_unparseable", 1.0) if on_unparseable == "flag" else SAFE), True

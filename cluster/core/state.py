@@ -54,26 +54,41 @@ class ResponseState:
     # (post-inference classification of the output's tail): no continuation.
     blocked: Optional[dict[str, Any]] = None
     response: Optional[dict[str, Any]] = None  # the final Response object (JSON form)
+    # Payload bytes of the whole context (every item this state keeps alive,
+    # rendered or not: text, images, encrypted reasoning, unknown keys). A turn
+    # adds its own items to its parent's count: O(new items).
+    context_bytes: int = field(default=0)
     nbytes: int = field(default=0)
 
     def __post_init__(self) -> None:
+        if not self.context_bytes:
+            self.context_bytes = items_nbytes(self.items)  # no parent count (a store load): O(history) once
         if not self.nbytes:
             self.nbytes = estimate_nbytes(self)
 
 
 def estimate_nbytes(state: ResponseState) -> int:
-    """Rough memory cost, for the byte bound of the cache (not exact, but monotone)."""
+    """Memory this state keeps alive, for the byte bounds of the caches (approximate, monotone).
+
+    The whole context counts, not only this response's own items: a cache that
+    holds only this state keeps all of it alive.
+    """
     tokens = len(state.rendered.token_ids) * 4 if state.rendered else 0
-    # Items are shared with ancestors; count their pointers, plus our own payload.
-    own = sum(_item_size(item) for item in state.items[state.output_start :])
-    return 256 + tokens + 8 * len(state.items) + own
+    # (The Response object shares its output items with the context.)
+    request = _size(state.tools) + len(state.instructions or "")
+    return 256 + tokens + 8 * len(state.items) + state.context_bytes + request
 
 
-def _item_size(item: dict[str, Any]) -> int:
-    size = 64
-    for value in item.values():
-        if isinstance(value, str):
-            size += len(value)
-        elif isinstance(value, list):
-            size += sum(len(p.get("text") or "") + 32 if isinstance(p, dict) else 32 for p in value)
-    return size
+def items_nbytes(items: list[dict[str, Any]]) -> int:
+    return sum(_size(item) for item in items)
+
+
+def _size(value: Any, depth: int = 0) -> int:
+    """Payload bytes of a JSON-like value (strings by length, containers by their members)."""
+    if isinstance(value, str):
+        return 49 + len(value)
+    if isinstance(value, dict):
+        return 64 + sum(_size(k, depth + 1) + _size(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return 56 + sum(_size(v, depth + 1) for v in value)
+    return 24

@@ -16,14 +16,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 from .. import telemetry
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..protocol.requests import ResponsesRequest
-from .context import normalize_tools, output_as_context, output_call_ids, resolve_context
+from .context import normalize_tools, reject_non_text, output_as_context, output_call_ids, resolve_context
 from .events import Event, EventAssembler, build_response
 from .ids import new_id
 from .render import RenderResult
 from .post_work import PostWorkQueue
-from .safety import SafetyPort, TurnSafety, item_texts
+from .safety import SafetyPort, TurnSafety, turn_input_texts
 from .session_cache import SessionCache
-from .state import RenderedPrefix, RenderKey, ResponseState
+from .state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
 from .turn_stream import Rendered, TurnStream, TurnTiming
 
 
@@ -67,6 +67,7 @@ class TurnDriver:
         metrics: Optional[telemetry.Metrics] = None,
         max_input_items: Optional[int] = None,
         max_context_tokens: Optional[int] = None,
+        max_context_bytes: Optional[int] = None,
     ) -> None:
         self.model_name = model_name
         self._render = render
@@ -76,6 +77,7 @@ class TurnDriver:
         self.max_input_items = max_input_items
         # A prompt must leave room for one generated token; an operator may bound it lower.
         self.context_limit = min(max_model_len - 1, max_context_tokens or max_model_len)
+        self.max_context_bytes = max_context_bytes
         self.verify_renders = verify_renders
         self._safety = safety
         self.output_chunk_chars = output_chunk_chars
@@ -169,13 +171,13 @@ class TurnDriver:
             if parent is None:
                 raise previous_response_not_found(prev_id)
             if parent.blocked:
-                cache.evict(prev_id)
-                raise ApiError(
-                    400,
-                    f"Previous response with id '{prev_id}' was stopped by the content filter and cannot be continued.",
-                    code="previous_response_not_found",
-                    param="previous_response_id",
-                )
+                # Not `previous_response_not_found`: clients answer that by replaying
+                # the whole input, which would step around the filter. Kept in the
+                # cache so every retry gets the same answer.
+                reason = ("was stopped by the content filter" if parent.blocked.get("flagged")
+                          else f"ended {parent.blocked.get('status', 'without a result')}")
+                raise ApiError(400, f"Previous response with id '{prev_id}' {reason} and cannot be continued.",
+                               code="previous_response_blocked", param="previous_response_id")
         if parent is not None and parent.affinity_key:
             # Keep the chain on the engine replica that holds its prefix KV.
             session_key = parent.affinity_key
@@ -197,7 +199,9 @@ class TurnDriver:
 
         # Classify only what no earlier turn classified (new input items); it
         # runs while the engine prefills.
-        new_texts = item_texts(ctx.items[ctx.new_start :], self.classify_tool_outputs) if self._safety else []
+        new_texts = turn_input_texts(ctx.items[ctx.new_start :], req.instructions,
+                                     parent.instructions if parent is not None else None,
+                                     self.classify_tool_outputs) if self._safety else []
         safety = TurnSafety(self._safety, new_texts, self.output_chunk_chars, tracer=self.tracer, trace_parent=tctx)
         response_id = response_id or new_id("resp")
         timing.response_id = response_id
@@ -237,7 +241,15 @@ class TurnDriver:
         t0 = time.perf_counter()
         with self.tracer.start_as_current_span("resolve_context", context=tctx):
             new_items = req.input_items()
+            reject_non_text(new_items, self.model_name)
             ctx = resolve_context(new_items, parent)
+            if self.max_context_bytes is not None:
+                # Payload the state will keep alive (rendered or not): bounded per context.
+                size = (parent.context_bytes if parent is not None else 0) + items_nbytes(new_items)
+                if size > self.max_context_bytes:
+                    raise ApiError(400, f"The conversation holds about {size} bytes of input; the limit is "
+                                        f"{self.max_context_bytes} bytes. Start a new conversation or compact it.",
+                                   param="input", code="context_too_large")
             if not ctx.items and req.generate is not False:
                 raise ApiError(400, "Missing required parameter: 'input'.", param="input",
                                code="missing_required_parameter")
@@ -295,6 +307,7 @@ class TurnDriver:
     def _state(self, response_id, req, ctx, output, rendered: Rendered, key, owner, session_key) -> ResponseState:
         out_items = output_as_context(output)
         calls = output_call_ids(output)
+        inherited = ctx.parent.context_bytes if ctx.parent is not None else 0
         return ResponseState(
             response_id=response_id,
             model=self.model_name,
@@ -309,6 +322,7 @@ class TurnDriver:
             owner=owner,
             input_start=ctx.new_start,
             affinity_key=session_key,
+            context_bytes=inherited + items_nbytes(ctx.items[ctx.new_start:]) + items_nbytes(out_items),
         )
 
     def _record(self, timing: TurnTiming, prompt_len: int, cached: int, output_tokens: int = 0) -> None:

@@ -9,6 +9,7 @@ schedules post-inference work.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -70,6 +71,11 @@ def last_item_kind(items: list[dict[str, Any]]) -> str:
     return "none"
 
 
+def cache_salt(tenant: Optional[str]) -> str:
+    """The engine's prefix-cache namespace for a tenant (a hash: tenant names stay in this process)."""
+    return hashlib.sha256(f"loopserve-tenant:{tenant or 'default'}".encode()).hexdigest()[:32]
+
+
 class TurnStream:
     """The streaming part of one turn (after `response.created`)."""
 
@@ -128,6 +134,9 @@ class TurnStream:
         engine_req = {
             "request_id": asm.response["id"],
             "session_key": self.session_key,
+            # Tenants never share prefix-cache blocks: `cached_tokens` is exact, so a
+            # shared cache would let one tenant probe another's prompts.
+            "cache_salt": cache_salt(self.owner),
             "prompt_token_ids": self.rendered.prompt_token_ids,
             "max_tokens": max(1, min(req.max_output_tokens or d.default_max_tokens, room)),
             "temperature": req.temperature,
@@ -176,6 +185,8 @@ class TurnStream:
                             continue
                         tool_calls += 1
                         events = asm.tool_call(piece["name"], piece["args"])
+                        # Arguments are generated text too (a command, a file's new contents).
+                        safety.on_output(f"{piece['name']}({piece['args']})\n")
                     else:
                         continue
                     for ev in events:

@@ -26,6 +26,12 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Close = Callable[[int, str], Awaitable[None]]
 
 
+def frame_too_large(size: int, limit: int) -> ApiError:
+    # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
+    return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
+                    code="websocket_message_too_large")
+
+
 class WebSocketSession:
     def __init__(
         self,
@@ -53,7 +59,9 @@ class WebSocketSession:
         self._owner = owner
         self._admit = admit  # per-key rate limit for each response.create (raises ApiError)
         self._trace_parent = trace_parent  # a `traceparent` sent on the upgrade: every turn joins that trace
-        self._queue: asyncio.Queue[tuple[Union[str, bytes], float]] = asyncio.Queue()
+        # Frames waiting for the connection's FIFO: (frame, or the error it earned; arrival time).
+        self._queue: asyncio.Queue[tuple[Union[str, bytes, ApiError], float]] = asyncio.Queue()
+        self._queued_bytes = 0
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self.busy = False
@@ -71,12 +79,24 @@ class WebSocketSession:
     async def on_frame(self, data: Union[str, bytes]) -> None:
         if self.closed:
             return
-        if self._queue.qsize() >= self.config.max_queued_creates:
+        cfg = self.config
+        if self._queue.qsize() >= cfg.max_queued_creates:
             await self._send_error(
                 ApiError(429, "Too many queued requests on this connection.", code="rate_limit_exceeded")
             )
             return
         self._last_activity = time.monotonic()
+        if len(data) > cfg.max_frame_bytes:
+            # Checked before queueing: an oversized frame is never held. Its error
+            # keeps its place in the FIFO (after the responses queued before it).
+            self._queue.put_nowait((frame_too_large(len(data), cfg.max_frame_bytes), time.perf_counter()))
+            return
+        if self._queued_bytes + len(data) > cfg.max_queued_bytes:
+            await self._send_error(ApiError(
+                429, f"Too many bytes queued on this connection (limit {cfg.max_queued_bytes}); wait for the "
+                     "responses in flight.", code="rate_limit_exceeded"))
+            return
+        self._queued_bytes += len(data)
         self._queue.put_nowait((data, time.perf_counter()))
 
     async def shutdown(self) -> None:
@@ -91,6 +111,10 @@ class WebSocketSession:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queued_bytes = 0
+        self.cache.clear()  # `store: false` states die with their socket; the replica bound gets them back
 
     async def drain(self) -> None:
         """The server is going away (scale-down): finish the turn in flight, then
@@ -146,6 +170,8 @@ class WebSocketSession:
     async def _work(self) -> None:
         while True:
             data, received_at = await self._queue.get()
+            if not isinstance(data, ApiError):
+                self._queued_bytes -= len(data)
             try:
                 if self.expired:
                     await self._expire()
@@ -165,15 +191,9 @@ class WebSocketSession:
                 await self._expire()
                 return
 
-    async def _handle(self, data: Union[str, bytes], received_at: Optional[float] = None) -> None:
-        if len(data) > self.config.max_frame_bytes:
-            await self._send_error(
-                ApiError(
-                    400,
-                    f"The message is {len(data)} bytes; the limit is {self.config.max_frame_bytes} bytes.",
-                    code="message_too_large",
-                )
-            )
+    async def _handle(self, data: Union[str, bytes, ApiError], received_at: Optional[float] = None) -> None:
+        if isinstance(data, ApiError):
+            await self._send_error(data)
             return
         try:
             event = json.loads(data)

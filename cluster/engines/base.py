@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Protocol
 
@@ -20,6 +21,9 @@ class EngineRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
     last_item: str = "user"  # user | tool | assistant | none
+    # Prefix-cache namespace (one per tenant): a prompt only hits blocks cached
+    # under the same salt (vLLM's `cache_salt`).
+    cache_salt: Optional[str] = None
 
 
 @dataclass
@@ -39,7 +43,8 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
-    sessions: set = field(default_factory=set)
+    # Recently seen session keys, bounded: a stateless client brings a new key per request.
+    sessions: "RecentKeys" = field(default_factory=lambda: RecentKeys(4096))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -48,8 +53,28 @@ class EngineStats:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "output_tokens": self.output_tokens,
-            "sessions": len(self.sessions),
+            "sessions": len(self.sessions),  # of the last `sessions.limit` requests' keys
         }
+
+
+class RecentKeys:
+    """An insertion-ordered set holding at most `limit` keys (the oldest go first)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
 
 
 class Engine(Protocol):

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from array import array
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 
 from ..config import ModelConfig, ScriptedEngineConfig
@@ -45,6 +46,11 @@ def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+# The stand-in KV cache's capacity (a GPU holds a few million tokens of KV).
+MAX_CACHED_SESSIONS = 4096
+MAX_CACHED_TOKENS = 8_000_000
+
+
 def _common_prefix(a: array, b: array) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -73,7 +79,9 @@ class ScriptedEngine:
         self.config = config
         self.max_model_len = model.max_model_len
         self._encode, self._decode = encode, decode
-        self._seen: dict[str, array] = {}  # session -> tokens in its "KV cache"
+        # (cache salt, session) -> tokens in its "KV cache"; LRU, bounded like a real KV cache.
+        self._seen: OrderedDict[tuple, array] = OrderedDict()
+        self._seen_tokens = 0
         self._aborted: set[str] = set()
         self.stats = EngineStats()
 
@@ -82,11 +90,17 @@ class ScriptedEngine:
 
     async def shutdown(self) -> None:
         self._seen.clear()
+        self._seen_tokens = 0
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
 
     def script(self, request: EngineRequest) -> str:
+        if self.config.answer_rules:
+            prompt = self._decode(list(request.prompt_token_ids))
+            for rule in self.config.answer_rules:
+                if rule.contains in prompt:
+                    return rule.text
         offered = [t["function"] for t in request.tools if t.get("type") == "function"]
         wants_tool = request.tool_choice not in ("none",) and offered and (
             request.last_item == "user" or request.tool_choice == "required"
@@ -104,7 +118,8 @@ class ScriptedEngine:
         stats.requests += 1
         stats.sessions.add(request.session_key)
         prompt = request.prompt_token_ids
-        seen = self._seen.get(request.session_key, array("i"))
+        key = (request.cache_salt, request.session_key)
+        seen = self._seen.get(key, array("i"))
         cached = _common_prefix(seen, prompt)
         # Like a block-based prefix cache: the last prompt token is always computed.
         cached = min(cached, max(len(prompt) - 1, 0))
@@ -147,4 +162,12 @@ class ScriptedEngine:
             raise
         finally:
             self._aborted.discard(request.request_id)
-            self._seen[request.session_key] = prompt + array("i", emitted)
+            self._remember(key, prompt + array("i", emitted))
+
+    def _remember(self, key: tuple, tokens: array) -> None:
+        old = self._seen.pop(key, None)
+        self._seen_tokens += len(tokens) - (len(old) if old is not None else 0)
+        self._seen[key] = tokens
+        while len(self._seen) > 1 and (len(self._seen) > MAX_CACHED_SESSIONS or self._seen_tokens > MAX_CACHED_TOKENS):
+            _, dropped = self._seen.popitem(last=False)
+            self._seen_tokens -= len(dropped)

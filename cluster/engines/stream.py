@@ -29,6 +29,7 @@ def engine_request(req: dict[str, Any]) -> EngineRequest:
     return EngineRequest(
         request_id=req["request_id"],
         session_key=req["session_key"],
+        cache_salt=req.get("cache_salt"),
         prompt_token_ids=prompt if isinstance(prompt, array) else array("i", prompt),
         max_tokens=req["max_tokens"],
         temperature=req.get("temperature"),

@@ -85,6 +85,8 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
+        if request.cache_salt and self.config.enable_prefix_caching:
+            prompt["cache_salt"] = request.cache_salt  # blocks hash with the tenant's salt
         stats = self.stats
         stats.requests += 1
         stats.sessions.add(request.session_key)

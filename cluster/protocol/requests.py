@@ -111,6 +111,7 @@ class ReasoningConfig(_Tolerant):
     summary: Optional[str] = None
 
 
+TOOL_CHOICE_MODES = ("none", "auto", "required")
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 
@@ -174,6 +175,22 @@ class ResponsesRequest(_Tolerant):
                 raise ValueError(f"tools[{i}] (function) needs a 'name'")
         return v
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, v: Union[str, dict[str, Any], None]) -> Union[str, dict[str, Any], None]:
+        if isinstance(v, str) and v not in TOOL_CHOICE_MODES:
+            raise ValueError(f"'{v}' is not one of {', '.join(repr(m) for m in TOOL_CHOICE_MODES)}, or a tool object")
+        if isinstance(v, dict):
+            kind = v.get("type")
+            if not isinstance(kind, str):
+                raise ValueError("a tool_choice object needs a 'type'")
+            if kind in ("function", "custom") and not isinstance(v.get("name"), str):
+                raise ValueError(f"a tool_choice of type '{kind}' needs a 'name'")
+            if kind == "allowed_tools" and (v.get("mode") not in ("auto", "required")
+                                            or not isinstance(v.get("tools"), list)):
+                raise ValueError("allowed_tools needs 'mode' ('auto' or 'required') and a 'tools' list")
+        return v
+
     def input_items(self) -> list[dict[str, Any]]:
         """The new input as plain dicts; a string input is one user message."""
         if self.input is None:
@@ -203,6 +220,14 @@ def parse_request(body: Any, *, max_input_items: Optional[int] = None) -> Respon
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    choice = req.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        names = {t.get("name") for t in req.tools or [] if t.get("type") == "function"}
+        names |= {n.get("name") for t in req.tools or [] if t.get("type") == "namespace"
+                  for n in (t.get("tools") or t.get("functions") or []) if isinstance(n, dict)}
+        if choice["name"] not in names:
+            raise ApiError(400, f"Tool choice '{choice['name']}' not found in 'tools' parameter.",
+                           param="tool_choice", code="invalid_value")
     for i, item in enumerate(req.input if isinstance(req.input, list) else []):
         if isinstance(item, ItemReference):
             # Items are referenced through previous_response_id; standalone

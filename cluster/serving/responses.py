@@ -36,8 +36,10 @@ def not_found(response_id: str) -> ApiError:
 
 
 class ResponsesService:
-    def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore]) -> None:
+    def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore],
+                 max_background: int = 256) -> None:
         self.driver = driver
+        self.max_background = max_background
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
         self.background: dict[str, dict[str, Any]] = {}  # id -> {"task", "response", "tenant"}
@@ -53,6 +55,11 @@ class ResponsesService:
         chain = await self._read(self.store.chain(response_id, tenant))
         if not chain:
             return None
+        if chain[0].previous_response_id is not None:
+            # An ancestor was deleted: continuing would silently drop its part of the context.
+            raise ApiError(400, f"Response '{response_id}' cannot be continued: its ancestor "
+                                f"'{chain[0].previous_response_id}' was deleted, so its context is incomplete.",
+                           param="previous_response_id", code="previous_response_chain_broken")
         state = state_from_chain(chain)
         self.registry.put(state)
         return state
@@ -74,7 +81,11 @@ class ResponsesService:
             return
         t0 = time.perf_counter()
         # A failure raises: the post-work queue retries it (`store.write_retry_s`).
-        await self.store.put(self._stored(state, record.response))
+        stored = self._stored(state, record.response)
+        await self.store.put(stored)
+        if state.blocked is not None and stored.blocked is None:
+            # Flagged while this write was on its way: the flag must not be lost.
+            await self.store.mark_blocked(state.response_id, stored.tenant, state.blocked)
         took = time.perf_counter() - t0
         self.write_latencies.append(took)
         del self.write_latencies[:-1000]
@@ -91,7 +102,15 @@ class ResponsesService:
             previous_response_id=response.get("previous_response_id"), created_at=float(response["created_at"]),
             model=state.model, input_items=inputs, output=response.get("output") or [], response=response,
             instructions=state.instructions, tools=state.tools, affinity_key=state.affinity_key,
+            blocked=state.blocked,
         )
+
+    async def mark_blocked(self, record: TurnRecord) -> None:
+        """A stored response flagged after its terminal event: make the flag durable."""
+        state: Optional[ResponseState] = record.state
+        if self.store is None or state is None or not state.store or state.blocked is None:
+            return
+        await self.store.mark_blocked(state.response_id, state.owner or "default", state.blocked)
 
     # -- endpoints -----------------------------------------------------------------
     async def retrieve(self, response_id: str, tenant: str) -> dict[str, Any]:
@@ -205,6 +224,9 @@ class ResponsesService:
     def start_background(self, req, tenant: str, session_key: str) -> dict[str, Any]:
         if req.store is False:
             raise ApiError(400, "background responses require store: true.", param="background", code="invalid_value")
+        if len(self.background) >= self.max_background:
+            raise ApiError(429, f"Too many background responses in progress (limit {self.max_background}); "
+                                "retry when some have finished.", code="rate_limit_exceeded")
         rid = new_id("resp")
         response = build_response(response_id=rid, model=self.driver.model_name, request=req,
                                   previous_response_id=req.previous_response_id)
@@ -215,17 +237,49 @@ class ResponsesService:
         return response
 
     async def _run_background(self, req, tenant: str, session_key: str, rid: str, entry: dict[str, Any]) -> None:
+        committed = False
+
+        def remember(state: ResponseState) -> None:
+            nonlocal committed
+            committed = True
+            self.remember(state)
+
         try:
             async for ev in self.driver.run(req, SessionCache(1), session_key=session_key, owner=tenant,
-                                            lookup=self.lookup_for(tenant), on_state=self.remember, response_id=rid):
+                                            lookup=self.lookup_for(tenant), on_state=remember, response_id=rid):
                 if "response" in ev:
                     entry["response"] = ev["response"]
         except ApiError as err:
-            entry["response"] = {**entry["response"], "status": "failed",
+            entry["response"] = {**entry["response"], "status": "failed", "completed_at": int(time.time()),
                                  "error": {"code": err.code or err.type, "message": err.message}}
+        except asyncio.CancelledError:
+            raise  # `cancel` commits the cancelled response itself
+        except Exception:
+            log.exception("background response %s failed", rid)
+            entry["response"] = {**entry["response"], "status": "failed", "completed_at": int(time.time()),
+                                 "error": {"code": "server_error", "message": "The server had an error."}}
         finally:
-            if entry["response"]["status"] in TERMINAL_STATUSES:
+            response = entry["response"]
+            if response["status"] in TERMINAL_STATUSES:
+                if not committed:
+                    # Failed or content-filtered: no continuation state, but the
+                    # client polling GET must see how it ended (not a 404).
+                    await self._commit_final(rid, tenant, response)
                 self.background.pop(rid, None)
+
+    async def _commit_final(self, rid: str, tenant: str, response: dict[str, Any]) -> None:
+        """A response that ended without a continuable state: retrievable, never continuable."""
+        state = ResponseState(response_id=rid, model=self.driver.model_name, items=[], output_start=0,
+                              instructions=response.get("instructions"), tools=response.get("tools") or [],
+                              rendered=None, known_call_ids=frozenset(), pending_call_ids=(), store=True,
+                              owner=tenant, response=response,
+                              blocked={"status": response["status"]})
+        self.registry.put(state)
+        if self.store is not None:
+            try:
+                await self.store.put(self._stored(state, response))
+            except Exception:
+                log.warning("store write of background response %s failed; kept in memory", rid)
 
     async def cancel(self, response_id: str, tenant: str) -> dict[str, Any]:
         entry = self.background.get(response_id)
@@ -244,13 +298,7 @@ class ResponsesService:
             pass
         response = {**entry["response"], "status": "cancelled", "completed_at": int(time.time())}
         self.background.pop(response_id, None)
-        state = ResponseState(response_id=response_id, model=self.driver.model_name, items=[], output_start=0,
-                              instructions=response.get("instructions"), tools=response.get("tools") or [],
-                              rendered=None, known_call_ids=frozenset(), pending_call_ids=(), store=True,
-                              owner=tenant, response=response)
-        self.registry.put(state)
-        if self.store is not None:
-            await self.store.put(self._stored(state, response))
+        await self._commit_final(response_id, tenant, response)
         return response
 
 

@@ -25,23 +25,27 @@ class StoredResponse:
     instructions: Optional[str]
     tools: list[dict[str, Any]]
     affinity_key: Optional[str] = None
+    # Why this response may not be continued (a late output-safety flag, a failed
+    # background run): kept durable so a restart does not lift it.
+    blocked: Optional[dict[str, Any]] = None
 
     def row(self) -> tuple:
         return (
             self.id, self.tenant, self.previous_response_id, self.created_at, self.model,
             json.dumps(self.input_items), json.dumps(self.output), json.dumps(self.response),
             self.instructions, json.dumps(self.tools), self.affinity_key,
+            json.dumps(self.blocked) if self.blocked is not None else None,
         )
 
     @classmethod
     def from_row(cls, row: Any) -> "StoredResponse":
         r = tuple(row)
         return cls(r[0], r[1], r[2], float(r[3]), r[4], json.loads(r[5]), json.loads(r[6]), json.loads(r[7]),
-                   r[8], json.loads(r[9]), r[10])
+                   r[8], json.loads(r[9]), r[10], json.loads(r[11]) if r[11] else None)
 
 
 COLUMNS = ("id, tenant, previous_response_id, created_at, model, input_items, output, response, "
-           "instructions, tools, affinity_key")
+           "instructions, tools, affinity_key, blocked")
 
 
 def chain_query(id_param: str, tenant_param: str) -> str:
@@ -75,6 +79,10 @@ class ResponseStore(Protocol):
 
     async def delete(self, response_id: str, tenant: str) -> bool: ...
 
+    async def mark_blocked(self, response_id: str, tenant: str, blocked: dict[str, Any]) -> bool:
+        """Record that a stored response may not be continued (False if it is not stored yet)."""
+        ...
+
 
 def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
     """Rebuild the continuation state of `chain[-1]` (a cache miss: rendering starts over)."""
@@ -105,5 +113,6 @@ def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
         owner=last.tenant,
         affinity_key=last.affinity_key,
         response=last.response,
+        blocked=last.blocked,
     )
 

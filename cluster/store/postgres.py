@@ -16,6 +16,8 @@ MIGRATIONS = [
             affinity_key TEXT)""",
         "CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)",
     ],
+    # version 2: why a response may not be continued (durable across restarts)
+    ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS blocked TEXT"],
 ]
 
 CHAIN = chain_query("$1", "$2")
@@ -54,8 +56,9 @@ class PostgresStore:
 
     async def put(self, record: StoredResponse) -> None:
         await self._pool.execute(
-            f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11)
-                ON CONFLICT (id) DO UPDATE SET response = EXCLUDED.response, output = EXCLUDED.output""",
+            f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12)
+                ON CONFLICT (id) DO UPDATE SET response = EXCLUDED.response, output = EXCLUDED.output,
+                blocked = COALESCE(EXCLUDED.blocked, responses.blocked)""",
             *record.row(),
         )
 
@@ -67,6 +70,13 @@ class PostgresStore:
     async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
         rows = await self._pool.fetch(CHAIN, response_id, tenant)
         return [StoredResponse.from_row(r) for r in rows]
+
+    async def mark_blocked(self, response_id: str, tenant: str, blocked: dict) -> bool:
+        import json
+
+        result = await self._pool.execute("UPDATE responses SET blocked = $1 WHERE id = $2 AND tenant = $3",
+                                          json.dumps(blocked), response_id, tenant)
+        return result.endswith(" 1")
 
     async def delete(self, response_id: str, tenant: str) -> bool:
         result = await self._pool.execute("DELETE FROM responses WHERE id = $1 AND tenant = $2", response_id, tenant)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from pathlib import Path
 from typing import Optional
@@ -14,7 +15,7 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS responses (
         id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT, created_at REAL NOT NULL,
         model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
-        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT)""",
+        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT)""",
     """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
 ]
 
@@ -38,6 +39,10 @@ class SQLiteStore:
                 db.execute(stmt)
             if db.execute("SELECT count(*) FROM loopserve_schema").fetchone()[0] == 0:
                 db.execute("INSERT INTO loopserve_schema VALUES (1)")
+            columns = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
+            if "blocked" not in columns:  # version 1 -> 2
+                db.execute("ALTER TABLE responses ADD COLUMN blocked TEXT")
+            db.execute("UPDATE loopserve_schema SET version = 2")
             return db
 
         self._db = await asyncio.to_thread(open_db)
@@ -53,7 +58,7 @@ class SQLiteStore:
 
     async def put(self, record: StoredResponse) -> None:
         await self._run(lambda db: db.execute(
-            f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", record.row()))
+            f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", record.row()))
 
     async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]:
         row = await self._run(lambda db: db.execute(
@@ -63,6 +68,11 @@ class SQLiteStore:
     async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
         rows = await self._run(lambda db: db.execute(CHAIN, (response_id, tenant)).fetchall())
         return [StoredResponse.from_row(r) for r in rows]
+
+    async def mark_blocked(self, response_id: str, tenant: str, blocked: dict) -> bool:
+        cur = await self._run(lambda db: db.execute(
+            "UPDATE responses SET blocked = ? WHERE id = ? AND tenant = ?", (json.dumps(blocked), response_id, tenant)))
+        return cur.rowcount > 0
 
     async def delete(self, response_id: str, tenant: str) -> bool:
         cur = await self._run(lambda db: db.execute(

@@ -171,7 +171,7 @@ def test_websocket_frames(fuzz_url):
         raw()
         # an oversized frame, then the socket still works
         ev = ws_exchange(ws, "x" * (1024 * 1024 + 10))[-1]
-        assert ev["type"] == "error" and ev["error"]["code"] == "message_too_large"
+        assert ev["type"] == "error" and ev["error"]["code"] == "websocket_message_too_large"
         ok = ws_exchange(ws, json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi"}))
         assert ok[-1]["type"] in ("response.completed", "response.incomplete")
     print(f"\nWebSocket fuzz frames: {counter['ws']}, zero 5xx, one socket throughout")

@@ -82,7 +82,7 @@ async def test_raw_socket_edge_cases_keep_the_connection_open(scripted_url):
         assert ev["status"] == 400 and ev["error"]["code"] == "previous_response_not_found"
         assert ev["error"]["type"] == "invalid_request_error"
         await ws.send(json.dumps({"type": "response.create", "input": "y" * 300_000}))
-        assert (await error())["error"]["code"] == "message_too_large"
+        assert (await error())["error"]["code"] == "websocket_message_too_large"
         await ws.send(json.dumps({"type": "response.create", "input": "x", "background": True}))
         assert (await error())["error"]["param"] == "background"
         # ignored silently, then a real turn still works

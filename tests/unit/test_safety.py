@@ -10,6 +10,8 @@ from cluster.core.safety import (
     OutputMonitor,
     PolicyClassifier,
     ProfanityClassifier,
+    Verdict,
+    guard_verdict,
     parse_guard_output,
 )
 from cluster.core.session_cache import SessionCache
@@ -37,7 +39,10 @@ def test_classifiers():
     assert verdicts[1].category == "harassment"
     assert parse_guard_output("unsafe\nS10,S1").category == "S10"
     assert parse_guard_output(" safe ").flagged is False
-    assert parse_guard_output("garbage").flagged is False
+    assert parse_guard_output("garbage") is None  # unparseable: never silently safe
+    assert guard_verdict("garbage", "flag") == (Verdict(True, "guard_unparseable", 1.0), True)
+    assert guard_verdict("garbage", "allow") == (Verdict(False), True)
+    assert guard_verdict("safe", "flag") == (Verdict(False), False)
 
 
 def test_output_monitor_chunks_with_overlap():
@@ -214,4 +219,7 @@ async def test_short_output_is_checked_after_the_terminal_event_and_blocks_conti
     assert ledger.flagged == {"output-late:leak": 1}
     with pytest.raises(ApiError) as e:
         await run(stack, {"input": "go on", "previous_response_id": evs[-1]["response"]["id"]}, cache)
-    assert e.value.code == "previous_response_not_found" and "content filter" in e.value.message
+    assert e.value.code == "previous_response_blocked" and "content filter" in e.value.message
+    with pytest.raises(ApiError) as again:  # every retry gets the same answer (not a replayable not-found)
+        await run(stack, {"input": "go on", "previous_response_id": evs[-1]["response"]["id"]}, cache)
+    assert again.value.code == "previous_response_blocked"

@@ -73,7 +73,7 @@ async def test_errors_keep_the_connection_working(stack):
     await p.idle()
     errors = [e for e in p.sent if e["type"] == "error"]
     assert [e["error"]["code"] for e in errors] == [
-        "invalid_json", "invalid_value", "missing_required_parameter", "message_too_large", "invalid_value",
+        "invalid_json", "invalid_value", "missing_required_parameter", "websocket_message_too_large", "invalid_value",
         "previous_response_not_found",
     ]
     assert all(e["error"]["type"] == "invalid_request_error" and e["status"] == 400 for e in errors)

@@ -1,0 +1,314 @@
+"""The ingress's routes: plain FastAPI functions that reach the replica through a dependency.
+
+Why not methods on the deployment class: Ray Serve's class-based-view rewrite
+(`@serve.ingress(app)` turning `self` into a dependency) breaks with FastAPI
+>= 0.137 (ray-project/ray#64475: `self` becomes a required query parameter and
+every route answers 400). Functions with `Depends(replica)` need no rewrite, so
+they work with every FastAPI the pyproject allows. One ConnectionActor lives in
+each replica process; `bind` registers it when it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+from fastapi import Depends, Request, WebSocket
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.websockets import WebSocketDisconnect
+
+from actors.http import app, error_response, json_body, rss_bytes, sse
+from cluster import telemetry
+from cluster.core.session_cache import SessionCache
+from cluster.core.ws_session import WebSocketSession
+from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.requests import parse_request
+
+if TYPE_CHECKING:  # pragma: no cover
+    from actors.connection import ConnectionActor
+
+_replica: Optional["ConnectionActor"] = None
+
+
+def bind(actor: "ConnectionActor") -> None:
+    global _replica
+    _replica = actor
+
+
+def replica() -> "ConnectionActor":
+    if _replica is None:  # a request before the constructor finished: Serve does not route those
+        raise ApiError(503, "The server is starting.", code="server_starting", type="server_error")
+    return _replica
+
+
+Conn = Depends(replica)
+
+
+# -- operational ----------------------------------------------------------------
+@app.get("/health")
+async def health(conn: "ConnectionActor" = Conn) -> JSONResponse:
+    """Ready only when every deployment a turn needs answers (not just this ingress). Reveals nothing else."""
+    checks = [conn.render_handle.stats.remote(), conn.engine_handle.options(stream=False).stats.remote()]
+    if conn.safety_handle is not None:
+        checks.append(conn.safety_handle.stats.remote())
+    try:
+        await asyncio.wait_for(asyncio.gather(*checks), timeout=5)
+    except Exception:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@app.get("/loopserve/stats")
+async def stats(request: Request, last: int = 200, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    """Counters and per-turn timings of every tenant: admin key only."""
+    conn.auth.authenticate_admin(request.headers.get("authorization"))
+    render = await conn.render_handle.stats.remote()
+    engine = await conn.engine_handle.options(stream=False).stats.remote()
+    safety = await conn.safety_handle.stats.remote() if conn.safety_handle is not None else None
+    writes = conn.responses.write_latencies
+    return {
+        "safety": safety,
+        "safety_ledger": conn.safety_ledger.snapshot(),
+        "blocked_turns": conn.driver.blocked_turns,
+        "usage": conn.usage.snapshot(),
+        "post_work": conn.post_work.stats(),
+        "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None,
+                         "retried": conn.post_work.retried_by["persist"],
+                         "failed": conn.post_work.failed_by["persist"]},
+        "render": render,
+        "render_inline": None if conn.local_renderer is None else {
+            "full_renders": conn.local_renderer.full_renders,
+            "delta_renders": conn.local_renderer.delta_renders,
+            "mismatches": conn.local_render_mismatches,
+        },
+        "engine": engine,  # one engine replica's counters
+        "open_sockets": conn.open_sockets,
+        "tasks": len(asyncio.all_tasks()),
+        "background": len(conn.responses.background),
+        "rss_bytes": rss_bytes(),
+        "ws_cache_bytes": conn.memory.socket_bytes(),
+        "registry_entries": len(conn.registry),
+        "registry_bytes": conn.registry.nbytes,
+        "session_moves": conn.driver.session_moves,
+        "turns": [t.as_dict() for t in conn.driver.timings[-max(1, min(last, 1024)):]],
+    }
+
+
+@app.websocket("/loopserve/echo")
+async def echo(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
+    """Echoes frames: the latency floor of a WebSocket through the same ingress (benchmarks).
+
+    Off unless `ops.echo_route`; then admin key, Origin check, the per-key
+    connection limit, the frame limit and the idle/lifetime limits apply."""
+    if not conn.config.ops.echo_route:
+        await conn.deny(ws, ApiError(404, "Not Found", code="not_found"))
+        return
+    try:
+        conn.check_origin(ws)
+        conn.auth.authenticate_admin(ws.headers.get("authorization"))
+    except ApiError as err:
+        await conn.deny(ws, err)
+        return
+    cfg = conn.config.websocket
+    await ws.accept()
+    deadline = time.monotonic() + cfg.max_connection_seconds
+    try:
+        while True:
+            timeout = min(cfg.idle_timeout_seconds, deadline - time.monotonic())
+            if timeout <= 0:
+                break
+            msg = await asyncio.wait_for(ws.receive(), timeout)
+            if msg["type"] == "websocket.disconnect":
+                return
+            data = msg.get("text") if msg.get("text") is not None else msg.get("bytes") or b""
+            if len(data) > cfg.max_frame_bytes:
+                await ws.send_text(json.dumps(conn.frame_too_large(len(data)).ws_event()))
+                continue
+            await ws.send_text(data if isinstance(data, str) else data.decode("utf-8", "replace"))
+    except (asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
+        pass
+    try:
+        await ws.close(code=1000)
+    except RuntimeError:
+        pass
+
+
+# -- the Responses API ------------------------------------------------------------
+@app.get("/v1/models")
+async def models(request: Request, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    conn.principal(request)
+    name = conn.config.model.name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "loopserve"}]}
+
+
+@app.post("/v1/responses/input_tokens")
+async def input_tokens(request: Request, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    p = conn.principal(request)
+    return await conn.responses.input_tokens(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
+
+
+@app.post("/v1/responses/compact")
+async def compact(request: Request, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    p = conn.principal(request)
+    return await conn.responses.compact(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
+
+
+@app.get("/v1/responses/{response_id}/input_items")
+async def input_items(request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
+                      order: str = "desc", conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    p = conn.principal(request)
+    return await conn.responses.input_items(response_id, p.tenant, after=after, limit=limit, order=order)
+
+
+@app.post("/v1/responses/{response_id}/cancel")
+async def cancel(request: Request, response_id: str, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    return await conn.responses.cancel(response_id, conn.principal(request).tenant)
+
+
+@app.delete("/v1/responses/{response_id}")
+async def delete(request: Request, response_id: str, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    return await conn.responses.delete(response_id, conn.principal(request).tenant)
+
+
+@app.get("/v1/responses/{response_id}")
+async def retrieve(request: Request, response_id: str, stream: bool = False, starting_after: Optional[int] = None,
+                   conn: "ConnectionActor" = Conn):
+    p = conn.principal(request)
+    if stream:
+        events = await conn.responses.replay(response_id, p.tenant, starting_after)
+
+        async def replay():
+            for ev in events:
+                yield sse(ev)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(replay(), media_type="text/event-stream")
+    return JSONResponse(await conn.responses.retrieve(response_id, p.tenant))
+
+
+@app.post("/v1/responses")
+async def create(request: Request, conn: "ConnectionActor" = Conn):
+    received_at = time.perf_counter()
+    try:
+        p = conn.principal(request)
+        conn.auth.admit_request(p)
+        req = parse_request(await json_body(request, conn.config.limits.max_request_bytes),
+                            max_input_items=conn.config.limits.max_input_items)
+        parsed_at = time.perf_counter()
+        session_key = (request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id
+                       or uuid.uuid4().hex)
+        if req.background:
+            if req.stream:
+                raise ApiError(400, "background responses cannot be streamed here; poll GET /v1/responses/{id}.",
+                               param="stream", code="unsupported_value")
+            return JSONResponse(conn.responses.start_background(req, p.tenant, session_key))
+    except ApiError as err:
+        return error_response(err)
+    events = conn.driver.run(
+        req,
+        SessionCache(1),  # HTTP has no connection: state goes to the registry
+        session_key=session_key,
+        lookup=conn.responses.lookup_for(p.tenant),
+        on_state=conn.responses.remember,
+        owner=p.tenant,
+        received_at=received_at,
+        parsed_at=parsed_at,
+        trace_parent=telemetry.extract_headers(request.headers),
+        transport="http",
+    )
+    try:
+        first = await events.__anext__()
+    except ApiError as err:
+        return error_response(err)
+    if req.stream:
+        return StreamingResponse(_sse_stream(first, events), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    final: Optional[dict[str, Any]] = None
+    error: Optional[dict[str, Any]] = None
+    async for ev in events:
+        if ev["type"] in ("response.completed", "response.incomplete", "response.failed"):
+            final = ev["response"]
+        elif ev["type"] == "error":
+            error = ev
+    if final is None:
+        return error_response(server_error())
+    if final["status"] == "failed" and error is not None:
+        e = error["error"]
+        return error_response(ApiError(error.get("status", 500), e["message"], code=e.get("code"), param=e.get("param")))
+    return JSONResponse(final)
+
+
+async def _sse_stream(first: dict[str, Any], events):
+    try:
+        yield sse(first)
+        async for ev in events:
+            yield sse(ev)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await events.aclose()  # client gone mid-stream: cancels the engine call
+
+
+@app.websocket("/v1/responses")
+async def websocket(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
+    if conn.drain_watch.draining:
+        await conn.deny(ws, ApiError(503, "This server is shutting down; connect again.", code="server_draining",
+                                     type="server_error"))
+        return
+    try:
+        conn.check_origin(ws)
+        p = conn.auth.authenticate(ws.headers.get("authorization"))
+        conn.auth.open_connection(p)
+    except ApiError as err:
+        await conn.deny(ws, err)  # before the upgrade: a plain HTTP error
+        return
+    await ws.accept()
+    conn.open_sockets += 1
+    conn.metrics.connections.add(1)
+    lock = asyncio.Lock()
+
+    async def send(event: dict[str, Any]) -> None:
+        async with lock:
+            await ws.send_text(json.dumps(event, separators=(",", ":")))
+
+    async def close(code: int, reason: str) -> None:
+        async with lock:
+            await ws.close(code=code, reason=reason)
+
+    session = WebSocketSession(
+        conn.driver,
+        conn.memory.socket_cache(),
+        session_key=ws.headers.get("x-session-id") or uuid.uuid4().hex,
+        config=conn.config.websocket,
+        send=send,
+        close=close,
+        lookup=conn.responses.lookup_for(p.tenant),
+        on_state=conn.responses.remember,
+        owner=p.tenant,
+        admit=lambda: conn.auth.admit_request(p),
+        trace_parent=telemetry.extract_headers(ws.headers),
+    )
+    session.start()
+    conn.ws_sessions.add(session)
+    if conn.drain_watch.draining:
+        await session.drain()
+    try:
+        while not session.closed:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                break
+            data = msg.get("text")
+            if data is None:
+                data = msg.get("bytes") or b""
+            await session.on_frame(data)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        conn.open_sockets -= 1
+        conn.metrics.connections.add(-1)
+        conn.ws_sessions.discard(session)
+        conn.auth.close_connection(p)
+        await session.shutdown()
