@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+from array import array
+from collections import OrderedDict
 import logging
 import time
 from contextlib import aclosing
@@ -28,6 +31,9 @@ class EngineReplica:
         telemetry.setup(config.telemetry, "engine")
         self.tracer = telemetry.tracer()
         self.in_flight = 0
+        # sha256 of the last prompts this replica was given, by request (= response) id:
+        # lets a test compare what the production render path sent with a full render.
+        self.prompt_digests: OrderedDict[str, str] = OrderedDict()
         telemetry.Metrics().observe("loopserve.engine.queue_depth", lambda: [(self.in_flight, {})],
                                     "requests in this engine replica (queued or running)")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, config)
@@ -56,6 +62,7 @@ class EngineReplica:
         span = self.tracer.start_span("engine.generate", context=telemetry.extract(req.get("trace")),
                                       kind=telemetry.SpanKind.SERVER, start_time=start_ns)
         self.in_flight += 1
+        self._digest(req)
         chunks = coalesce(stream_chunks(
             self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
         ))
@@ -84,11 +91,18 @@ class EngineReplica:
         span.set_attribute("gen_ai.response.time_to_first_token_ms", (first - start_ns) / 1e6)
         span.set_attribute("loopserve.engine.replica", self.replica_id)
 
+    def _digest(self, req: dict[str, Any]) -> None:
+        ids = req["prompt_token_ids"]
+        data = ids.tobytes() if isinstance(ids, array) else array("i", ids).tobytes()
+        self.prompt_digests[req["request_id"]] = hashlib.sha256(data).hexdigest()
+        while len(self.prompt_digests) > 512:
+            self.prompt_digests.popitem(last=False)
+
     async def stats(self) -> dict[str, Any]:
         import ray
 
         return {**self.engine.stats.as_dict(), "replica": self.replica_id, "node": ray.get_runtime_context().get_node_id(),
-                "in_flight": self.in_flight}
+                "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests)}
 
     async def check_health(self) -> None:
         llm = getattr(self.engine, "llm", None)

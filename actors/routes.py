@@ -63,11 +63,16 @@ async def health(conn: "ConnectionActor" = Conn) -> JSONResponse:
 
 
 @app.get("/loopserve/stats")
-async def stats(request: Request, last: int = 200, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
-    """Counters and per-turn timings of every tenant: admin key only."""
+async def stats(request: Request, last: int = 200, engine_session: Optional[str] = None,
+                conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+    """Counters and per-turn timings of every tenant: admin key only. `engine_session`
+    picks the engine replica that session key routes to (else any one)."""
     conn.auth.authenticate_admin(request.headers.get("authorization"))
     render = await conn.render_handle.stats.remote()
-    engine = await conn.engine_handle.options(stream=False).stats.remote()
+    handle = conn.engine_handle.options(stream=False)
+    if engine_session:
+        handle = handle.options(session_id=engine_session)
+    engine = await handle.stats.remote()
     safety = await conn.safety_handle.stats.remote() if conn.safety_handle is not None else None
     writes = conn.responses.write_latencies
     return {
@@ -90,10 +95,12 @@ async def stats(request: Request, last: int = 200, conn: "ConnectionActor" = Con
         "tasks": len(asyncio.all_tasks()),
         "background": len(conn.responses.background),
         "rss_bytes": rss_bytes(),
-        "ws_cache_bytes": conn.memory.socket_bytes(),
+        "ws_cache_bytes": conn.memory.nbytes,
+        "ws_cache_reclaimed": conn.memory.reclaimed,
         "registry_entries": len(conn.registry),
         "registry_bytes": conn.registry.nbytes,
         "session_moves": conn.driver.session_moves,
+        "turn_status": dict(conn.driver.turn_status),
         "turns": [t.as_dict() for t in conn.driver.timings[-max(1, min(last, 1024)):]],
     }
 

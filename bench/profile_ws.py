@@ -105,9 +105,9 @@ def main(argv=None) -> None:
             p.send_signal(2)  # SIGINT: py-spy writes its output and exits
         for p in spies.values():
             p.wait(timeout=60)
-        import httpx
+        from cluster.bench.local import stats as server_stats
 
-        stats = httpx.get(url + "/loopserve/stats", params={"last": 1024}, timeout=30).json()["turns"][-ns.turns:]
+        stats = server_stats(url, last=1024)["turns"][-ns.turns:]
     finally:
         from cluster.bench.local import stop_local_serve
 

@@ -16,6 +16,7 @@ import asyncio
 import statistics
 
 from .common import deploy, start_cluster, stop_cluster, ws_loop
+from cluster.bench.local import stats as server_stats
 
 TEXT = "please look at the next module and summarise it. " * 3
 
@@ -24,7 +25,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=30)
     ns = ap.parse_args()
-    import httpx
 
     base_cfg = {"engine": {"backend": "scripted"}, "safety": {"policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}}}
     url = start_cluster()
@@ -34,7 +34,7 @@ def main() -> None:
                 "slowhook": deploy(url, "slowhook", {**base_cfg, "post_work": {"hooks": ["bench.hooks:slow_hook"]}})}
         for name, app_url in urls.items():
             rows = asyncio.run(ws_loop(app_url, ns.turns, TEXT))
-            stats = httpx.get(f"{app_url}/loopserve/stats", params={"last": 1024}, timeout=30).json()
+            stats = server_stats(app_url, last=1024)
             results[name] = (rows, {t["response_id"]: t for t in stats["turns"]}, stats)
     finally:
         stop_cluster()

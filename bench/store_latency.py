@@ -14,9 +14,9 @@ import asyncio
 import statistics
 import tempfile
 
-import httpx
 
 from .common import deploy, start_cluster, stop_cluster, ws_loop
+from cluster.bench.local import stats as server_stats
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
         urls = {name: deploy(base, name, {"engine": {"backend": "scripted"}, **cfg}) for name, cfg in apps.items()}
         for name, url in urls.items():
             rows = asyncio.run(ws_loop(url, ns.turns, "please read the next file and report. " * 4, store=True))
-            stats = httpx.get(url + "/loopserve/stats", timeout=30).json()
+            stats = server_stats(url)
             results[name] = (rows, stats)
     finally:
         stop_cluster()

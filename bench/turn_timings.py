@@ -14,6 +14,7 @@ import argparse
 import json
 import secrets
 import time
+from cluster.bench.local import stats as server_stats
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
@@ -26,7 +27,6 @@ def main() -> None:
     ap.add_argument("--output-bytes", type=int, default=2000)
     ns = ap.parse_args()
 
-    import httpx
     from openai import OpenAI
 
     from .common import deploy, start_cluster, stop_cluster
@@ -60,7 +60,7 @@ def main() -> None:
                         "output": (f"line {i} of the file " * 200)[: ns.output_bytes]} for c in calls]
                 new.append({"type": "message", "role": "user", "content": f"step {i}: read the next file"})
                 rows.append((i + 1, sent, prev.usage.input_tokens, prev.usage.input_tokens_details.cached_tokens, wall))
-        stats = httpx.get(url + "/loopserve/stats", timeout=30).json()
+        stats = server_stats(url)
     finally:
         stop_cluster()
     turns = [t for t in stats["turns"] if t["prompt_tokens"]][-ns.turns:]

@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 from ray.serve import Application
 
 from .config import DeploymentResources, LoopserveConfig
+from .torch_extras import startup_env
 
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
@@ -59,6 +60,8 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
     env = None
     if config.engine.backend == "vllm":
         env = {
+            # The torch-extension guard in this process and the ones vLLM starts.
+            **startup_env(),
             "VLLM_CPU_KVCACHE_SPACE": str(config.engine.vllm.cpu_kvcache_space_gib),
             # Keep the engine core in the replica's process: faster start, one actor.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -10,17 +10,25 @@ the ones that were not built for the installed torch as absent
 (`sys.modules[name] = None`: `import` raises ImportError and
 `importlib.util.find_spec` answers None, which is what transformers and vLLM
 check). Decided from package metadata alone: nothing is imported.
+
+In-process (`cluster/__init__`) is not enough: vLLM inspects models in a
+subprocess, which imports transformers before any of our code. Engine
+processes therefore start with `STARTUP_DIR` on PYTHONPATH, whose
+`sitecustomize` applies the same guard in every process they start.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import logging
+import os
 import re
 import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+STARTUP_DIR = str(Path(__file__).resolve().parent / "_startup")
 EXTENSIONS = ("torchvision", "torchaudio", "torchcodec")
 _TORCH_PIN = re.compile(r"^torch\s*\(?\s*==\s*([^\s,;)]+)")
 
@@ -56,3 +64,15 @@ def hide_mismatched_extensions() -> list[str]:
         hidden.append(name)
         log.info("%s: treated as not installed (text models do not need it)", reason)
     return hidden
+
+
+def startup_env() -> dict[str, str]:
+    """Environment for a process (and its children) that may import transformers or vLLM.
+    (`${PYTHONPATH}` is expanded by Ray's runtime_env, and by `expand_startup_env` elsewhere.)"""
+    return {"PYTHONPATH": f"{STARTUP_DIR}:${{PYTHONPATH}}"}
+
+
+def expand_startup_env(env: dict[str, str]) -> dict[str, str]:
+    """`startup_env()` applied to a concrete environment (for subprocess.Popen)."""
+    current = env.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": STARTUP_DIR + (os.pathsep + current if current else "")}

@@ -188,9 +188,9 @@ def progress_bar(mode: str, done: int, total: int) -> None:
 
 def attach_server_timings(base_url: str, turns: list[Turn]) -> None:
     """Join each turn with the server's own timing (`/loopserve/stats`)."""
-    import httpx
+    from .local import stats as server_stats
 
-    stats = httpx.get(base_url.rstrip("/") + "/loopserve/stats", params={"last": 1024}, timeout=60).json()
+    stats = server_stats(base_url.rstrip("/"), last=1024)
     by_id = {t["response_id"]: t for t in stats["turns"]}
     for t in turns:
         t.server = by_id.get(t.response_id, {})

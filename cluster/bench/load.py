@@ -19,6 +19,7 @@ import json
 import time
 from collections import Counter
 from typing import Any
+from .local import stats as server_stats
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -95,10 +96,9 @@ async def session(url: str, n: int, turns: int, go: asyncio.Event, handshakes: a
 
 
 async def run_load(url: str, sessions: int, turns: int) -> dict[str, Any]:
-    import httpx
 
     def stats() -> dict[str, Any]:
-        return httpx.get(url + "/loopserve/stats", params={"last": 1024}, timeout=60).json()
+        return server_stats(url, last=1024)
 
     base = await asyncio.to_thread(stats)
     results: list[SessionResult] = []

@@ -55,11 +55,41 @@ def wait_healthy(url: str, timeout: float) -> str:
     raise RuntimeError(f"{url} did not become healthy in {timeout:.0f}s")
 
 
-def deploy(base: str, name: str, prefix: str, args: dict[str, Any], timeout: float = 300) -> str:
-    """Deploy a loopserve app under `prefix` and wait until it answers."""
+# The operator key of locally deployed apps (benchmarks, tests): `deploy` adds its
+# digest to `auth.admin_keys`, so `/loopserve/stats` answers them. A production
+# config names its own admin keys (or none: the ops routes are then closed).
+LOCAL_ADMIN_KEY = "sk-loopserve-local-admin"
+
+
+def admin_headers() -> dict[str, str]:
+    """For an app started elsewhere, set LOOPSERVE_ADMIN_KEY to one of its admin keys."""
+    import os
+
+    return {"authorization": f"Bearer {os.environ.get('LOOPSERVE_ADMIN_KEY') or LOCAL_ADMIN_KEY}"}
+
+
+def stats(url: str, timeout: float = 60, **params: Any) -> dict[str, Any]:
+    """`/loopserve/stats` of an app deployed by `deploy` (counters and per-turn server timings)."""
+    import httpx
+
+    r = httpx.get(url + "/loopserve/stats", params=params, headers=admin_headers(), timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def with_local_admin(args: dict[str, Any]) -> dict[str, Any]:
+    from ..auth import key_sha256
+
+    auth = dict(args.get("auth") or {})
+    auth["admin_keys"] = sorted({*auth.get("admin_keys", []), key_sha256(LOCAL_ADMIN_KEY)})
+    return {**args, "auth": auth}
+
+
+def deploy(base: str, name: str, prefix: str, args: dict[str, Any], timeout: float = 300, admin: bool = True) -> str:
+    """Deploy a loopserve app under `prefix` (with the local admin key) and wait until it answers."""
     from ray import serve
 
     from ..app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix=prefix, blocking=False)
+    serve.run(build_app(with_local_admin(args) if admin else args), name=name, route_prefix=prefix, blocking=False)
     return wait_healthy(base + (prefix if prefix != "/" else ""), timeout)

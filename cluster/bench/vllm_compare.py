@@ -29,8 +29,9 @@ from .local import free_port
 BLOCK = 32
 MAX_LEN = 32768  # the tiny model's max_position_embeddings
 
-# vLLM's own server, started after loopserve's torch-extension guard (`cluster/torch_extras.py`).
-_PEER_MAIN = ("import sys, runpy, cluster; sys.argv[0] = 'vllm-api-server'; "
+# vLLM's own server (its process and its children get the torch-extension guard
+# through `expand_startup_env`).
+_PEER_MAIN = ("import sys, runpy; sys.argv[0] = 'vllm-api-server'; "
               "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)")
 
 
@@ -137,7 +138,9 @@ def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[fl
     import httpx
 
     port = free_port()
-    env = {**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    from ..torch_extras import expand_startup_env
+
+    env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     proc = subprocess.Popen(
         [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port),
          "--host", "127.0.0.1", "--served-model-name", "peer", "--dtype", "float32", "--enforce-eager",

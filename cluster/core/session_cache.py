@@ -58,6 +58,10 @@ class SessionCache:
         self.hits += 1
         return state
 
+    def peek(self, response_id: str) -> Optional[ResponseState]:
+        """Without touching recency or hit counts."""
+        return self._entries.get(response_id)
+
     def put(self, state: ResponseState) -> None:
         old = self._entries.pop(state.response_id, None)
         if old is not None:

@@ -11,6 +11,7 @@ production, fakes in unit tests).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from .. import telemetry
@@ -87,6 +88,7 @@ class TurnDriver:
         self.tracer = tracer or telemetry.tracer()
         self.metrics = metrics or telemetry.Metrics()
         self.blocked_turns = 0
+        self.turn_status: Counter[str] = Counter()  # how turns ended (cancelled = the client went away)
         self.timings: list[TurnTiming] = []  # recent turns, bounded
         # Continuations whose engine replica differed from their parent's
         # (replica died, or backpressure fallback): each one re-prefilled.
@@ -150,6 +152,7 @@ class TurnDriver:
             raise
         finally:
             root.set_attribute("loopserve.status", status)
+            self.turn_status[status] += 1
             self.metrics.turns.add(1, {"transport": transport, "status": status})
             root.end()
 

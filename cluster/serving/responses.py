@@ -140,13 +140,30 @@ class ResponsesService:
     async def delete(self, response_id: str, tenant: str) -> dict[str, Any]:
         state = self.registry.get(response_id)
         found = state is not None and state.owner in (None, tenant)
+        own_ids: set[str] = set()
         if found:
+            own_ids = {i["id"] for i in state.items[state.input_start:] if isinstance(i.get("id"), str)}
             self.registry.evict(response_id)
         if self.store is not None:
+            record = await self._read(self.store.get(response_id, tenant))
+            if record is not None:
+                own_ids |= {i["id"] for i in [*record.input_items, *record.output] if isinstance(i.get("id"), str)}
             found = await self._read(self.store.delete(response_id, tenant)) or found
         if not found:
             raise not_found(response_id)
+        self._forget_descendants(tenant, own_ids)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def _forget_descendants(self, tenant: str, item_ids: set[str]) -> None:
+        """Responses that continue a deleted one hold its items in memory: drop them, so their
+        continuation goes to the store and fails as a broken chain (never uses deleted data)."""
+        if not item_ids:
+            return
+        for rid in list(self.registry):
+            state = self.registry.peek(rid)
+            if state is not None and state.owner in (None, tenant) and any(
+                    i.get("id") in item_ids for i in state.items):
+                self.registry.evict(rid)
 
     async def input_items(self, response_id: str, tenant: str, *, after: Optional[str], limit: int,
                           order: str) -> dict[str, Any]:

@@ -71,9 +71,9 @@ async def session(url: str, n: int, turns: int, log: list) -> dict:
 
 def engine_nodes(url: str) -> list[str]:
     """The node the engine replica runs on, as it reports itself (`/loopserve/stats`)."""
-    import httpx
+    from cluster.bench.local import stats as server_stats
 
-    return [httpx.get(url + "/loopserve/stats", params={"last": 1}, timeout=60).json()["engine"]["node"]]
+    return [server_stats(url, last=1)["engine"]["node"]]
 
 
 def main(argv=None) -> int:

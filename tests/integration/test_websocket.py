@@ -3,9 +3,9 @@
 import asyncio
 import json
 
-import httpx
 import pytest
 from websockets.asyncio.client import connect
+from cluster.bench.local import stats as server_stats
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ def test_sdk_twenty_turn_tool_loop_on_one_socket(scripted_url, client_for):
     assert max(b for b, _, _ in per_turn[1:]) < 2 * min(b for b, _, _ in per_turn[1:])
     # (the warm-up does not touch the engine, so turn 0 is a cold prefill)
     assert all(cached > 0 for _, _, cached in per_turn[1:])
-    stats = httpx.get(scripted_url + "/loopserve/stats", timeout=10).json()
+    stats = server_stats(scripted_url)
     assert stats["render"]["mismatches"] == 0
 
 
@@ -113,14 +113,14 @@ async def test_overlapping_creates_are_queued_fifo(scripted_url):
 
 
 async def test_disconnect_mid_stream_cancels_generation(scripted_url):
-    before = httpx.get(scripted_url + "/loopserve/stats", timeout=10).json()["engine"]["aborted"]
+    before = server_stats(scripted_url)["engine"]["aborted"]
     async with connect(ws_url(scripted_url), open_timeout=10) as ws:
         await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "talk"}))
         while json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] != "response.output_text.delta":
             pass
     # the client is gone after the first delta: the engine must stop early
     for _ in range(50):
-        after = httpx.get(scripted_url + "/loopserve/stats", timeout=10).json()["engine"]["aborted"]
+        after = server_stats(scripted_url)["engine"]["aborted"]
         if after > before:
             break
         await asyncio.sleep(0.1)

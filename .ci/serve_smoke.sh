@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The README's serve command, as a user runs it: `serve run CONFIG`, then the README's curl.
+# Usage: .ci/serve_smoke.sh serve_configs/scripted.yaml
+set -euo pipefail
+config="$1"
+export RAY_TMPDIR; RAY_TMPDIR="$(mktemp -d /tmp/loopserve-smoke-XXXX)"
+log="$RAY_TMPDIR/serve.log"
+setsid serve run "$config" >"$log" 2>&1 &
+pid=$!
+cleanup() {
+  kill -INT -- -"$pid" 2>/dev/null || true
+  sleep 3
+  kill -KILL -- -"$pid" 2>/dev/null || true
+  pkill -KILL -f "$RAY_TMPDIR" 2>/dev/null || true  # Ray's own processes outlive `serve run`
+}
+trap cleanup EXIT
+for _ in $(seq 1 180); do
+  if curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1; then break; fi
+  sleep 1
+done
+status=$(curl -s -o "$RAY_TMPDIR/out.json" -w '%{http_code}' http://127.0.0.1:8000/v1/responses \
+  -H 'content-type: application/json' -H 'authorization: Bearer sk-local' \
+  -d '{"model": "loopserve-tiny", "input": "Say hi", "max_output_tokens": 16}')
+echo "POST /v1/responses -> $status: $(head -c 300 "$RAY_TMPDIR/out.json")"
+if [ "$status" != "200" ]; then tail -50 "$log"; exit 1; fi
+python -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['object']=='response' and r['status'] in ('completed','incomplete'), r" "$RAY_TMPDIR/out.json"

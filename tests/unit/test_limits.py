@@ -1,0 +1,150 @@
+"""Memory a client controls is bounded: per socket, per replica, per engine; no silent stand-ins."""
+
+import asyncio
+import base64
+import json
+
+import pytest
+
+from cluster.config import ModelConfig, ScriptedEngineConfig, WebSocketConfig
+from cluster.core.session_cache import CacheMemory, SessionCache
+from cluster.core.state import ResponseState
+from cluster.core.ws_session import WebSocketSession
+from cluster.engines.base import EngineRequest, RecentKeys
+from cluster.engines.scripted import MAX_CACHED_SESSIONS, ScriptedEngine
+from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import parse_request
+
+from .harness import InProcessStack
+
+
+def state(rid: str, payload: int) -> ResponseState:
+    items = [{"type": "message", "role": "user", "content": "x" * payload}]
+    return ResponseState(response_id=rid, model="m", items=items, output_start=1, instructions=None, tools=[],
+                         rendered=None, known_call_ids=frozenset(), pending_call_ids=())
+
+
+def test_payload_that_is_not_rendered_is_counted():
+    image = "data:image/png;base64," + base64.b64encode(b"\0" * (10 * 1024 * 1024)).decode()
+    items = [{"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": image}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e" * 500_000,
+              "extra": {"nested": ["y" * 300_000]}}]
+    s = ResponseState(response_id="r", model="m", items=items, output_start=2, instructions=None, tools=[],
+                      rendered=None, known_call_ids=frozenset(), pending_call_ids=())
+    assert s.nbytes > len(image) + 800_000
+
+
+def test_replica_bound_empties_the_least_recently_used_connections():
+    memory = CacheMemory(max_entries=64, max_bytes_per_cache=10**9, max_bytes=50_000)
+    caches = [memory.socket_cache() for _ in range(10)]
+    for i, cache in enumerate(caches):
+        for turn in range(3):
+            cache.put(state(f"r{i}-{turn}", 8_000))
+        assert memory.nbytes <= 50_000 + caches[i].nbytes  # only the writer may hold its latest beyond
+    assert memory.nbytes == sum(c.nbytes for c in caches) <= 50_000
+    # the newest connections keep their latest response; the oldest were emptied first
+    assert "r9-2" in caches[9] and "r8-2" in caches[8]
+    assert len(caches[0]) == 0 and memory.reclaimed > 0
+    caches[9].clear()
+    assert memory.nbytes == sum(c.nbytes for c in caches)
+
+
+def test_a_socket_cache_alone_keeps_its_latest_even_when_large():
+    c = SessionCache(max_entries=4, max_bytes=1_000)
+    c.put(state("a", 5_000))
+    assert "a" in c
+    c.put(state("b", 5_000))
+    assert list(c) == ["b"]
+
+
+async def test_oversized_frames_are_never_queued_and_queued_bytes_are_bounded(tokenizer):
+    stack = InProcessStack(tokenizer, tokens_per_second=50)  # a slow turn keeps later frames queued
+    sent = []
+
+    async def send(ev):
+        sent.append(ev)
+
+    async def close(code, reason):
+        pass
+
+    cfg = WebSocketConfig(max_frame_bytes=1024, max_queued_bytes=4096, max_queued_creates=100)
+    session = WebSocketSession(stack.driver, SessionCache(), session_key="s", config=cfg, send=send, close=close)
+    session.start()
+    await session.on_frame(json.dumps({"type": "response.create", "input": "talk for a while"}))
+    big = "x" * (1024 * 1024)
+    for _ in range(64):
+        await session.on_frame(big)  # 64 MiB offered with a 1 KiB limit
+    # nothing of them is held: only small error markers wait in the FIFO
+    assert session._queued_bytes < 1024
+    assert all(isinstance(data, ApiError) for data, _ in list(session._queue._queue)[1:])
+    small = json.dumps({"type": "response.create", "input": "y" * 900})
+    for _ in range(8):
+        await session.on_frame(small)  # 4 fit in 4 KiB, the rest are refused at once
+    assert session._queued_bytes <= 4096
+    refused = [e for e in sent if e.get("error", {}).get("code") == "rate_limit_exceeded"]
+    assert len(refused) >= 3
+    await asyncio.wait_for(session.wait_idle(), 30)
+    too_large = [e for e in sent if e.get("error", {}).get("code") == "websocket_message_too_large"]
+    assert len(too_large) == 64
+    # FIFO order: the errors come after the response that was in flight when they arrived
+    first_terminal = next(i for i, e in enumerate(sent) if e["type"] == "response.completed")
+    assert sent.index(too_large[0]) > first_terminal
+    await session.shutdown()
+
+
+def test_engine_session_keys_and_prefix_cache_are_bounded():
+    keys = RecentKeys(3)
+    for k in "abcde":
+        keys.add(k)
+    assert len(keys) == 3 and "a" not in keys and "e" in keys
+
+    engine = ScriptedEngine(ModelConfig(), ScriptedEngineConfig(tokens_per_second=1e6, prefill_tokens_per_second=1e9),
+                            encode=lambda s: [ord(c) % 100 for c in s], decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))
+
+    async def run_many():
+        for i in range(MAX_CACHED_SESSIONS + 50):  # a fresh session key per stateless request
+            req = EngineRequest(request_id=f"q{i}", session_key=f"s{i}", prompt_token_ids=__import__("array").array("i", [1, 2, 3]),
+                                max_tokens=1)
+            async for _ in engine.generate(req):
+                pass
+
+    asyncio.run(run_many())
+    assert len(engine._seen) <= MAX_CACHED_SESSIONS
+    assert len(engine.stats.sessions) <= engine.stats.sessions.limit
+
+
+def test_scripted_prefix_cache_is_per_tenant_salt():
+    from array import array
+
+    engine = ScriptedEngine(ModelConfig(), ScriptedEngineConfig(tokens_per_second=1e6, prefill_tokens_per_second=1e9),
+                            encode=lambda s: [ord(c) % 100 for c in s], decode=lambda ids: "x" * len(ids))
+
+    async def cached(salt):
+        req = EngineRequest(request_id=f"q-{salt}-{id(object())}", session_key="same-session",
+                            prompt_token_ids=array("i", range(100)), max_tokens=1, cache_salt=salt)
+        async for d in engine.generate(req):
+            last = d
+        return last.cached_tokens
+
+    async def scenario():
+        return [await cached("tenant-a"), await cached("tenant-b"), await cached("tenant-a")]
+
+    assert asyncio.run(scenario()) == [0, 0, 99]
+
+
+@pytest.mark.parametrize("choice", ["bogus", {"type": "function"}, {"name": "read_file"}, 7])
+def test_invalid_tool_choice_is_rejected(choice):
+    with pytest.raises(ApiError) as e:
+        parse_request({"input": "hi", "tool_choice": choice, "tools": [{"type": "function", "name": "read_file"}]})
+    assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+def test_named_tool_choice_must_name_an_offered_tool():
+    with pytest.raises(ApiError) as e:
+        parse_request({"input": "hi", "tool_choice": {"type": "function", "name": "write_file"},
+                       "tools": [{"type": "function", "name": "read_file"}]})
+    assert "write_file" in e.value.message
+    for ok in ("none", "auto", "required", {"type": "function", "name": "read_file"},
+               {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "read_file"}]}):
+        parse_request({"input": "hi", "tool_choice": ok, "tools": [{"type": "function", "name": "read_file"}]})
