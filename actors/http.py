@@ -17,7 +17,8 @@ from cluster.protocol.errors import ApiError, loc_to_param, server_error
 
 log = logging.getLogger("loopserve.connection")
 
-app = FastAPI(title="loopserve", docs_url=None, redoc_url=None)
+# No generated docs or schema on the public port.
+app = FastAPI(title="loopserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def error_response(err: ApiError) -> JSONResponse:

@@ -71,6 +71,6 @@ def test_prompt_that_opens_think_starts_in_reasoning():
 
     parser = StreamingOutputParser(start_in_reasoning=True)
     pieces = stream(parser, "weighing options</think>The answer.")
-    assert pieces[0] == ReasoningPiece("wei") or isinstance(pieces[0], ReasoningPiece)
+    assert isinstance(pieces[0], ReasoningPiece)
     assert "".join(p.text for p in pieces if isinstance(p, ReasoningPiece)) == "weighing options"
     assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "The answer."

@@ -92,8 +92,9 @@ async def test_flagged_output_stops_the_stream_mid_way(tokenizer):
     assert evs[-1]["type"] == "response.incomplete"
     assert resp["incomplete_details"] == {"reason": "content_filter"}
     streamed = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
-    assert "build a bomb" in streamed or "build a" in streamed
-    assert len(streamed) < len(ANSWER) - 100  # stopped well before the end
+    # what was released is the answer's beginning, cut within two chunks of the flagged words
+    assert ANSWER.startswith(streamed)
+    assert len(streamed) <= ANSWER.index("build a bomb") + len("build a bomb") + 2 * 32
     assert stack.engine.stats.aborted == 1
 
 
