@@ -14,7 +14,7 @@ cleanup() {
   pkill -KILL -f "$RAY_TMPDIR" 2>/dev/null || true  # Ray's own processes outlive `serve run`
 }
 trap cleanup EXIT
-for _ in $(seq 1 180); do
+for _ in $(seq 1 300); do
   if curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1; then break; fi
   sleep 1
 done

@@ -28,6 +28,7 @@ from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
 from cluster.core.render import render_job
 from cluster.core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
+from cluster.core.safety import SafetyService, local_classifier
 from cluster.core.session_cache import CacheMemory, SessionCache
 from cluster.core.turn import TurnDriver
 from cluster.core.ws_session import WebSocketSession, frame_too_large
@@ -55,6 +56,11 @@ class ConnectionActor:
         self.engine_handle = engine.options(stream=True)
         self.safety_handle = safety
         self.auth = Authenticator(config.auth)
+        self.local_safety: Optional[SafetyService] = None
+        if config.safety.runs_inline:  # no hop before the first token
+            s = config.safety
+            classifier = await asyncio.to_thread(local_classifier, s.policy, s.classifier, s.profanity_threshold)
+            self.local_safety = SafetyService(classifier, tracer=telemetry.tracer())
         self.store = await open_store(config.store)
         self.usage = UsageMeter()
         self.safety_ledger = SafetyLedger()
@@ -72,7 +78,7 @@ class ConnectionActor:
             default_max_tokens=default_max,
             max_model_len=config.model.max_model_len,
             verify_renders=config.verify_renders,
-            safety=self._classify if safety is not None else None,
+            safety=self._classify if (safety is not None or config.safety.runs_inline) else None,
             output_chunk_chars=config.safety.output_chunk_chars,
             classify_tool_outputs=config.safety.classify_tool_outputs,
             post_work=self.post_work,
@@ -86,7 +92,7 @@ class ConnectionActor:
         self.responses = ResponsesService(self.driver, self.registry, self.store,
                                           max_background=config.limits.max_background)
         self.post_work.add("persist", self.responses.persist, retry_for_s=config.store.write_retry_s)
-        if safety is not None:
+        if safety is not None or self.local_safety is not None:
             self.post_work.add("output_safety", OutputTailCheck(self._classify, self.safety_ledger,
                                                                 on_flagged=self.responses.mark_blocked))
         for spec in config.post_work.hooks:
@@ -124,6 +130,8 @@ class ConnectionActor:
         return await self._retrying("render", lambda: self.render_handle.render.remote(job))
 
     async def _classify(self, texts: list[str]) -> list[dict[str, Any]]:
+        if self.local_safety is not None:
+            return await self.local_safety.classify(texts)  # the caller's span is current
         # The caller's span is current (TurnSafety, post-work): it rides along.
         carrier = telemetry.inject(otel_context.get_current())
         return await self._retrying("safety", lambda: self.safety_handle.classify.remote(texts, carrier))

@@ -73,10 +73,11 @@ async def stats(request: Request, last: int = 200, engine_session: Optional[str]
     if engine_session:
         handle = handle.options(session_id=engine_session)
     engine = await handle.stats.remote()
-    safety = await conn.safety_handle.stats.remote() if conn.safety_handle is not None else None
+    safety = (conn.local_safety.stats() if conn.local_safety is not None
+              else await conn.safety_handle.stats.remote() if conn.safety_handle is not None else None)
     writes = conn.responses.write_latencies
     return {
-        "safety": safety,
+        "safety": safety,  # inline in this replica, or the SafetyActor's (one replica's) counters
         "safety_ledger": conn.safety_ledger.snapshot(),
         "blocked_turns": conn.driver.blocked_turns,
         "usage": conn.usage.snapshot(),

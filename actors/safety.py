@@ -1,4 +1,6 @@
-"""SafetyActor: classifies only what it is sent (new input, output chunks)."""
+"""SafetyActor: a guard model's classifications (plus the local classifiers), off the
+connection replica. The local classifiers alone run inline in the connection replica
+(`safety.placement: inline`); this deployment exists for `placement: actor` and guards."""
 
 from __future__ import annotations
 
@@ -12,15 +14,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster import telemetry
 from cluster.config import LoopserveConfig
-from cluster.core.safety import (
-    Classifier,
-    CombinedClassifier,
-    PolicyClassifier,
-    ProfanityClassifier,
-    Verdict,
-    guard_prompt,
-    guard_verdict,
-)
+from cluster.core.safety import SafetyService, Verdict, guard_prompt, guard_verdict, local_classifier
 
 log = logging.getLogger("loopserve.safety")
 
@@ -31,13 +25,7 @@ class SafetyActor:
         cfg = config.safety
         self.config = config
         telemetry.setup(config.telemetry, "safety")
-        self.tracer = telemetry.tracer()
-        members: list[Classifier] = []
-        if cfg.policy:
-            members.append(PolicyClassifier(cfg.policy))
-        if cfg.classifier == "default":
-            members.append(await asyncio.to_thread(ProfanityClassifier, cfg.profanity_threshold))
-        self.local = CombinedClassifier(members)
+        local = await asyncio.to_thread(local_classifier, cfg.policy, cfg.classifier, cfg.profanity_threshold)
         self.guard = guard.options(stream=True) if (cfg.classifier == "guard" and guard is not None) else None
         self.guard_tokenizer = None
         if self.guard is not None:
@@ -45,26 +33,15 @@ class SafetyActor:
 
             guard_cfg = LoopserveConfig(model=cfg.guard.model, engine=cfg.guard.engine, safety={"enabled": False})
             self.guard_tokenizer = await asyncio.to_thread(load_tokenizer, guard_cfg)
-        self.texts = 0
-        self.chars = 0
-        self.flagged = 0
-        self.guard_unparseable = 0
+        self.service = SafetyService(local, guard=self._guard_all if self.guard is not None else None,
+                                     tracer=telemetry.tracer())
 
     async def classify(self, texts: list[str], trace: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
         """Verdicts for `texts`; `trace` is the caller's W3C context (one span tree per turn)."""
-        with self.tracer.start_as_current_span("safety.classify", context=telemetry.extract(trace),
-                                               kind=telemetry.SpanKind.SERVER) as span:
-            self.texts += len(texts)
-            self.chars += sum(len(t) for t in texts)
-            verdicts = self.local.classify(texts)
-            if self.guard is not None:
-                guard = await asyncio.gather(*[self._guard_one(t) for t in texts])
-                verdicts = [v if v.flagged else g for v, g in zip(verdicts, guard)]
-            flagged = sum(v.flagged for v in verdicts)
-            self.flagged += flagged
-            span.set_attribute("loopserve.safety.texts", len(texts))
-            span.set_attribute("loopserve.safety.flagged", flagged)
-            return [v.as_dict() for v in verdicts]
+        return await self.service.classify(texts, telemetry.extract(trace))
+
+    async def _guard_all(self, texts: list[str]) -> list[Verdict]:
+        return list(await asyncio.gather(*[self._guard_one(t) for t in texts]))
 
     async def _guard_one(self, text: str) -> Verdict:
         tok = self.guard_tokenizer
@@ -85,13 +62,13 @@ class SafetyActor:
         async for chunk in self.guard.generate.remote(req):
             out.extend(p["v"] for p in chunk if p["t"] == "text")
         answer = "".join(out)
-        verdict, unparseable = guard_verdict(answer, self.config.safety.guard.on_unparseable)
+        policy = self.config.safety.guard.on_unparseable
+        verdict, unparseable = guard_verdict(answer, policy)
         if unparseable:
-            self.guard_unparseable += 1
+            self.service.guard_unparseable += 1
             log.warning("guard answer is neither 'safe' nor 'unsafe' (%d chars); policy %r -> %s", len(answer),
-                        self.config.safety.guard.on_unparseable, "flagged" if verdict.flagged else "allowed")
+                        policy, "flagged" if verdict.flagged else "allowed")
         return verdict
 
     async def stats(self) -> dict[str, int]:
-        return {"texts": self.texts, "chars": self.chars, "flagged": self.flagged,
-                "guard_unparseable": self.guard_unparseable}
+        return self.service.stats()

@@ -107,7 +107,7 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
     render = RenderActor.options(**_options(config.render, fast_path=fast)).bind(config)
     engine = EngineReplica.options(**engine_options(config)).bind(config)
     safety = None
-    if config.safety.enabled:
+    if config.safety.enabled and not config.safety.runs_inline:
         guard = None
         if config.safety.classifier == "guard":
             g = config.safety.guard

@@ -206,7 +206,15 @@ class SafetyConfig(_Strict):
     classify_tool_outputs: bool = False
     output_chunk_chars: int = Field(256, ge=16)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    # Where the `default`/`policy` classifiers run: `inline` in the connection replica
+    # (~0.1 ms a check; no handle hop before the first token) or `actor` (the
+    # SafetyActor deployment, scaled on its own). A `guard` always runs as an actor.
+    placement: Literal["inline", "actor"] = "inline"
     deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.1))
+
+    @property
+    def runs_inline(self) -> bool:
+        return self.enabled and self.placement == "inline" and self.classifier != "guard"
 
     @model_validator(mode="after")
     def _guard_has_a_model(self) -> "SafetyConfig":

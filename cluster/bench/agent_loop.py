@@ -42,8 +42,20 @@ class Turn:
 
     @property
     def overhead_s(self) -> Optional[float]:
+        """What the client waited beyond the engine's own work (the replica's clock):
+        proxy, framing, connection logic, render, safety wait, the engine hop and stream."""
         s = self.server
-        return (s["total"] - s["engine"]) if s else None
+        return (self.wall_s - s["engine_inner"]) if s else None
+
+    def split(self) -> dict[str, float]:
+        """Where `overhead_s` went (seconds): outside the connection replica (client framing,
+        proxy), inside it before/around the engine call, and the engine handle hop + stream."""
+        s = self.server
+        if not s:
+            return {}
+        return {"outside_server": self.wall_s - s["total"], "connection": s["total"] - s["engine"],
+                "render": s.get("render", 0.0), "safety_input": s.get("safety_input_ms", 0.0) / 1000,
+                "engine_hop": s["engine"] - s["engine_inner"]}
 
 
 def _file(turn: int, size: int, prefix: str) -> str:
@@ -55,7 +67,7 @@ class Loop:
     """One agent loop in one mode; `run()` returns its turns."""
 
     def __init__(self, base_url: str, mode: str, turns: int, tool_output_bytes: int, tool_delay_s: float = 0.0,
-                 model: str = "loopserve-tiny", api_key: str = "sk-bench", progress=None) -> None:
+                 model: str = "loopserve-tiny", api_key: str = "sk-bench", progress=None, store: bool = True) -> None:
         assert mode in MODES, mode
         self.base = base_url.rstrip("/")
         self.mode, self.turns, self.size, self.delay = mode, turns, tool_output_bytes, tool_delay_s
@@ -63,10 +75,11 @@ class Loop:
         self.prefix = secrets.token_hex(8)  # unique per run
         self.session = f"bench-{self.prefix}"
         self.progress = progress
+        self.store = store  # the same in every mode (http-chained needs it)
 
     def _body(self, items: list[dict[str, Any]], prev: Optional[str]) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "tools": TOOLS, "instructions": INSTRUCTIONS,
-                                "input": items, "store": self.mode == "http-chained", "max_output_tokens": 64,
+                                "input": items, "store": self.store, "max_output_tokens": 64,
                                 # like Codex: a stable cache key per conversation
                                 "prompt_cache_key": self.session}
         if prev:
@@ -212,8 +225,10 @@ def summarize(mode: str, turns: list[Turn]) -> dict[str, Any]:
         "mode": mode,
         "turns": len(turns),
         "loop_s": sum(t.wall_s for t in turns),
-        # the engine's share (prefill of uncached tokens + decode), from the server's timing
-        "engine_s": sum(t.server.get("engine", 0.0) for t in turns),
+        # the engine's own time (prefill of uncached tokens + decode), from the engine replica's clock
+        "engine_s": sum(t.server.get("engine_inner", 0.0) for t in turns),
+        "split_p50_ms": {k: percentile([t.split()[k] for t in turns if t.server], 50) * 1000
+                         for k in ("outside_server", "connection", "render", "safety_input", "engine_hop")},
         "first_event_p50_ms": percentile([t.first_event_s for t in turns], 50) * 1000,
         "first_event_p99_ms": percentile([t.first_event_s for t in turns], 99) * 1000,
         "first_token_p50_ms": percentile([t.first_token_s for t in turns], 50) * 1000,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 
 from .render import _content_text, compaction_text
 
@@ -103,6 +103,65 @@ class CombinedClassifier:
                 if v.flagged and not verdicts[i].flagged:
                     verdicts[i] = v
         return verdicts
+
+
+def local_classifier(policy: dict[str, list[str]], kind: str, profanity_threshold: float) -> "CombinedClassifier":
+    """The classifiers that run in-process: the operator's patterns, plus the shipped
+    profanity model for `default` (a model-based guard runs on the engine tier instead)."""
+    members: list[Classifier] = []
+    if policy:
+        members.append(PolicyClassifier(policy))
+    if kind == "default":
+        members.append(ProfanityClassifier(profanity_threshold))
+    return CombinedClassifier(members)
+
+
+GuardPort = Callable[[list[str]], Awaitable[list[Verdict]]]
+
+
+class SafetyService:
+    """Classifies texts and counts what it saw: inside the connection replica for the
+    local classifiers (no hop before the first token), or inside the SafetyActor with
+    a guard model consulted for what the local classifiers let through."""
+
+    def __init__(self, classifier: Classifier, *, guard: Optional[GuardPort] = None, tracer: Any = None,
+                 inline_chars: int = 8192) -> None:
+        self.classifier = classifier
+        self.guard = guard
+        self.tracer = tracer
+        self.inline_chars = inline_chars  # above this, classify on a thread (the caller's loop stays free)
+        self.texts = 0
+        self.chars = 0
+        self.flagged = 0
+        self.guard_unparseable = 0
+
+    async def classify(self, texts: list[str], trace_parent: Any = None) -> list[dict[str, Any]]:
+        import asyncio
+
+        from .. import telemetry
+
+        tracer = self.tracer or telemetry.tracer()
+        with tracer.start_as_current_span("safety.classify", context=trace_parent,
+                                          kind=telemetry.SpanKind.INTERNAL) as span:
+            chars = sum(len(t) for t in texts)
+            self.texts += len(texts)
+            self.chars += chars
+            if chars > self.inline_chars:
+                verdicts = await asyncio.to_thread(self.classifier.classify, texts)
+            else:
+                verdicts = self.classifier.classify(texts)
+            if self.guard is not None:
+                judged = await self.guard(texts)
+                verdicts = [v if v.flagged else g for v, g in zip(verdicts, judged)]
+            flagged = sum(v.flagged for v in verdicts)
+            self.flagged += flagged
+            span.set_attribute("loopserve.safety.texts", len(texts))
+            span.set_attribute("loopserve.safety.flagged", flagged)
+            return [v.as_dict() for v in verdicts]
+
+    def stats(self) -> dict[str, int]:
+        return {"texts": self.texts, "chars": self.chars, "flagged": self.flagged,
+                "guard_unparseable": self.guard_unparseable}
 
 
 def item_texts(items: Sequence[dict[str, Any]], tool_outputs: bool = False) -> list[str]:

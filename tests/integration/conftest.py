@@ -195,6 +195,7 @@ def otel_url(serve_instance, otlp_receiver):
         "telemetry": {"enabled": True, "protocol": "http", "endpoint": otlp_receiver.url,
                       "export_delay_ms": 100, "metrics_interval_ms": 500},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-        "safety": {"deployment": {"num_cpus": 0.05}},
+        # The SafetyActor path, so one turn's trace spans four processes.
+        "safety": {"placement": "actor", "deployment": {"num_cpus": 0.05}},
     }
     return _deploy("otel", "/otel", args, serve_instance, 240)

@@ -30,7 +30,7 @@ def faults_url(serve_instance, tmp_path_factory):
                                                   "max_output_tokens": 256}},
         "store": {"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("faults") / "r.db")},
         "engine_deployment": {"num_replicas": 2, "num_cpus": 0.05},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "safety": {"deployment": {"num_cpus": 0.05}},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "safety": {"placement": "actor", "deployment": {"num_cpus": 0.05}},  # a SafetyActor to kill
     }
     return _deploy("faults", "/faults", args, serve_instance, 240)
 
