@@ -79,8 +79,10 @@ async def test_websocket_turn_is_one_trace_tree_across_processes(otel_url, otlp_
         assert expected in names, (expected, sorted(names))
     # Remote spans hang under the local span that made the call.
     parent_name = {s["name"]: by_id[s["parent_id"]]["name"] for s in tree if s["parent_id"] in by_id}
+    parents = {by_id[s["parent_id"]]["name"] for s in tree if s["name"] == "safety.classify"}
     assert parent_name["render.execute"] == "render"
-    assert parent_name["safety.classify"] == "safety.input"
+    # the input check, and (after the terminal event) the generated tool-call arguments
+    assert parents == {"safety.input", "post_work.output_safety"}, parents
     assert parent_name["engine.generate"] == "engine"
     assert parent_name["engine.prefill"] == "engine.generate"
     gen = next(s for s in tree if s["name"] == "engine.generate")
