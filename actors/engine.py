@@ -65,7 +65,7 @@ class EngineReplica:
         self._digest(req)
         chunks = coalesce(stream_chunks(
             self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
-        ))
+        ), self.config.engine.stream_interval_ms / 1000)
         try:
             async with aclosing(chunks):
                 async for chunk in chunks:

@@ -79,6 +79,9 @@ class VLLMEngineConfig(_Strict):
 
 class EngineConfig(_Strict):
     backend: Literal["vllm", "scripted"] = "vllm"
+    # The engine replica batches output for the handle stream while it is busy;
+    # this also spaces batches at least this far apart (the end leaves at once).
+    stream_interval_ms: float = Field(0.0, ge=0, le=100)
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
 

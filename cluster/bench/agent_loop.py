@@ -239,6 +239,6 @@ def summarize(mode: str, turns: list[Turn]) -> dict[str, Any]:
         "overhead_late_ms": percentile(last_10, 50) * 1000,
         "bytes_sent_total": sum(t.bytes_sent for t in turns),
         "final_input_tokens": turns[-1].input_tokens if turns else 0,
-        "per_turn": [{**{k: v for k, v in asdict(t).items() if k != "server"}, "overhead_s": t.overhead_s}
-                     for t in turns],
+        "per_turn": [{**{k: v for k, v in asdict(t).items() if k != "server"}, "overhead_s": t.overhead_s,
+                      "split_s": t.split()} for t in turns],
     }

@@ -26,6 +26,13 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Close = Callable[[int, str], Awaitable[None]]
 
 
+def frame_bytes(data: Union[str, bytes]) -> int:
+    """A frame's size in bytes as it came over the wire (UTF-8 for text frames)."""
+    if isinstance(data, bytes):
+        return len(data)
+    return len(data) if data.isascii() else len(data.encode())
+
+
 def frame_too_large(size: int, limit: int) -> ApiError:
     # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
     return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
@@ -86,10 +93,11 @@ class WebSocketSession:
             )
             return
         self._last_activity = time.monotonic()
-        if len(data) > cfg.max_frame_bytes:
+        size = frame_bytes(data)
+        if size > cfg.max_frame_bytes:
             # Checked before queueing: an oversized frame is never held. Its error
             # keeps its place in the FIFO (after the responses queued before it).
-            self._queue.put_nowait((frame_too_large(len(data), cfg.max_frame_bytes), time.perf_counter()))
+            self._queue.put_nowait((frame_too_large(size, cfg.max_frame_bytes), time.perf_counter()))
             return
         if self._queued_bytes + len(data) > cfg.max_queued_bytes:
             await self._send_error(ApiError(

@@ -122,18 +122,21 @@ async def stream_chunks(
                 yield chunk
 
 
-async def coalesce(chunks: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[list[dict[str, Any]]]:
+async def coalesce(chunks: AsyncIterator[list[dict[str, Any]]],
+                   min_interval_s: float = 0.0) -> AsyncIterator[list[dict[str, Any]]]:
     """Adaptive batching for the handle stream: yield everything produced so far as one list.
 
     The first piece goes out at once; while the consumer (a Ray streaming call,
-    ~1 ms of CPU per item) is busy, pieces pile up and leave together. No timer,
-    so no added latency; far fewer messages when tokens come faster than the
-    stream can carry them one by one.
+    ~1 ms of CPU per item) is busy, pieces pile up and leave together.
+    `min_interval_s` > 0 also holds later pieces until that long after the
+    previous batch (fewer stream items, each a little later), except that the
+    end of the stream always leaves at once.
     """
     import asyncio
 
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    ended = asyncio.Event()
 
     async def produce() -> None:
         try:
@@ -143,10 +146,19 @@ async def coalesce(chunks: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(done)
+            ended.set()
 
-    task = asyncio.get_running_loop().create_task(produce())
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(produce())
+    last = 0.0
     try:
         while True:
+            wait = last + min_interval_s - loop.time()
+            if wait > 0 and not ended.is_set():
+                try:
+                    await asyncio.wait_for(ended.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
             item = await queue.get()
             batch: list[dict[str, Any]] = []
             while True:
@@ -160,6 +172,7 @@ async def coalesce(chunks: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator
                 if queue.empty():
                     break
                 item = queue.get_nowait()
+            last = loop.time()
             yield batch
     finally:
         task.cancel()

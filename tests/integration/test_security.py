@@ -75,11 +75,20 @@ def _routes() -> set[tuple[str, str]]:
     import actors.routes  # noqa: F401  (registers the routes)
 
     out = set()
-    for route in app.routes:
-        methods = getattr(route, "methods", None) or {"WEBSOCKET"}
-        for m in methods:
-            if m != "HEAD":
-                out.add((m, route.path))
+
+    def walk(routes):
+        for route in routes:
+            inner = getattr(getattr(route, "original_router", None), "routes", None)  # FastAPI >= 0.137
+            if inner is None and not hasattr(route, "path"):
+                inner = getattr(route, "routes", None)
+            if inner is not None:
+                walk(inner)
+                continue
+            for m in getattr(route, "methods", None) or {"WEBSOCKET"}:
+                if m != "HEAD":
+                    out.add((m, route.path))
+
+    walk(app.routes)
     return out
 
 

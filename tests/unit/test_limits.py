@@ -148,3 +148,10 @@ def test_named_tool_choice_must_name_an_offered_tool():
     for ok in ("none", "auto", "required", {"type": "function", "name": "read_file"},
                {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "read_file"}]}):
         parse_request({"input": "hi", "tool_choice": ok, "tools": [{"type": "function", "name": "read_file"}]})
+
+
+def test_text_frames_are_measured_in_utf8_bytes():
+    from cluster.core.ws_session import frame_bytes
+
+    assert frame_bytes("abc") == 3 and frame_bytes(b"abc") == 3
+    assert frame_bytes("é" * 1000) == 2000  # a limit in bytes is not dodged with multi-byte text

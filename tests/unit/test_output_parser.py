@@ -94,6 +94,31 @@ async def test_coalesce_batches_while_the_consumer_is_busy_and_keeps_order():
     assert len(batches[0]) == 1 and len(batches) < 10
 
 
+async def test_coalesce_min_interval_spaces_batches_but_never_holds_the_end():
+    import asyncio
+    import time
+
+    from cluster.engines.stream import coalesce
+
+    ended_at = {}
+
+    async def produce():
+        for i in range(40):
+            yield [{"t": "text", "v": str(i)}]
+            await asyncio.sleep(0.001)
+        ended_at["t"] = time.perf_counter()
+        yield [{"t": "done"}]
+
+    stamps, batches = [], []
+    async for batch in coalesce(produce(), min_interval_s=0.2):  # a fast consumer
+        stamps.append(time.perf_counter())
+        batches.append(batch)
+    assert [p["v"] for b in batches for p in b if p["t"] == "text"] == [str(i) for i in range(40)]
+    assert len(batches[0]) == 1  # the first token is not held
+    assert len(batches) <= 3  # tokens of well under 0.2 s: the first one, then the rest together
+    assert stamps[-1] - ended_at["t"] < 0.1  # the end left at once, not at the next 0.2 s step
+
+
 async def test_coalesce_propagates_errors_and_cancels_the_producer():
     import asyncio
 
