@@ -69,8 +69,11 @@ class EngineReplica:
         try:
             async with aclosing(chunks):
                 async for chunk in chunks:
-                    if span.is_recording() and chunk and chunk[-1].get("t") == "done":
-                        self._engine_spans(span, req, start_ns, chunk[-1])
+                    if chunk and chunk[-1].get("t") == "done":
+                        sent = int(req.get("sent_at_ns") or start_ns)
+                        chunk[-1]["dispatch_s"] = max(0, start_ns - sent) / 1e9  # same host clock or NTP
+                        if span.is_recording():
+                            self._engine_spans(span, req, start_ns, chunk[-1])
                     yield chunk
         finally:
             self.in_flight -= 1

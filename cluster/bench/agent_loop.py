@@ -55,7 +55,7 @@ class Turn:
             return {}
         return {"outside_server": self.wall_s - s["total"], "connection": s["total"] - s["engine"],
                 "render": s.get("render", 0.0), "safety_input": s.get("safety_input_ms", 0.0) / 1000,
-                "engine_hop": s["engine"] - s["engine_inner"]}
+                "engine_hop": s["engine"] - s["engine_inner"], "engine_dispatch": s.get("engine_dispatch", 0.0)}
 
 
 def _file(turn: int, size: int, prefix: str) -> str:
@@ -228,7 +228,8 @@ def summarize(mode: str, turns: list[Turn]) -> dict[str, Any]:
         # the engine's own time (prefill of uncached tokens + decode), from the engine replica's clock
         "engine_s": sum(t.server.get("engine_inner", 0.0) for t in turns),
         "split_p50_ms": {k: percentile([t.split()[k] for t in turns if t.server], 50) * 1000
-                         for k in ("outside_server", "connection", "render", "safety_input", "engine_hop")},
+                         for k in ("outside_server", "connection", "render", "safety_input", "engine_hop",
+                                   "engine_dispatch")},
         "first_event_p50_ms": percentile([t.first_event_s for t in turns], 50) * 1000,
         "first_event_p99_ms": percentile([t.first_event_s for t in turns], 99) * 1000,
         "first_token_p50_ms": percentile([t.first_token_s for t in turns], 50) * 1000,

@@ -53,6 +53,9 @@ class TurnTiming:
     engine_replica: str = ""
     engine_inner: float = 0.0  # the engine replica's own time for the request (engine - this = hop cost)
     engine_first_token: float = 0.0  # engine-side time to the first output token (prefill)
+    # From the engine call to the replica starting it (router, handle, queue): the rest of
+    # `engine - engine_inner` is the way back (the stream's items and its end).
+    engine_dispatch: float = 0.0
     session_moved: bool = False  # the previous turn ran on another engine replica
 
     def as_dict(self) -> dict[str, Any]:
@@ -153,7 +156,7 @@ class TurnStream:
         carrier = telemetry.inject(telemetry.context_of(span))
         if carrier:
             engine_req["trace"] = carrier
-            engine_req["sent_at_ns"] = time.time_ns()  # the replica reports queue wait from it
+        engine_req["sent_at_ns"] = time.time_ns()  # the replica reports the dispatch time from it
         stream = d._engine(engine_req)
         try:
             async for chunk in stream:
@@ -221,6 +224,7 @@ class TurnStream:
             self.output_tokens = int(done.get("output_tokens", self.output_tokens))
             timing.engine_inner = float(done.get("engine_s", 0.0))
             timing.engine_first_token = float(done.get("first_token_s", 0.0))
+            timing.engine_dispatch = float(done.get("dispatch_s", 0.0))
         if flag:
             for ev in self._blocked(flag):
                 yield ev
