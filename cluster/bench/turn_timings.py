@@ -1,6 +1,6 @@
 """Per-turn server timings of a tool loop on one WebSocket, read from the server.
 
-    python -m bench.turn_timings --turns 20 --backend scripted --output-bytes 2000
+    python -m cluster.bench.turn_timings --turns 20 --backend scripted --output-bytes 2000
 
 Starts a local Ray cluster + the Serve app, runs a Codex-like loop (warm-up,
 then each turn: the model calls a tool, the client sends a tool output of
@@ -14,7 +14,7 @@ import argparse
 import json
 import secrets
 import time
-from cluster.bench.local import stats as server_stats
+from .local import stats as server_stats
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]

@@ -1,6 +1,6 @@
 """Safety cost per turn over a 30-turn loop, and what a slow post-work hook costs the next turn.
 
-    python -m bench.safety_loop --turns 30
+    python -m cluster.bench.safety_loop --turns 30
 
 Two apps in one run on the scripted engine, both with the default SafetyActor
 (profanity model + policy): `plain`, and `slowhook` with a 1 s post-inference
@@ -16,7 +16,7 @@ import asyncio
 import statistics
 
 from .common import deploy, start_cluster, stop_cluster, ws_loop
-from cluster.bench.local import stats as server_stats
+from .local import stats as server_stats
 
 TEXT = "please look at the next module and summarise it. " * 3
 
@@ -31,7 +31,7 @@ def main() -> None:
     results = {}
     try:
         urls = {"plain": deploy(url, "plain", base_cfg),
-                "slowhook": deploy(url, "slowhook", {**base_cfg, "post_work": {"hooks": ["bench.hooks:slow_hook"]}})}
+                "slowhook": deploy(url, "slowhook", {**base_cfg, "post_work": {"hooks": ["cluster.bench.hooks:slow_hook"]}})}
         for name, app_url in urls.items():
             rows = asyncio.run(ws_loop(app_url, ns.turns, TEXT))
             stats = server_stats(app_url, last=1024)

@@ -1,6 +1,6 @@
 """What tracing costs a turn: the same WebSocket agent loop on two apps, telemetry on vs off.
 
-    python -m bench.tracing_cost --turns 30 --rounds 3
+    python -m cluster.bench.tracing_cost --turns 30 --rounds 3
 
 Both apps run in one local cluster (scripted engine); the `on` app exports every
 span and metric over OTLP/HTTP to a receiver in this process (sample ratio 1).

@@ -1,6 +1,6 @@
 """What `store: true` costs a turn: the store write is post-inference work.
 
-    python -m bench.store_latency --turns 30
+    python -m cluster.bench.store_latency --turns 30
 
 Three apps in one run (scripted engine): no store, SQLite, PostgreSQL
 (127.0.0.1:5432). Prints per-turn wall time p50 (client side) and the store
@@ -16,7 +16,7 @@ import tempfile
 
 
 from .common import deploy, start_cluster, stop_cluster, ws_loop
-from cluster.bench.local import stats as server_stats
+from .local import stats as server_stats
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Profile the WebSocket agent loop: py-spy on every Serve replica while the loop runs.
 
-    python -m bench.profile_ws --backend vllm --turns 50      # real engine (tiny model, CPU)
-    python -m bench.profile_ws --backend scripted --turns 50  # the scripted engine
+    python -m cluster.bench.profile_ws --backend vllm --turns 50      # real engine (tiny model, CPU)
+    python -m cluster.bench.profile_ws --backend scripted --turns 50  # the scripted engine
 
 Prints, per process (proxy, connection, render, safety, engine), the CPU share
 and the hottest functions (py-spy's own samples, `--idle` off), plus the
