@@ -51,6 +51,13 @@ MAX_CACHED_SESSIONS = 4096
 MAX_CACHED_TOKENS = 8_000_000
 
 
+HEAD = 64  # tokens that name a prefix in the cross-session index
+
+
+def _head(salt, tokens: array) -> tuple:
+    return (salt, tokens[:HEAD].tobytes())
+
+
 def _common_prefix(a: array, b: array) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -82,6 +89,9 @@ class ScriptedEngine:
         # (cache salt, session) -> tokens in its "KV cache"; LRU, bounded like a real KV cache.
         self._seen: OrderedDict[tuple, array] = OrderedDict()
         self._seen_tokens = 0
+        # Like vLLM's prefix cache, a prompt hits what *any* session of the same tenant
+        # left behind: (salt, the first HEAD tokens) -> the session key that wrote them last.
+        self._by_head: dict[tuple, tuple] = {}
         self._aborted: set[str] = set()
         self.stats = EngineStats()
 
@@ -90,6 +100,7 @@ class ScriptedEngine:
 
     async def shutdown(self) -> None:
         self._seen.clear()
+        self._by_head.clear()
         self._seen_tokens = 0
 
     async def abort(self, request_id: str) -> None:
@@ -119,8 +130,11 @@ class ScriptedEngine:
         stats.sessions.add(request.session_key)
         prompt = request.prompt_token_ids
         key = (request.cache_salt, request.session_key)
-        seen = self._seen.get(key, array("i"))
-        cached = _common_prefix(seen, prompt)
+        cached = _common_prefix(self._seen.get(key, array("i")), prompt)
+        other = self._by_head.get(_head(request.cache_salt, prompt))
+        if other is not None and other != key and other in self._seen:
+            # a stateless client (a new session key per request) still hits the prefix it sent before
+            cached = max(cached, _common_prefix(self._seen[other], prompt))
         # Like a block-based prefix cache: the last prompt token is always computed.
         cached = min(cached, max(len(prompt) - 1, 0))
         stats.prompt_tokens += len(prompt)
@@ -168,6 +182,10 @@ class ScriptedEngine:
         old = self._seen.pop(key, None)
         self._seen_tokens += len(tokens) - (len(old) if old is not None else 0)
         self._seen[key] = tokens
+        self._by_head[_head(key[0], tokens)] = key
         while len(self._seen) > 1 and (len(self._seen) > MAX_CACHED_SESSIONS or self._seen_tokens > MAX_CACHED_TOKENS):
-            _, dropped = self._seen.popitem(last=False)
+            dropped_key, dropped = self._seen.popitem(last=False)
             self._seen_tokens -= len(dropped)
+            head = _head(dropped_key[0], dropped)
+            if self._by_head.get(head) == dropped_key:
+                del self._by_head[head]

@@ -155,3 +155,25 @@ def test_text_frames_are_measured_in_utf8_bytes():
 
     assert frame_bytes("abc") == 3 and frame_bytes(b"abc") == 3
     assert frame_bytes("é" * 1000) == 2000  # a limit in bytes is not dodged with multi-byte text
+
+
+def test_scripted_prefix_cache_is_shared_across_sessions_of_a_tenant():
+    """Like vLLM's: a stateless client with a new session key per request still hits its prefix."""
+    from array import array
+
+    engine = ScriptedEngine(ModelConfig(), ScriptedEngineConfig(tokens_per_second=1e6, prefill_tokens_per_second=1e9),
+                            encode=lambda s: [ord(c) % 100 for c in s], decode=lambda ids: "x" * len(ids))
+
+    async def cached(session, salt, n):
+        req = EngineRequest(request_id=f"q-{session}-{n}", session_key=session, max_tokens=1, cache_salt=salt,
+                            prompt_token_ids=array("i", range(n)))
+        async for d in engine.generate(req):
+            last = d
+        return last.cached_tokens
+
+    async def scenario():
+        return [await cached("s1", "a", 200), await cached("s2", "a", 300), await cached("s3", "b", 300),
+                await cached("s4", "a", 50)]
+
+    # s2 hits the 200 tokens s1 left; another tenant does not; a prompt shorter than the head index misses
+    assert asyncio.run(scenario()) == [0, 200, 0, 0]
