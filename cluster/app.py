@@ -28,6 +28,11 @@ SERVE_FAST_PATH_ENV = {
 }
 
 
+def haproxy_ingress() -> bool:
+    """Ray Serve's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1` in the cluster's environment)."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"
+
+
 def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None, fast_path: bool = True) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": res.num_cpus}
     if res.num_gpus:
@@ -95,6 +100,25 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
     return opts
 
 
+def connection_options(config: LoopserveConfig) -> dict[str, Any]:
+    """Ingress deployment options: resources, and sticky routing of `x-session-id` at the proxy."""
+    opts = _options(config.connection, fast_path=config.serve_fast_path)
+    if config.routing.policy == "session_affinity" and not haproxy_ingress():
+        from ray.serve.config import RequestRouterConfig
+
+        # The proxy routes by `x-session-id` (HTTP and WebSocket upgrades), so an
+        # HTTP continuation reaches the replica holding the session in memory.
+        # (Under HAProxy, Serve refuses a custom router on the ingress: HAProxy
+        # balances connections itself; HTTP continuations that land elsewhere
+        # load their chain from the store. Engine calls stay sticky.)
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=CONSISTENT_HASH_ROUTER,
+            request_router_kwargs={"num_virtual_nodes": config.routing.num_virtual_nodes,
+                                   "num_fallback_replicas": config.routing.num_fallback_replicas},
+        )
+    return opts
+
+
 def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Application:
     """Validate the config and bind ConnectionActor -> RenderActor, EngineReplica."""
     from actors.connection import ConnectionActor
@@ -115,15 +139,5 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
                                            routing={"policy": "least_loaded"}, safety={"enabled": False})
             guard = EngineReplica.options(name="GuardEngine", **engine_options(guard_config)).bind(guard_config)
         safety = SafetyActor.options(**_options(config.safety.deployment, fast_path=fast)).bind(config, guard)
-    conn_opts = _options(config.connection, fast_path=fast)
-    if config.routing.policy == "session_affinity":
-        from ray.serve.config import RequestRouterConfig
-
-        # The proxy routes by `x-session-id` (HTTP and WebSocket upgrades), so an
-        # HTTP continuation reaches the replica holding the session in memory.
-        conn_opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=CONSISTENT_HASH_ROUTER,
-            request_router_kwargs={"num_virtual_nodes": config.routing.num_virtual_nodes,
-                                   "num_fallback_replicas": config.routing.num_fallback_replicas},
-        )
+    conn_opts = connection_options(config)
     return ConnectionActor.options(**conn_opts).bind(render, engine, config, safety)

@@ -49,3 +49,21 @@ def test_least_loaded_policy_drops_the_sticky_router():
     assert "request_router_config" not in engine_options(
         LoopserveConfig.model_validate({"routing": {"policy": "least_loaded"}})
     )
+
+
+def test_haproxy_ingress_drops_only_the_ingress_router(monkeypatch):
+    """Serve refuses a custom router on the ingress under HAProxy; the engine stays sticky."""
+    from cluster.app import CONSISTENT_HASH_ROUTER, connection_options, engine_options
+    from cluster.config import LoopserveConfig
+
+    config = LoopserveConfig.model_validate({"engine": {"backend": "scripted"}})
+
+    def router(opts):
+        rc = opts.get("request_router_config")
+        return rc.request_router_class if rc is not None else None
+
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    assert router(connection_options(config)) == router(engine_options(config)) == CONSISTENT_HASH_ROUTER
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    assert router(connection_options(config)) is None
+    assert router(engine_options(config)) == CONSISTENT_HASH_ROUTER
