@@ -62,7 +62,6 @@ class EngineReplica:
         span = self.tracer.start_span("engine.generate", context=telemetry.extract(req.get("trace")),
                                       kind=telemetry.SpanKind.SERVER, start_time=start_ns)
         self.in_flight += 1
-        self._digest(req)
         chunks = coalesce(stream_chunks(
             self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
         ), self.config.engine.stream_interval_ms / 1000)
@@ -78,6 +77,7 @@ class EngineReplica:
         finally:
             self.in_flight -= 1
             span.end()
+            self._digest(req)  # O(prompt): after the stream, never before the first token
 
     def _engine_spans(self, span, req: dict[str, Any], start_ns: int, done: dict[str, Any]) -> None:
         """Queue wait, prefill and decode as child spans, from the engine's own clock."""
