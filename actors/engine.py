@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from array import array
 from collections import OrderedDict
 import logging
 import time
@@ -17,6 +16,8 @@ from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
+from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest
+from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 
 from cluster.tokenizer import load_tokenizer
@@ -34,6 +35,7 @@ class EngineReplica:
         # sha256 of the last prompts this replica was given, by request (= response) id:
         # lets a test compare what the production render path sent with a full render.
         self.prompt_digests: OrderedDict[str, str] = OrderedDict()
+        self.prompts = SessionPrompts(config.engine.session_prompts_max_tokens)
         telemetry.Metrics().observe("loopserve.engine.queue_depth", lambda: [(self.in_flight, {})],
                                     "requests in this engine replica (queued or running)")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, config)
@@ -45,6 +47,7 @@ class EngineReplica:
             engine_cfg,
             encode=lambda s: backend.encode(s, add_special_tokens=False).ids,
             decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
+            decode_raw=lambda ids: backend.decode(ids, skip_special_tokens=False),
         )
         await self.engine.start()
         self.extractor = vllm_tool_call_extractor(config.model.tool_parser, self.tokenizer)
@@ -57,54 +60,58 @@ class EngineReplica:
         except Exception:  # constructed outside Serve (tests)
             self.replica_id = "local"
 
-    async def generate(self, req: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         start_ns = time.time_ns()
-        span = self.tracer.start_span("engine.generate", context=telemetry.extract(req.get("trace")),
+        span = self.tracer.start_span("engine.generate", context=telemetry.extract(req.trace),
                                       kind=telemetry.SpanKind.SERVER, start_time=start_ns)
         self.in_flight += 1
-        chunks = coalesce(stream_chunks(
-            self.engine, req, self.extractor, self.format, replica=self.replica_id, decode_tail=self._decode_tail
-        ), self.config.engine.stream_interval_ms / 1000)
         try:
+            resolved = self.prompts.resolve(req)
+            if resolved is None:  # the caller resends the whole prompt
+                yield [EngineFailure(409, "The prompt's base is not on this engine replica.", code=PROMPT_BASE_MISSING)]
+                return
+            self.prompts.remember(resolved)
+            chunks = coalesce(stream_chunks(self.engine, resolved, self.extractor, self.format, replica=self.replica_id,
+                                            decode_tail=self._decode_tail), self.config.engine.stream_interval_ms / 1000)
             async with aclosing(chunks):
                 async for chunk in chunks:
-                    if chunk and chunk[-1].get("t") == "done":
-                        sent = int(req.get("sent_at_ns") or start_ns)
-                        chunk[-1]["dispatch_s"] = max(0, start_ns - sent) / 1e9  # same host clock or NTP
+                    if chunk and isinstance(chunk[-1], EngineDone):
+                        done = chunk[-1]
+                        done.dispatch_s = max(0, start_ns - (req.sent_at_ns or start_ns)) / 1e9  # same host or NTP
                         if span.is_recording():
-                            self._engine_spans(span, req, start_ns, chunk[-1])
+                            self._engine_spans(span, req, start_ns, done)
                     yield chunk
+            self._digest(resolved)  # O(prompt): after the stream, never before the first token
         finally:
             self.in_flight -= 1
             span.end()
-            self._digest(req)  # O(prompt): after the stream, never before the first token
 
-    def _engine_spans(self, span, req: dict[str, Any], start_ns: int, done: dict[str, Any]) -> None:
+    def _engine_spans(self, span, req: EngineRequest, start_ns: int, done: EngineDone) -> None:
         """Queue wait, prefill and decode as child spans, from the engine's own clock."""
         ctx = telemetry.context_of(span)
-        sent = int(req.get("sent_at_ns") or start_ns)
-        first = start_ns + int(float(done.get("first_token_s") or 0.0) * 1e9)
-        end = start_ns + int(float(done.get("engine_s") or 0.0) * 1e9)
+        sent = req.sent_at_ns or start_ns
+        first = start_ns + int(done.first_token_s * 1e9)
+        end = start_ns + int(done.engine_s * 1e9)
         telemetry.span_between(self.tracer, "engine.queue_wait", ctx, min(sent, start_ns), start_ns)
         telemetry.span_between(self.tracer, "engine.prefill", ctx, start_ns, first,
-                               {"gen_ai.usage.input_tokens": done.get("prompt_tokens", 0),
-                                "loopserve.cached_tokens": done.get("cached_tokens", 0)})
+                               {"gen_ai.usage.input_tokens": done.prompt_tokens,
+                                "loopserve.cached_tokens": done.cached_tokens})
         telemetry.span_between(self.tracer, "engine.decode", ctx, first, end,
-                               {"gen_ai.usage.output_tokens": done.get("output_tokens", 0)})
+                               {"gen_ai.usage.output_tokens": done.output_tokens})
         span.set_attribute("gen_ai.response.time_to_first_token_ms", (first - start_ns) / 1e6)
         span.set_attribute("loopserve.engine.replica", self.replica_id)
 
-    def _digest(self, req: dict[str, Any]) -> None:
-        ids = req["prompt_token_ids"]
-        data = ids.tobytes() if isinstance(ids, array) else array("i", ids).tobytes()
-        self.prompt_digests[req["request_id"]] = hashlib.sha256(data).hexdigest()
+    def _digest(self, req: EngineRequest) -> None:
+        self.prompt_digests[req.request_id] = hashlib.sha256(req.prompt_token_ids.tobytes()).hexdigest()
         while len(self.prompt_digests) > 512:
             self.prompt_digests.popitem(last=False)
 
     async def stats(self) -> dict[str, Any]:
         import ray
 
-        return {**self.engine.stats.as_dict(), "replica": self.replica_id, "node": ray.get_runtime_context().get_node_id(),
+        return {**self.engine.stats.as_dict(), "replica": self.replica_id,
+                "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens,
+                                    "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests)}
 
     async def check_health(self) -> None:

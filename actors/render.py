@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 from ray import serve
 
 from cluster import telemetry
 from cluster.config import LoopserveConfig
+from cluster.core.messages import RenderJob
 from cluster.core.render import RenderResult, render_job
 from cluster.tokenizer import load_tokenizer, renderer_for
 
@@ -26,11 +27,11 @@ class RenderActor:
         self.renderer = renderer_for(self.tokenizer)
         self.mismatches = 0
 
-    async def render(self, job: dict[str, Any]) -> Optional[RenderResult]:
-        with self.tracer.start_as_current_span("render.execute", context=telemetry.extract(job.get("trace")),
+    async def render(self, job: RenderJob) -> Optional[RenderResult]:
+        with self.tracer.start_as_current_span("render.execute", context=telemetry.extract(job.trace),
                                                kind=telemetry.SpanKind.SERVER) as span:
-            span.set_attribute("loopserve.render.mode", job["mode"])
-            if job["mode"] == "delta" and "verify_items" not in job:
+            span.set_attribute("loopserve.render.mode", job.mode)
+            if job.inline_ok:
                 result, mismatch = render_job(self.renderer, job)  # O(new items): inline
             else:
                 # O(history): off the replica's event loop (it also serves health checks).

@@ -5,14 +5,13 @@ Why not methods on the deployment class: Ray Serve's class-based-view rewrite
 >= 0.137 (ray-project/ray#64475: `self` becomes a required query parameter and
 every route answers 400). Functions with `Depends(replica)` need no rewrite, so
 they work with every FastAPI the pyproject allows. One ConnectionActor lives in
-each replica process; `bind` registers it when it starts.
+each replica process; `bind` registers its services when it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Optional
@@ -29,17 +28,17 @@ from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request
 
 if TYPE_CHECKING:  # pragma: no cover
-    from actors.connection import ConnectionActor
+    from cluster.serving.connection import ConnectionServices
 
-_replica: Optional["ConnectionActor"] = None
+_replica: Optional["ConnectionServices"] = None
 
 
-def bind(actor: "ConnectionActor") -> None:
+def bind(services: "ConnectionServices") -> None:
     global _replica
-    _replica = actor
+    _replica = services
 
 
-def replica() -> "ConnectionActor":
+def replica() -> "ConnectionServices":
     if _replica is None:  # a request before the constructor finished: Serve does not route those
         raise ApiError(503, "The server is starting.", code="server_starting", type="server_error")
     return _replica
@@ -50,13 +49,10 @@ Conn = Depends(replica)
 
 # -- operational ----------------------------------------------------------------
 @app.get("/health")
-async def health(conn: "ConnectionActor" = Conn) -> JSONResponse:
+async def health(conn: "ConnectionServices" = Conn) -> JSONResponse:
     """Ready only when every deployment a turn needs answers (not just this ingress). Reveals nothing else."""
-    checks = [conn.render_handle.stats.remote(), conn.engine_handle.options(stream=False).stats.remote()]
-    if conn.safety_handle is not None:
-        checks.append(conn.safety_handle.stats.remote())
     try:
-        await asyncio.wait_for(asyncio.gather(*checks), timeout=5)
+        await conn.health()
     except Exception:
         return JSONResponse({"status": "starting"}, status_code=503)
     return JSONResponse({"status": "ok"})
@@ -64,50 +60,15 @@ async def health(conn: "ConnectionActor" = Conn) -> JSONResponse:
 
 @app.get("/loopserve/stats")
 async def stats(request: Request, last: int = 200, engine_session: Optional[str] = None,
-                conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+                conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     """Counters and per-turn timings of every tenant: admin key only. `engine_session`
     picks the engine replica that session key routes to (else any one)."""
     conn.auth.authenticate_admin(request.headers.get("authorization"))
-    render = await conn.render_handle.stats.remote()
-    handle = conn.engine_handle.options(stream=False)
-    if engine_session:
-        handle = handle.options(session_id=engine_session)
-    engine = await handle.stats.remote()
-    safety = (conn.local_safety.stats() if conn.local_safety is not None
-              else await conn.safety_handle.stats.remote() if conn.safety_handle is not None else None)
-    writes = conn.responses.write_latencies
-    return {
-        "safety": safety,  # inline in this replica, or the SafetyActor's (one replica's) counters
-        "safety_ledger": conn.safety_ledger.snapshot(),
-        "blocked_turns": conn.driver.blocked_turns,
-        "usage": conn.usage.snapshot(),
-        "post_work": conn.post_work.stats(),
-        "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None,
-                         "retried": conn.post_work.retried_by["persist"],
-                         "failed": conn.post_work.failed_by["persist"]},
-        "render": render,
-        "render_inline": None if conn.local_renderer is None else {
-            "full_renders": conn.local_renderer.full_renders,
-            "delta_renders": conn.local_renderer.delta_renders,
-            "mismatches": conn.local_render_mismatches,
-        },
-        "engine": engine,  # one engine replica's counters
-        "open_sockets": conn.open_sockets,
-        "tasks": len(asyncio.all_tasks()),
-        "background": len(conn.responses.background),
-        "rss_bytes": rss_bytes(),
-        "ws_cache_bytes": conn.memory.nbytes,
-        "ws_cache_reclaimed": conn.memory.reclaimed,
-        "registry_entries": len(conn.registry),
-        "registry_bytes": conn.registry.nbytes,
-        "session_moves": conn.driver.session_moves,
-        "turn_status": dict(conn.driver.turn_status),
-        "turns": [t.as_dict() for t in conn.driver.timings[-max(1, min(last, 1024)):]],
-    }
+    return await conn.stats(last, engine_session, rss_bytes())
 
 
 @app.websocket("/loopserve/echo")
-async def echo(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
+async def echo(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
     """Echoes frames: the latency floor of a WebSocket through the same ingress (benchmarks).
 
     Off unless `ops.echo_route`; then admin key, Origin check, the per-key
@@ -147,44 +108,44 @@ async def echo(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
 
 # -- the Responses API ------------------------------------------------------------
 @app.get("/v1/models")
-async def models(request: Request, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+async def models(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     conn.principal(request)
     name = conn.config.model.name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "loopserve"}]}
 
 
 @app.post("/v1/responses/input_tokens")
-async def input_tokens(request: Request, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+async def input_tokens(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request)
     return await conn.responses.input_tokens(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
 
 
 @app.post("/v1/responses/compact")
-async def compact(request: Request, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+async def compact(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request)
     return await conn.responses.compact(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
 
 
 @app.get("/v1/responses/{response_id}/input_items")
 async def input_items(request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
-                      order: str = "desc", conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+                      order: str = "desc", conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request)
     return await conn.responses.input_items(response_id, p.tenant, after=after, limit=limit, order=order)
 
 
 @app.post("/v1/responses/{response_id}/cancel")
-async def cancel(request: Request, response_id: str, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+async def cancel(request: Request, response_id: str, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     return await conn.responses.cancel(response_id, conn.principal(request).tenant)
 
 
 @app.delete("/v1/responses/{response_id}")
-async def delete(request: Request, response_id: str, conn: "ConnectionActor" = Conn) -> dict[str, Any]:
+async def delete(request: Request, response_id: str, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     return await conn.responses.delete(response_id, conn.principal(request).tenant)
 
 
 @app.get("/v1/responses/{response_id}")
 async def retrieve(request: Request, response_id: str, stream: bool = False, starting_after: Optional[int] = None,
-                   conn: "ConnectionActor" = Conn):
+                   conn: "ConnectionServices" = Conn):
     p = conn.principal(request)
     if stream:
         events = await conn.responses.replay(response_id, p.tenant, starting_after)
@@ -199,7 +160,7 @@ async def retrieve(request: Request, response_id: str, stream: bool = False, sta
 
 
 @app.post("/v1/responses")
-async def create(request: Request, conn: "ConnectionActor" = Conn):
+async def create(request: Request, conn: "ConnectionServices" = Conn):
     received_at = time.perf_counter()
     try:
         p = conn.principal(request)
@@ -261,8 +222,8 @@ async def _sse_stream(first: dict[str, Any], events):
 
 
 @app.websocket("/v1/responses")
-async def websocket(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
-    if conn.drain_watch.draining:
+async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
+    if conn.draining:
         await conn.deny(ws, ApiError(503, "This server is shutting down; connect again.", code="server_draining",
                                      type="server_error"))
         return
@@ -274,8 +235,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
         await conn.deny(ws, err)  # before the upgrade: a plain HTTP error
         return
     await ws.accept()
-    conn.open_sockets += 1
-    conn.metrics.connections.add(1)
+    conn.metrics.socket_opened()
     lock = asyncio.Lock()
 
     async def send(event: dict[str, Any]) -> None:
@@ -301,7 +261,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
     )
     session.start()
     conn.ws_sessions.add(session)
-    if conn.drain_watch.draining:
+    if conn.draining:
         await session.drain()
     try:
         while not session.closed:
@@ -315,8 +275,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionActor" = Conn) -> None:
     except (WebSocketDisconnect, RuntimeError):
         pass
     finally:
-        conn.open_sockets -= 1
-        conn.metrics.connections.add(-1)
+        conn.metrics.socket_closed()
         conn.ws_sessions.discard(session)
         conn.auth.close_connection(p)
         await session.shutdown()

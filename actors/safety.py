@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from array import array
 from typing import Any, Optional
 
 from ray import serve
@@ -14,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster import telemetry
 from cluster.config import LoopserveConfig
+from cluster.core.messages import EngineRequest, TextPiece
 from cluster.core.safety import SafetyService, Verdict, guard_prompt, guard_verdict, local_classifier
 
 log = logging.getLogger("loopserve.safety")
@@ -48,19 +50,11 @@ class SafetyActor:
         prompt = tok.apply_chat_template([{"role": "user", "content": guard_prompt(text)}], tokenize=False,
                                          add_generation_prompt=True)
         ids = tok.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
-        req = {
-            "request_id": f"guard-{uuid.uuid4().hex}",
-            "session_key": "guard",
-            "prompt_token_ids": ids,
-            "max_tokens": self.config.safety.guard.max_tokens,
-            "temperature": 0.0,
-            "tools": [],
-            "tool_choice": "none",
-            "last_item": "user",
-        }
+        req = EngineRequest(f"guard-{uuid.uuid4().hex}", "guard", array("i", ids),
+                            self.config.safety.guard.max_tokens, temperature=0.0, tool_choice="none")
         out = []
         async for chunk in self.guard.generate.remote(req):
-            out.extend(p["v"] for p in chunk if p["t"] == "text")
+            out.extend(p.text for p in chunk if isinstance(p, TextPiece))
         answer = "".join(out)
         policy = self.config.safety.guard.on_unparseable
         verdict, unparseable = guard_verdict(answer, policy)

@@ -57,6 +57,11 @@ class ScriptedEngineConfig(_Strict):
     # `answer_text`): lets the scripted engine stand in for a guard model that
     # answers `safe`, `unsafe` or something unparseable depending on the content.
     answer_rules: list[AnswerRule] = Field(default_factory=list)
+    # How the engine tells a tool result from a user message in the prompt (the served
+    # chat template's turn marker and tool-result tag): after a user message it calls
+    # the first offered tool, after a tool result it answers.
+    turn_marker: str = "<|im_start|>"
+    tool_result_marker: str = "<tool_response>"
 
 
 class VLLMEngineConfig(_Strict):
@@ -82,6 +87,9 @@ class EngineConfig(_Strict):
     # The engine replica batches output for the handle stream while it is busy;
     # this also spaces batches at least this far apart (the end leaves at once).
     stream_interval_ms: float = Field(0.0, ge=0, le=100)
+    # Tokens of the sessions' last prompts a replica keeps so a continuation sends only
+    # its new tokens (int32 each; LRU by session).
+    session_prompts_max_tokens: int = Field(16_000_000, ge=0)
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
 

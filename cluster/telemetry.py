@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import Counter, deque
 from typing import Any, Optional
 
 from opentelemetry import metrics, propagate, trace
@@ -133,9 +134,11 @@ def span_between(tr: Tracer, name: str, parent: Optional[Context], start_ns: int
 
 
 class Metrics:
-    """The instruments loopserve records (no-op until a meter provider is installed)."""
+    """The one place a connection replica counts things: OpenTelemetry instruments (no-op
+    until a meter provider is installed) and the in-process counters `/loopserve/stats`
+    shows, updated together by the same call."""
 
-    def __init__(self, meter: Optional[metrics.Meter] = None) -> None:
+    def __init__(self, meter: Optional[metrics.Meter] = None, recent_turns: int = 1024) -> None:
         m = meter or metrics.get_meter(TRACER_NAME)
         self.turns = m.create_counter("loopserve.turns", description="responses created, by transport and status")
         self.overhead = m.create_histogram("loopserve.turn.overhead", unit="ms",
@@ -152,6 +155,62 @@ class Metrics:
         self.connections = m.create_up_down_counter("loopserve.connections.active",
                                                     description="open WebSocket connections")
         self._meter = m
+        # In-process counters (stats route), kept by the same calls as the instruments.
+        self.turn_status: Counter[str] = Counter()  # how turns ended (cancelled = the client went away)
+        self.blocked_turns = 0
+        # Continuations whose engine replica differed from their parent's (replica died,
+        # or backpressure fallback): each one re-prefilled.
+        self.session_moves = 0
+        # Continuations whose prompt tail reached a replica without its base: resent whole.
+        self.prompt_resends = 0
+        self.open_sockets = 0
+        self.timings: deque = deque(maxlen=recent_turns)  # recent turns' TurnTiming
+        self.store_write_seconds: deque[float] = deque(maxlen=1000)
+
+    def turn_ended(self, transport: str, status: str) -> None:
+        self.turn_status[status] += 1
+        self.turns.add(1, {"transport": transport, "status": status})
+
+    def cache_lookup(self, result: str) -> None:
+        self.cache_lookups.add(1, {"result": result})
+
+    def safety_blocked(self, stage: str) -> None:
+        self.blocked_turns += 1
+        self.safety_blocks.add(1, {"stage": stage})
+
+    def session_moved(self) -> None:
+        self.session_moves += 1
+
+    def prompt_resent(self) -> None:
+        self.prompt_resends += 1
+
+    def turn_timed(self, timing: Any, output_tokens: int = 0) -> None:
+        """A finished turn's `TurnTiming` (server overhead, TTFT, decode rate)."""
+        self.overhead.record((timing.total - timing.engine) * 1000)
+        if timing.first_token:
+            self.ttft.record(timing.first_token * 1000)
+        if output_tokens:
+            self.output_tokens.add(output_tokens)
+            decode = timing.engine_inner - timing.engine_first_token
+            if decode > 0:
+                self.decode_rate.record(output_tokens / decode)
+        self.timings.append(timing)
+
+    def store_written(self, seconds: float, store: str) -> None:
+        self.store_write_seconds.append(seconds)
+        self.store_write.record(seconds * 1000, {"store": store})
+
+    def socket_opened(self) -> None:
+        self.open_sockets += 1
+        self.connections.add(1)
+
+    def socket_closed(self) -> None:
+        self.open_sockets -= 1
+        self.connections.add(-1)
+
+    def recent_turns(self, last: int) -> list[dict[str, Any]]:
+        n = max(1, min(last, len(self.timings) or 1))
+        return [t.as_dict() for t in list(self.timings)[-n:]]
 
     def observe(self, name: str, callback, description: str = "", unit: str = "") -> None:
         """An observable gauge read at export time (cache bytes, engine queue depth)."""

@@ -12,8 +12,10 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Optional
+
+from .retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,8 @@ class PostWorkQueue:
 
         self.tracer = tracer or telemetry.tracer()
         self.hooks: dict[str, Hook] = dict(hooks or {})
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self._retry_for: dict[str, float] = {}  # hooks retried until a deadline instead of `retries` times
+        self.retry = RetryPolicy(retries=retries, backoff_s=backoff_s)
+        self._retry: dict[str, RetryPolicy] = {}  # hooks retried until a deadline instead
         self._tasks: set[asyncio.Task] = set()
         self.scheduled = self.completed = self.failed = self.retried = 0
         self.retried_by: Counter[str] = Counter()
@@ -58,7 +59,7 @@ class PostWorkQueue:
         """`retry_for_s`: keep retrying (backoff doubling up to 5 s) for that long, e.g. a store restarting."""
         self.hooks[name] = hook
         if retry_for_s is not None:
-            self._retry_for[name] = retry_for_s
+            self._retry[name] = replace(self.retry, deadline_s=retry_for_s)
 
     def schedule(self, record: TurnRecord) -> None:
         """Start every hook for `record` in the background and return at once."""
@@ -73,8 +74,8 @@ class PostWorkQueue:
             await self._attempts(name, hook, record, span)
 
     async def _attempts(self, name: str, hook: Hook, record: TurnRecord, span) -> None:
-        retry_for = self._retry_for.get(name)
-        deadline = time.monotonic() + retry_for if retry_for is not None else None
+        policy = self._retry.get(name, self.retry)
+        started = time.monotonic()
         attempt = 0
         while True:
             try:
@@ -85,13 +86,7 @@ class PostWorkQueue:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                delay = self.backoff_s * (2**attempt)
-                if deadline is not None:
-                    delay = min(delay, 5.0)
-                    give_up = time.monotonic() + delay > deadline
-                else:
-                    give_up = attempt == self.retries
-                if give_up:
+                if policy.gives_up(attempt, started):
                     self.failed += 1
                     self.failed_by[name] += 1
                     log.error("post-inference hook %s failed for %s after %d attempts: %s", name,
@@ -99,8 +94,8 @@ class PostWorkQueue:
                     return
                 self.retried += 1
                 self.retried_by[name] += 1
+                await asyncio.sleep(policy.delay(attempt))
                 attempt += 1
-                await asyncio.sleep(delay)
 
     @property
     def pending(self) -> int:

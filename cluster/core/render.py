@@ -15,6 +15,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from .messages import RenderJob
+
 Message = dict[str, Any]
 ApplyTemplate = Callable[[list[Message], Optional[list[dict[str, Any]]], bool], str]
 Encode = Callable[[str], list[int]]
@@ -192,23 +194,17 @@ class IncrementalRenderer:
         return RenderResult(delta_ids, array("i", self._encode(gen_text)), new_anchor, False, len(with_gen))
 
 
-def render_job(renderer: IncrementalRenderer, job: dict[str, Any]) -> tuple[Optional[RenderResult], bool]:
+def render_job(renderer: IncrementalRenderer, job: RenderJob) -> tuple[Optional[RenderResult], bool]:
     """Run a render job from the turn driver; returns (result, mismatch).
 
     `verify_items` + `verify_prefix` (tests, debugging) check the delta against a full render;
     on a mismatch the full render is returned, so output stays correct.
     """
-    if job["mode"] == "full":
-        return renderer.full(job["items"], job["instructions"], job["tools"]), False
-    res = renderer.delta(
-        job["anchor_items"],
-        job["new_items"],
-        job["anchor_start"],
-        job["instructions"],
-        job["tools"],
-    )
-    if res is not None and job.get("verify_items") is not None:
-        full = renderer.full(job["verify_items"], job["instructions"], job["tools"])
-        if full.assemble(None)[1] != res.assemble(job["verify_prefix"])[1]:
+    if not job.delta:
+        return renderer.full(job.items, job.instructions, job.tools), False
+    res = renderer.delta(job.anchor_items, job.new_items, job.anchor_start, job.instructions, job.tools)
+    if res is not None and job.verify_items is not None:
+        full = renderer.full(job.verify_items, job.instructions, job.tools)
+        if full.assemble(None)[1] != res.assemble(job.verify_prefix)[1]:
             return full, True
     return res, False

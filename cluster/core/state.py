@@ -30,6 +30,9 @@ class RenderedPrefix:
     # Index into items where the last rendered chat message starts: the anchor
     # that the next delta render is rendered after.
     anchor_start: int
+    # The engine request whose prompt starts with `token_ids` (its replica keeps that
+    # prompt, so the next turn sends only its tail); None when no such prompt ran.
+    engine_request_id: Optional[str] = None
 
 
 @dataclass

@@ -11,21 +11,22 @@ production, fakes in unit tests).
 from __future__ import annotations
 
 import time
-from collections import Counter
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from .. import telemetry
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..protocol.requests import ResponsesRequest
-from .context import normalize_tools, reject_non_text, output_as_context, output_call_ids, resolve_context
+from .context import normalize_tools, reject_non_text, resolve_context
 from .events import Event, EventAssembler, build_response
 from .ids import new_id
+from .messages import RenderJob
 from .render import RenderResult
 from .post_work import PostWorkQueue
 from .safety import SafetyPort, TurnSafety, turn_input_texts
 from .session_cache import SessionCache
-from .state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
-from .turn_stream import Rendered, TurnStream, TurnTiming
+from .state import RenderKey, ResponseState, items_nbytes
+from .turn_stream import EnginePort, Rendered, Turn, TurnServices, TurnStream, TurnTiming
 
 
 _TERMINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -42,57 +43,67 @@ def _is_input_error(exc: BaseException) -> bool:
 
 class RenderPort(Protocol):
     # None from a delta job means "not provably exact, send a full job".
-    async def __call__(self, job: dict[str, Any]) -> Optional[RenderResult]: ...
+    async def __call__(self, job: RenderJob) -> Optional[RenderResult]: ...
 
 
-# engine request dict -> async iterator of chunk lists (see actors/engine.py)
-EnginePort = Callable[[dict[str, Any]], AsyncIterator[list[dict[str, Any]]]]
 Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
+
+
+@dataclass
+class TurnSettings:
+    """The turn driver's slice of the configuration."""
+
+    model_name: str
+    default_max_tokens: int
+    max_model_len: int
+    verify_renders: bool = False
+    output_chunk_chars: int = 256
+    classify_tool_outputs: bool = False
+    max_input_items: Optional[int] = None
+    max_context_tokens: Optional[int] = None
+    max_context_bytes: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> "TurnSettings":
+        eng = config.engine
+        return cls(
+            model_name=config.model.name,
+            default_max_tokens=eng.vllm.default_max_tokens if eng.backend == "vllm" else eng.scripted.max_output_tokens,
+            max_model_len=config.model.max_model_len,
+            verify_renders=config.verify_renders,
+            output_chunk_chars=config.safety.output_chunk_chars,
+            classify_tool_outputs=config.safety.classify_tool_outputs,
+            max_input_items=config.limits.max_input_items,
+            max_context_tokens=config.limits.max_context_tokens,
+            max_context_bytes=config.limits.max_context_bytes,
+        )
+
+    @property
+    def context_limit(self) -> int:
+        # A prompt must leave room for one generated token; an operator may bound it lower.
+        return min(self.max_model_len - 1, self.max_context_tokens or self.max_model_len)
 
 
 class TurnDriver:
     def __init__(
         self,
+        settings: TurnSettings,
         *,
-        model_name: str,
         render: RenderPort,
         engine: EnginePort,
-        default_max_tokens: int,
-        max_model_len: int,
-        verify_renders: bool = False,
         safety: Optional[SafetyPort] = None,
-        output_chunk_chars: int = 256,
-        classify_tool_outputs: bool = False,
         post_work: Optional[PostWorkQueue] = None,
         tracer: Optional[Any] = None,
         metrics: Optional[telemetry.Metrics] = None,
-        max_input_items: Optional[int] = None,
-        max_context_tokens: Optional[int] = None,
-        max_context_bytes: Optional[int] = None,
     ) -> None:
-        self.model_name = model_name
+        self.settings = settings
+        self.model_name = settings.model_name
         self._render = render
-        self._engine = engine
-        self.default_max_tokens = default_max_tokens
-        self.max_model_len = max_model_len
-        self.max_input_items = max_input_items
-        # A prompt must leave room for one generated token; an operator may bound it lower.
-        self.context_limit = min(max_model_len - 1, max_context_tokens or max_model_len)
-        self.max_context_bytes = max_context_bytes
-        self.verify_renders = verify_renders
         self._safety = safety
-        self.output_chunk_chars = output_chunk_chars
-        self.classify_tool_outputs = classify_tool_outputs
-        self.post_work = post_work
         # OpenTelemetry: the global (no-op unless `telemetry.setup` ran) unless injected.
         self.tracer = tracer or telemetry.tracer()
         self.metrics = metrics or telemetry.Metrics()
-        self.blocked_turns = 0
-        self.turn_status: Counter[str] = Counter()  # how turns ended (cancelled = the client went away)
-        self.timings: list[TurnTiming] = []  # recent turns, bounded
-        # Continuations whose engine replica differed from their parent's
-        # (replica died, or backpressure fallback): each one re-prefilled.
-        self.session_moves = 0
+        self.services = TurnServices(engine=engine, metrics=self.metrics, tracer=self.tracer, post_work=post_work)
 
     def check_model(self, req: ResponsesRequest) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -152,8 +163,7 @@ class TurnDriver:
             raise
         finally:
             root.set_attribute("loopserve.status", status)
-            self.turn_status[status] += 1
-            self.metrics.turns.add(1, {"transport": transport, "status": status})
+            self.metrics.turn_ended(transport, status)
             root.end()
 
     async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
@@ -170,7 +180,7 @@ class TurnDriver:
                 parent = await lookup(prev_id)
                 found = "store" if parent is not None else "miss"
             root.set_attribute("loopserve.cache", found)
-            self.metrics.cache_lookups.add(1, {"result": found})
+            self.metrics.cache_lookup(found)
             if parent is None:
                 raise previous_response_not_found(prev_id)
             if parent.blocked:
@@ -199,41 +209,42 @@ class TurnDriver:
                                     f"{str(cause)[:300]}", param="input", code="invalid_value") from None
             raise server_error(f"Rendering the prompt failed: {type(exc).__name__}") from exc
         ctx, rendered, tools_spec, key = prep
+        st = self.settings
 
         # Classify only what no earlier turn classified (new input items); it
         # runs while the engine prefills.
         new_texts = turn_input_texts(ctx.items[ctx.new_start :], req.instructions,
                                      parent.instructions if parent is not None else None,
-                                     self.classify_tool_outputs) if self._safety else []
-        safety = TurnSafety(self._safety, new_texts, self.output_chunk_chars, tracer=self.tracer, trace_parent=tctx)
+                                     st.classify_tool_outputs) if self._safety else []
+        safety = TurnSafety(self._safety, new_texts, st.output_chunk_chars, tracer=self.tracer, trace_parent=tctx)
         response_id = response_id or new_id("resp")
         timing.response_id = response_id
         root.set_attribute("loopserve.response_id", response_id)
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)
         asm = EventAssembler(response, stream_id=stream_id)
-        turn = TurnStream(self, req, cache, ctx, rendered, key, owner, session_key, parent, asm, safety, timing, on_state)
-        turn.trace = tctx
+        room = st.max_model_len - len(rendered.prompt_token_ids)
+        turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
+                    parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
+                    max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
+                    timing=timing, on_state=on_state, trace=tctx)
+        stream = TurnStream(turn, asm, safety, self.services)
         streaming = self.tracer.start_span("stream_events", context=tctx)
         try:
             events = asm.start()
             timing.first_event = time.perf_counter() - timing.started
             for ev in events:
                 yield ev
-            if req.generate is False:
-                async for ev in turn.warm_up():
-                    yield ev
-            else:
-                async for ev in turn.generate(tools_spec):
-                    yield ev
+            async for ev in (stream.warm_up() if req.generate is False else stream.generate()):
+                yield ev
         finally:
             safety.cancel()
             streaming.end()
             root.set_attribute("gen_ai.usage.input_tokens", turn.prompt_len)
             root.set_attribute("gen_ai.usage.output_tokens", turn.output_tokens)
-            root.set_attribute("loopserve.cached_tokens", turn.cached)
+            root.set_attribute("loopserve.cached_tokens", turn.cached_tokens)
             # Post-inference work is scheduled even when the client went away
             # mid-turn (tokens were spent); never awaited here.
-            turn.schedule_post_work()
+            stream.schedule_post_work()
 
     async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState]) -> int:
         """What `input_tokens` would be for this request (renders, does not generate)."""
@@ -246,12 +257,13 @@ class TurnDriver:
             new_items = req.input_items()
             reject_non_text(new_items, self.model_name)
             ctx = resolve_context(new_items, parent)
-            if self.max_context_bytes is not None:
+            limit = self.settings.max_context_bytes
+            if limit is not None:
                 # Payload the state will keep alive (rendered or not): bounded per context.
                 size = (parent.context_bytes if parent is not None else 0) + items_nbytes(new_items)
-                if size > self.max_context_bytes:
+                if size > limit:
                     raise ApiError(400, f"The conversation holds about {size} bytes of input; the limit is "
-                                        f"{self.max_context_bytes} bytes. Start a new conversation or compact it.",
+                                        f"{limit} bytes. Start a new conversation or compact it.",
                                    param="input", code="context_too_large")
             if not ctx.items and req.generate is not False:
                 raise ApiError(400, "Missing required parameter: 'input'.", param="input",
@@ -262,88 +274,43 @@ class TurnDriver:
         timing.new_items = len(new_items)
         timing.context_items = len(ctx.items)
         t1 = time.perf_counter()
+        st = self.settings
         pre = parent.rendered if parent is not None else None
-        job: dict[str, Any]
+        full_job = RenderJob(req.instructions, tools_spec, items=ctx.items)
         if pre is not None and pre.key == key:
             # Only the anchor message and the new items travel: O(new items).
-            job = {
-                "mode": "delta",
-                "anchor_items": ctx.items[pre.anchor_start : pre.item_count],
-                "new_items": ctx.items[pre.item_count :],
-                "anchor_start": pre.anchor_start,
-                "instructions": req.instructions,
-                "tools": tools_spec,
-            }
-            if self.verify_renders:
-                job["verify_items"], job["verify_prefix"] = ctx.items, pre.token_ids
+            job = RenderJob(req.instructions, tools_spec, delta=True,
+                            anchor_items=ctx.items[pre.anchor_start : pre.item_count],
+                            new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start)
+            if st.verify_renders:
+                job.verify_items, job.verify_prefix = ctx.items, pre.token_ids
         else:
-            job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
+            job = full_job
         span = self.tracer.start_span("render", context=tctx)
         try:
-            carrier = telemetry.inject(telemetry.context_of(span))
-            if carrier:
-                job["trace"] = carrier
+            job.trace = full_job.trace = telemetry.inject(telemetry.context_of(span))
             rendered = await self._render(job)
             if rendered is None:  # the delta was not provably exact: render it all
-                job = {"mode": "full", "items": ctx.items, "instructions": req.instructions, "tools": tools_spec}
-                if carrier:
-                    job["trace"] = carrier
-                rendered = await self._render(job)
+                rendered = await self._render(full_job)
             span.set_attribute("loopserve.render.mode", "full" if rendered.full else "delta")
             span.set_attribute("loopserve.render.delta_tokens", rendered.delta_tokens)
         finally:
             span.end()
-        prefix, prompt = rendered.assemble(pre.token_ids if pre is not None and not rendered.full else None)
+        extends = pre is not None and not rendered.full
+        prefix, prompt = rendered.assemble(pre.token_ids if extends else None)
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
         timing.delta_tokens = rendered.delta_tokens
-        if len(prompt) > self.context_limit:
+        if len(prompt) > st.context_limit:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {self.context_limit} tokens, "
+                f"This model's maximum context length is {st.context_limit} tokens, "
                 f"but the input has {len(prompt)} tokens.",
                 code="context_length_exceeded",
                 param="input",
             )
-        return ctx, Rendered(prefix, prompt, rendered.anchor_start), tools_spec, key
-
-    def _state(self, response_id, req, ctx, output, rendered: Rendered, key, owner, session_key) -> ResponseState:
-        out_items = output_as_context(output)
-        calls = output_call_ids(output)
-        inherited = ctx.parent.context_bytes if ctx.parent is not None else 0
-        return ResponseState(
-            response_id=response_id,
-            model=self.model_name,
-            items=ctx.items + out_items,
-            output_start=len(ctx.items),
-            instructions=req.instructions,
-            tools=list(req.tools or []),
-            rendered=RenderedPrefix(key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start),
-            known_call_ids=ctx.known_call_ids | frozenset(calls),
-            pending_call_ids=ctx.pending_call_ids + tuple(calls),
-            store=req.store is not False,
-            owner=owner,
-            input_start=ctx.new_start,
-            affinity_key=session_key,
-            context_bytes=inherited + items_nbytes(ctx.items[ctx.new_start:]) + items_nbytes(out_items),
-        )
-
-    def _record(self, timing: TurnTiming, prompt_len: int, cached: int, output_tokens: int = 0) -> None:
-        timing.total = time.perf_counter() - timing.started
-        timing.prompt_tokens = prompt_len
-        timing.cached_tokens = cached
-        m = self.metrics
-        m.overhead.record((timing.total - timing.engine) * 1000)
-        if timing.first_token:
-            m.ttft.record(timing.first_token * 1000)
-        if output_tokens:
-            m.output_tokens.add(output_tokens)
-            decode = timing.engine_inner - timing.engine_first_token
-            if decode > 0:
-                m.decode_rate.record(output_tokens / decode)
-        self.timings.append(timing)
-        if len(self.timings) > 1024:
-            del self.timings[:512]
+        return ctx, Rendered(prefix, prompt, rendered.anchor_start, extends, rendered.prompt_override is None), \
+            tools_spec, key
 
 
-__all__ = ["TurnDriver", "TurnTiming", "RenderPort", "EnginePort", "Rendered"]
+__all__ = ["TurnDriver", "TurnSettings", "TurnTiming", "RenderPort", "EnginePort", "Rendered", "Turn"]

@@ -1,9 +1,10 @@
-"""The streaming part of one turn: engine output -> events, behind the safety gate.
+"""One turn (`Turn`), and its streaming part (`TurnStream`): engine output -> events.
 
-`TurnDriver.run` resolves and renders, then hands over to a `TurnStream`, which
+`TurnDriver.run` resolves and renders a request into a `Turn`; a `TurnStream`
 runs the engine call, releases output only after the input verdict, stops on a
 flagged output chunk, commits the new state before the terminal event and
-schedules post-inference work.
+schedules post-inference work. Both talk to the rest of the replica only through
+`TurnServices` (typed ports), never through the driver.
 """
 
 from __future__ import annotations
@@ -13,13 +14,22 @@ import hashlib
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
-from ..protocol.errors import ApiError, server_error
 from .. import telemetry
+from ..protocol.errors import ApiError, server_error
+from ..protocol.requests import ResponsesRequest
+from .context import ResolvedContext, output_as_context, output_call_ids
 from .events import Event, EventAssembler, usage_object
-from .post_work import TurnRecord
+from .messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, ReasoningPiece,
+                       TextPiece, TokenProgress, ToolCallPiece, ToolSpec)
+from .post_work import PostWorkQueue, TurnRecord
 from .safety import TurnSafety
+from .session_cache import SessionCache
+from .state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
+
+# An engine replica's stream: EngineRequest -> chunks (a Ray handle stream in production).
+EnginePort = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
 
 
 @dataclass
@@ -27,6 +37,9 @@ class Rendered:
     prefix_token_ids: array  # the context without generation prompt (cached for the next turn)
     prompt_token_ids: array  # what the engine gets
     anchor_start: int
+    # The prefix was extended, not re-rendered: the prompt starts with the parent's prompt.
+    extends_parent: bool = False
+    prompt_extends_prefix: bool = True  # prompt = prefix + generation prompt
 
 
 @dataclass
@@ -45,6 +58,7 @@ class TurnTiming:
     new_items: int = 0
     context_items: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_sent: int = 0  # of them, what travelled to the engine (the rest: its session's base)
     cached_tokens: int = 0
     delta_tokens: int = 0
     safety_input_ms: float = 0.0  # the input check's own duration (it overlaps prefill)
@@ -62,62 +76,143 @@ class TurnTiming:
         return {k: v for k, v in self.__dict__.items() if k != "started"}
 
 
-def last_item_kind(items: list[dict[str, Any]]) -> str:
-    for item in reversed(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            return "user" if item.get("role") in ("user", "system", "developer") else "assistant"
-        if kind == "function_call_output":
-            return "tool"
-        if kind == "function_call":
-            return "assistant"
-    return "none"
-
-
 def cache_salt(tenant: Optional[str]) -> str:
     """The engine's prefix-cache namespace for a tenant (a hash: tenant names stay in this process)."""
     return hashlib.sha256(f"loopserve-tenant:{tenant or 'default'}".encode()).hexdigest()[:32]
 
 
-class TurnStream:
-    """The streaming part of one turn (after `response.created`)."""
+@dataclass
+class TurnServices:
+    """What a turn reaches outside itself (injected by the composition root)."""
 
-    def __init__(self, driver: Any, req, cache, ctx, rendered: Rendered, key, owner, session_key, parent,
-                 asm: EventAssembler, safety: TurnSafety, timing: TurnTiming, on_state) -> None:
-        self.d, self.req, self.cache, self.ctx, self.rendered, self.key = driver, req, cache, ctx, rendered, key
-        self.owner, self.session_key, self.parent, self.asm = owner, session_key, parent, asm
-        self.safety, self.timing, self.on_state = safety, timing, on_state
-        self.prompt_len = len(rendered.prompt_token_ids)
-        self.output_tokens = 0
-        self.cached = 0
-        self.status = "cancelled"
-        self.posted = False
-        self.state = None
-        self.trace = None  # the turn's trace context (parent of engine and post-work spans)
+    engine: EnginePort
+    metrics: telemetry.Metrics
+    tracer: Any
+    post_work: Optional[PostWorkQueue] = None
 
-    def _evict_parent(self) -> None:
-        if self.req.previous_response_id:
-            self.cache.evict(self.req.previous_response_id)
 
-    def _commit(self, output: list[dict[str, Any]], replica: str = "") -> None:
-        # The next turn's state is in the cache before the terminal event leaves.
-        state = self.d._state(self.asm.response["id"], self.req, self.ctx, output, self.rendered, self.key,
-                              self.owner, self.session_key)
-        state.engine_replica = replica
-        state.response = self.asm.response
+@dataclass
+class Turn:
+    """One turn: the request resolved against its parent and rendered, then what it produced."""
+
+    request: ResponsesRequest
+    response_id: str
+    model: str
+    session_key: str  # the engine routing key (the chain's affinity key)
+    owner: Optional[str]
+    parent: Optional[ResponseState]
+    context: ResolvedContext
+    rendered: Rendered
+    render_key: RenderKey
+    tools: list[ToolSpec]
+    max_tokens: int
+    cache: SessionCache
+    timing: TurnTiming
+    on_state: Optional[Callable[[ResponseState], None]] = None
+    trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
+    # What it produced
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    status: str = "cancelled"  # until a terminal event says otherwise
+    state: Optional[ResponseState] = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.rendered.prompt_token_ids)
+
+    def engine_request(self, *, whole: bool = False) -> EngineRequest:
+        """The engine call; a continuation whose prompt extends its parent's sends only the tail."""
+        req = self.request
+        prompt = self.rendered.prompt_token_ids
+        base = self.parent.rendered if self.parent is not None else None
+        base_id = base.engine_request_id if base is not None else None
+        base_len = len(base.token_ids) if base is not None else 0
+        tail = not whole and base_id is not None and self.rendered.extends_parent and base_len < len(prompt)
+        return EngineRequest(
+            request_id=self.response_id,
+            session_key=self.session_key,
+            prompt_token_ids=prompt[base_len:] if tail else prompt,
+            max_tokens=self.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            tools=self.tools,
+            tool_choice=req.tool_choice,
+            # Tenants never share prefix-cache blocks: `cached_tokens` is exact, so a
+            # shared cache would let one tenant probe another's prompts.
+            cache_salt=cache_salt(self.owner),
+            base_request_id=base_id if tail else None,
+            base_len=base_len if tail else 0,
+        )
+
+    def evict_parent(self) -> None:
+        """A failed turn: the next try starts from a fresh lookup of its parent."""
+        if self.request.previous_response_id:
+            self.cache.evict(self.request.previous_response_id)
+
+    def commit(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
+               engine_ran: bool = False) -> ResponseState:
+        """The next turn's state, in the cache before the terminal event leaves."""
+        req, ctx, rendered = self.request, self.context, self.rendered
+        out_items = output_as_context(output)
+        calls = output_call_ids(output)
+        inherited = ctx.parent.context_bytes if ctx.parent is not None else 0
+        # The engine replica keeps this turn's prompt: the next one sends only its tail.
+        engine_request_id = self.response_id if engine_ran and rendered.prompt_extends_prefix else None
+        state = ResponseState(
+            response_id=self.response_id,
+            model=self.model,
+            items=ctx.items + out_items,
+            output_start=len(ctx.items),
+            instructions=req.instructions,
+            tools=list(req.tools or []),
+            rendered=RenderedPrefix(self.render_key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start,
+                                    engine_request_id),
+            known_call_ids=ctx.known_call_ids | frozenset(calls),
+            pending_call_ids=ctx.pending_call_ids + tuple(calls),
+            store=req.store is not False,
+            owner=self.owner,
+            input_start=ctx.new_start,
+            affinity_key=self.session_key,
+            context_bytes=inherited + items_nbytes(ctx.items[ctx.new_start:]) + items_nbytes(out_items),
+            engine_replica=replica,
+            response=response,
+        )
         self.state = state
         self.cache.put(state)
         if self.on_state:
             self.on_state(state)
+        return state
+
+    def finish_timing(self) -> TurnTiming:
+        t = self.timing
+        t.total = time.perf_counter() - t.started
+        t.prompt_tokens = self.prompt_len
+        t.cached_tokens = self.cached_tokens
+        return t
+
+
+class TurnStream:
+    """The streaming part of one turn (after `response.created`)."""
+
+    def __init__(self, turn: Turn, asm: EventAssembler, safety: TurnSafety, services: TurnServices) -> None:
+        self.turn, self.asm, self.safety, self.services = turn, asm, safety, services
+        self.posted = False
+
+    def _usage(self, reasoning_tokens: int = 0) -> dict[str, Any]:
+        t = self.turn
+        return usage_object(t.prompt_len, t.cached_tokens, t.output_tokens, reasoning_tokens)
 
     def _blocked(self, flag: dict[str, Any]) -> list[Event]:
         # Content filter: end `incomplete`, cache nothing (no continuation of it).
-        self.status = "incomplete"
-        self.d.blocked_turns += 1
-        self.d.metrics.safety_blocks.add(1, {"stage": str(flag.get("stage", ""))})
-        self.d._record(self.timing, self.prompt_len, self.cached)
-        return self.asm.finish(usage_object(self.prompt_len, self.cached, self.output_tokens),
-                               incomplete_reason="content_filter")
+        self.turn.status = "incomplete"
+        self.services.metrics.safety_blocked(str(flag.get("stage", "")))
+        self.services.metrics.turn_timed(self.turn.finish_timing())
+        return self.asm.finish(self._usage(), incomplete_reason="content_filter")
+
+    def _failed(self, err: ApiError) -> list[Event]:
+        self.turn.evict_parent()
+        self.turn.status = "failed"
+        return self.asm.fail(err)
 
     async def warm_up(self) -> AsyncIterator[Event]:
         flag = await self.safety.gate()
@@ -125,51 +220,62 @@ class TurnStream:
             for ev in self._blocked(flag):
                 yield ev
             return
-        self._commit([])
-        self.status = "completed"
-        self.d._record(self.timing, self.prompt_len, 0)
-        for ev in self.asm.finish(usage_object(self.prompt_len, 0, 0)):
+        self.turn.commit([], self.asm.response)
+        self.turn.status = "completed"
+        self.services.metrics.turn_timed(self.turn.finish_timing())
+        for ev in self.asm.finish(self._usage()):
             yield ev
 
-    async def generate(self, tools_spec: list[dict[str, Any]]) -> AsyncIterator[Event]:
-        d, req, timing, asm, safety = self.d, self.req, self.timing, self.asm, self.safety
-        room = d.max_model_len - self.prompt_len
-        engine_req = {
-            "request_id": asm.response["id"],
-            "session_key": self.session_key,
-            # Tenants never share prefix-cache blocks: `cached_tokens` is exact, so a
-            # shared cache would let one tenant probe another's prompts.
-            "cache_salt": cache_salt(self.owner),
-            "prompt_token_ids": self.rendered.prompt_token_ids,
-            "max_tokens": max(1, min(req.max_output_tokens or d.default_max_tokens, room)),
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "tools": tools_spec,
-            "tool_choice": req.tool_choice,
-            "last_item": last_item_kind(self.ctx.items),
-        }
-        done: Optional[dict[str, Any]] = None
+    async def _engine_chunks(self) -> AsyncIterator[EngineChunk]:
+        """The engine's chunks; a tail prompt whose base is gone is resent whole (once)."""
+        turn, services = self.turn, self.services
+        request = turn.engine_request()
+        span = services.tracer.start_span("engine", context=turn.trace, kind=telemetry.SpanKind.CLIENT)
+        request.trace = telemetry.inject(telemetry.context_of(span))
+        try:
+            for attempt in range(2):
+                turn.timing.prompt_tokens_sent = len(request.prompt_token_ids)
+                request.sent_at_ns = time.time_ns()
+                stream = services.engine(request)
+                try:
+                    async for chunk in stream:
+                        if (attempt == 0 and request.is_tail and chunk and isinstance(chunk[0], EngineFailure)
+                                and chunk[0].code == PROMPT_BASE_MISSING):
+                            break
+                        if chunk and isinstance(chunk[-1], EngineDone):
+                            span.set_attribute("loopserve.engine.replica", chunk[-1].replica)
+                            span.set_attribute("gen_ai.response.time_to_first_token_ms",
+                                               1000 * chunk[-1].first_token_s)
+                        yield chunk
+                    else:
+                        return
+                finally:
+                    await stream.aclose()  # stops (aborts) the engine if we left early
+                services.metrics.prompt_resent()
+                request = turn.engine_request(whole=True)
+                request.trace = telemetry.inject(telemetry.context_of(span))
+        finally:
+            span.end()
+
+    async def generate(self) -> AsyncIterator[Event]:
+        turn, asm, safety, timing = self.turn, self.asm, self.safety, self.turn.timing
+        req = turn.request
+        done: Optional[EngineDone] = None
         flag: Optional[dict[str, Any]] = None
         engine_start = time.perf_counter()
         tool_calls = 0
-        span = d.tracer.start_span("engine", context=self.trace, kind=telemetry.SpanKind.CLIENT)
-        carrier = telemetry.inject(telemetry.context_of(span))
-        if carrier:
-            engine_req["trace"] = carrier
-        engine_req["sent_at_ns"] = time.time_ns()  # the replica reports the dispatch time from it
-        stream = d._engine(engine_req)
+        chunks = self._engine_chunks()
         try:
-            async for chunk in stream:
+            async for chunk in chunks:
                 for piece in chunk:
-                    kind = piece["t"]
-                    if kind == "tokens":
-                        self.output_tokens += piece["n"]
+                    if isinstance(piece, TokenProgress):
+                        turn.output_tokens += piece.n
                         continue
-                    if kind == "done":
+                    if isinstance(piece, EngineDone):
                         done = piece
                         continue
-                    if kind == "error":
-                        raise ApiError(piece["status"], piece["message"], code=piece.get("code"), param=piece.get("param"))
+                    if isinstance(piece, EngineFailure):
+                        raise piece.error()
                     # An output piece: released only after the input verdict,
                     # and only while no output chunk has been flagged.
                     flag = await safety.gate() or safety.check_output()
@@ -177,19 +283,19 @@ class TurnStream:
                         break
                     if not timing.first_token:
                         timing.first_token = time.perf_counter() - timing.started
-                    if kind == "text":
-                        events = asm.text(piece["v"])
-                        safety.on_output(piece["v"])
-                    elif kind == "reasoning":
-                        events = asm.reasoning(piece["v"])
-                        safety.on_output(piece["v"])
-                    elif kind == "tool":
+                    if isinstance(piece, TextPiece):
+                        events = asm.text(piece.text)
+                        safety.on_output(piece.text)
+                    elif isinstance(piece, ReasoningPiece):
+                        events = asm.reasoning(piece.text)
+                        safety.on_output(piece.text)
+                    elif isinstance(piece, ToolCallPiece):
                         if req.max_tool_calls is not None and tool_calls >= req.max_tool_calls:
                             continue
                         tool_calls += 1
-                        events = asm.tool_call(piece["name"], piece["args"])
+                        events = asm.tool_call(piece.name, piece.arguments)
                         # Arguments are generated text too (a command, a file's new contents).
-                        safety.on_output(f"{piece['name']}({piece['args']})\n")
+                        safety.on_output(f"{piece.name}({piece.arguments})\n")
                     else:
                         continue
                     for ev in events:
@@ -199,82 +305,72 @@ class TurnStream:
             if not flag:
                 flag = await safety.finish()
         except ApiError as err:
-            self._evict_parent()
-            self.status = "failed"
-            for ev in asm.fail(err):
+            for ev in self._failed(err):
                 yield ev
             return
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception:
-            self._evict_parent()
-            self.status = "failed"
-            for ev in asm.fail(server_error("The engine failed while generating this response.")):
+            for ev in self._failed(server_error("The engine failed while generating this response.")):
                 yield ev
             return
         finally:
-            await stream.aclose()  # stops (aborts) the engine if we left early
-            if done is not None:
-                span.set_attribute("loopserve.engine.replica", str(done.get("replica", "")))
-                span.set_attribute("gen_ai.response.time_to_first_token_ms", 1000 * float(done.get("first_token_s", 0.0)))
-            span.end()
+            await chunks.aclose()
         timing.engine = time.perf_counter() - engine_start
         if done is not None:
-            self.cached = int(done.get("cached_tokens", 0))
-            self.output_tokens = int(done.get("output_tokens", self.output_tokens))
-            timing.engine_inner = float(done.get("engine_s", 0.0))
-            timing.engine_first_token = float(done.get("first_token_s", 0.0))
-            timing.engine_dispatch = float(done.get("dispatch_s", 0.0))
+            turn.cached_tokens = done.cached_tokens
+            turn.output_tokens = done.output_tokens
+            timing.engine_inner = done.engine_s
+            timing.engine_first_token = done.first_token_s
+            timing.engine_dispatch = done.dispatch_s
         if flag:
             for ev in self._blocked(flag):
                 yield ev
             return
         if done is None:
-            self._evict_parent()
-            self.status = "failed"
-            for ev in asm.fail(server_error("The engine stream ended without a result.")):
+            for ev in self._failed(server_error("The engine stream ended without a result.")):
                 yield ev
             return
-        timing.engine_replica = replica = str(done.get("replica") or "")
-        parent = self.parent
-        if parent is not None and parent.engine_replica and replica and replica != parent.engine_replica:
+        timing.engine_replica = done.replica
+        parent = turn.parent
+        if parent is not None and parent.engine_replica and done.replica and done.replica != parent.engine_replica:
             timing.session_moved = True
-            d.session_moves += 1
-        usage = usage_object(self.prompt_len, self.cached, self.output_tokens, int(done.get("reasoning_tokens", 0)))
-        incomplete = "max_output_tokens" if done.get("finish_reason") == "length" else None
-        self._commit(asm.response["output"], replica)
-        d._record(timing, self.prompt_len, self.cached, self.output_tokens)
-        self.status = "incomplete" if incomplete else "completed"
-        terminal = asm.finish(usage, incomplete_reason=incomplete)
+            self.services.metrics.session_moved()
+        incomplete = "max_output_tokens" if done.finish_reason == "length" else None
+        turn.commit(asm.response["output"], asm.response, done.replica, engine_ran=True)
+        self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
+        turn.status = "incomplete" if incomplete else "completed"
+        terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)
         self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
         for ev in terminal:
             yield ev
 
     def _late_flag(self, flag: dict[str, Any]) -> None:
-        if self.state is not None:
-            self.state.blocked = flag
+        if self.turn.state is not None:
+            self.turn.state.blocked = flag
 
     def schedule_post_work(self) -> None:
-        t, sf = self.timing, self.safety
+        t, sf, turn = self.turn.timing, self.safety, self.turn
         t.safety_input_ms, t.safety_input_chars, t.safety_output_chars = (
             sf.input_seconds * 1000, sf.input_chars, sf.output_chars)
-        if self.posted or self.d.post_work is None:
+        post_work = self.services.post_work
+        if self.posted or post_work is None:
             return
         self.posted = True
         resp = self.asm.response
-        self.d.post_work.schedule(
+        post_work.schedule(
             TurnRecord(
                 response_id=resp["id"],
-                model=self.d.model_name,
-                owner=self.owner,
-                status=resp["status"] if self.asm.finished else self.status,
-                usage=resp.get("usage") or usage_object(self.prompt_len, self.cached, self.output_tokens),
-                store=self.req.store is not False,
+                model=turn.model,
+                owner=turn.owner,
+                status=resp["status"] if self.asm.finished else turn.status,
+                usage=resp.get("usage") or self._usage(),
+                store=turn.request.store is not False,
                 response=resp if self.asm.finished else None,
                 safety=self.safety.summary(),
-                timing=self.timing.as_dict(),
+                timing=t.as_dict(),
                 on_late_flag=self._late_flag,
-                state=self.state,
-                trace=self.trace,
+                state=turn.state,
+                trace=turn.trace,
             )
         )

@@ -229,7 +229,7 @@ class WebSocketSession:
         try:
             if self._admit is not None:
                 self._admit()
-            req = parse_request(body, max_input_items=self.driver.max_input_items)
+            req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
             parsed_at = time.perf_counter()
             if req.background:
                 raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")

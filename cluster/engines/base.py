@@ -1,29 +1,12 @@
-"""The engine interface: prompt token ids in, text deltas out."""
+"""The engine interface: prompt token ids in (`EngineRequest`, whole prompt), text deltas out."""
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Protocol
 
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    session_key: str
-    prompt_token_ids: array  # array('i')
-    max_tokens: int
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    # Function specs offered to the model, and what kind of item ends the
-    # context (the scripted engine decides between a tool call and an answer).
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: Any = "auto"
-    last_item: str = "user"  # user | tool | assistant | none
-    # Prefix-cache namespace (one per tenant): a prompt only hits blocks cached
-    # under the same salt (vLLM's `cache_salt`).
-    cache_salt: Optional[str] = None
+from ..core.messages import EngineRequest
 
 
 @dataclass

@@ -12,7 +12,7 @@ import json
 import time
 from array import array
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 from ..config import ModelConfig, ScriptedEngineConfig
 from .base import EngineDelta, EngineRequest, EngineStats
@@ -82,10 +82,12 @@ class ScriptedEngine:
         *,
         encode: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
+        decode_raw: Optional[Callable[[list[int]], str]] = None,
     ) -> None:
         self.config = config
         self.max_model_len = model.max_model_len
         self._encode, self._decode = encode, decode
+        self._decode_raw = decode_raw or decode  # keeps special tokens: the template's turn markers
         # (cache salt, session) -> tokens in its "KV cache"; LRU, bounded like a real KV cache.
         self._seen: OrderedDict[tuple, array] = OrderedDict()
         self._seen_tokens = 0
@@ -114,7 +116,8 @@ class ScriptedEngine:
                     return rule.text
         offered = [t["function"] for t in request.tools if t.get("type") == "function"]
         wants_tool = request.tool_choice not in ("none",) and offered and (
-            request.last_item == "user" or request.tool_choice == "required"
+            request.tool_choice == "required" or isinstance(request.tool_choice, dict)
+            or self.last_turn(request.prompt_token_ids) == "user"
         )
         if wants_tool:
             fn = offered[0]
@@ -123,6 +126,25 @@ class ScriptedEngine:
             args = example_arguments(fn.get("parameters") or {})
             return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (fn["name"], json.dumps(args))
         return self.config.answer_text
+
+    def last_turn(self, prompt: array) -> str:
+        """Who spoke last before the generation prompt: "user", "tool" or "other".
+
+        Read from the prompt like a model would: the text between the chat template's
+        last two turn markers. After a user message the scripted engine calls the first
+        offered tool, after a tool result it answers (one call per user turn)."""
+        marker, result = self.config.turn_marker, self.config.tool_result_marker
+        n = 256
+        while True:
+            text = self._decode_raw(list(prompt[-n:]))
+            last = text.rfind(marker)
+            before = text.rfind(marker, 0, last) if last > 0 else -1
+            if before >= 0 or n >= len(prompt):
+                message = text[before + len(marker):last] if before >= 0 else text[:max(last, 0)]
+                if result in message:
+                    return "tool"
+                return "user" if message.startswith(("user", "system", "developer")) else "other"
+            n *= 4
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         stats = self.stats

@@ -6,38 +6,11 @@ import time
 from array import array
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional
 
-from ..core.output_parser import ReasoningPiece, StreamingOutputParser, TextPiece, ToolCallExtractor, ToolCallPiece
-from .base import Engine, EngineRequest
-
-
-def pieces_to_dicts(pieces) -> list[dict[str, Any]]:
-    out = []
-    for p in pieces:
-        if isinstance(p, TextPiece):
-            out.append({"t": "text", "v": p.text})
-        elif isinstance(p, ReasoningPiece):
-            out.append({"t": "reasoning", "v": p.text})
-        elif isinstance(p, ToolCallPiece):
-            out.append({"t": "tool", "name": p.name, "args": p.arguments})
-    return out
-
-
-def engine_request(req: dict[str, Any]) -> EngineRequest:
-    prompt = req["prompt_token_ids"]
-    return EngineRequest(
-        request_id=req["request_id"],
-        session_key=req["session_key"],
-        cache_salt=req.get("cache_salt"),
-        prompt_token_ids=prompt if isinstance(prompt, array) else array("i", prompt),
-        max_tokens=req["max_tokens"],
-        temperature=req.get("temperature"),
-        top_p=req.get("top_p"),
-        tools=req.get("tools") or [],
-        tool_choice=req.get("tool_choice", "auto"),
-        last_item=req.get("last_item", "user"),
-    )
+from ..core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress
+from ..core.output_parser import StreamingOutputParser, ToolCallExtractor
+from .base import Engine
 
 
 @dataclass(frozen=True)
@@ -52,30 +25,22 @@ class OutputFormat:
 
 async def stream_chunks(
     engine: Engine,
-    req: dict[str, Any],
+    request: EngineRequest,
     extractor: ToolCallExtractor,
     fmt: OutputFormat = OutputFormat(),
     *,
     replica: str = "",
     decode_tail: Optional[Callable[[array], str]] = None,
-) -> AsyncIterator[list[dict[str, Any]]]:
-    """Run one request; yield lists of pieces, the last one ending with a `done` piece.
+) -> AsyncIterator[EngineChunk]:
+    """Run one request (whole prompt); yield lists of pieces, the last one ending with `EngineDone`.
 
     `decode_tail` decodes the prompt's last tokens: a prompt that ends inside an
     opened think tag (Qwen3-style templates) starts the output in reasoning.
     """
-    request = engine_request(req)
     if len(request.prompt_token_ids) >= engine.max_model_len:
-        yield [
-            {
-                "t": "error",
-                "status": 400,
-                "code": "context_length_exceeded",
-                "param": "input",
-                "message": f"The prompt has {len(request.prompt_token_ids)} tokens; "
-                f"the model's limit is {engine.max_model_len}.",
-            }
-        ]
+        yield [EngineFailure(400, f"The prompt has {len(request.prompt_token_ids)} tokens; "
+                                  f"the model's limit is {engine.max_model_len}.",
+                             code="context_length_exceeded", param="input")]
         return
     tail = decode_tail(request.prompt_token_ids[-8:]) if decode_tail else ""
     parser = StreamingOutputParser(
@@ -99,31 +64,19 @@ async def stream_chunks(
             output_tokens += delta.new_tokens
             if delta.new_tokens and not first_token:
                 first_token = time.perf_counter() - started
-            chunk = pieces_to_dicts(parser.feed(delta.text)) if delta.text else []
+            chunk: EngineChunk = list(parser.feed(delta.text)) if delta.text else []
             if delta.new_tokens and not delta.finished:
-                # Token progress: a turn stopped early (client gone, content filter)
-                # still knows what it cost.
-                chunk.append({"t": "tokens", "n": delta.new_tokens})
+                chunk.append(TokenProgress(delta.new_tokens))
             if delta.finished:
-                chunk += pieces_to_dicts(parser.finish())
-                chunk.append(
-                    {
-                        "t": "done",
-                        "prompt_tokens": delta.prompt_tokens,
-                        "cached_tokens": delta.cached_tokens,
-                        "output_tokens": output_tokens,
-                        "finish_reason": delta.finish_reason,
-                        "replica": replica,
-                        "engine_s": time.perf_counter() - started,
-                        "first_token_s": first_token,
-                    }
-                )
+                chunk += parser.finish()
+                chunk.append(EngineDone(delta.prompt_tokens, delta.cached_tokens, output_tokens, delta.finish_reason,
+                                        replica=replica, engine_s=time.perf_counter() - started,
+                                        first_token_s=first_token))
             if chunk:
                 yield chunk
 
 
-async def coalesce(chunks: AsyncIterator[list[dict[str, Any]]],
-                   min_interval_s: float = 0.0) -> AsyncIterator[list[dict[str, Any]]]:
+async def coalesce(chunks: AsyncIterator[list], min_interval_s: float = 0.0) -> AsyncIterator[list]:
     """Adaptive batching for the handle stream: yield everything produced so far as one list.
 
     The first piece goes out at once; while the consumer (a Ray streaming call,
@@ -160,7 +113,7 @@ async def coalesce(chunks: AsyncIterator[list[dict[str, Any]]],
                 except asyncio.TimeoutError:
                     pass
             item = await queue.get()
-            batch: list[dict[str, Any]] = []
+            batch: list = []
             while True:
                 if item is done:
                     if batch:

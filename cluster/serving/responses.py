@@ -43,7 +43,6 @@ class ResponsesService:
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
         self.background: dict[str, dict[str, Any]] = {}  # id -> {"task", "response", "tenant"}
-        self.write_latencies: list[float] = []
 
     # -- lookups -----------------------------------------------------------------
     async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
@@ -86,10 +85,7 @@ class ResponsesService:
         if state.blocked is not None and stored.blocked is None:
             # Flagged while this write was on its way: the flag must not be lost.
             await self.store.mark_blocked(state.response_id, stored.tenant, state.blocked)
-        took = time.perf_counter() - t0
-        self.write_latencies.append(took)
-        del self.write_latencies[:-1000]
-        self.driver.metrics.store_write.record(took * 1000, {"store": type(self.store).__name__})
+        self.driver.metrics.store_written(time.perf_counter() - t0, type(self.store).__name__)
 
     def _stored(self, state: ResponseState, response: dict[str, Any]) -> StoredResponse:
         inputs = []
@@ -196,7 +192,7 @@ class ResponsesService:
         return parent
 
     async def input_tokens(self, body: Any, tenant: str) -> dict[str, Any]:
-        req = parse_request(body, max_input_items=self.driver.max_input_items)
+        req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
         self.driver.check_model(req)
         count = await self.driver.count_input_tokens(req, await self._parent(req, tenant))
         return {"object": "response.input_tokens", "input_tokens": count}
@@ -207,7 +203,7 @@ class ResponsesService:
         lists each earlier message/tool output (role + first 200 characters)."""
         if not isinstance(body, dict) or not body.get("model"):
             raise ApiError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
-        req = parse_request(body, max_input_items=self.driver.max_input_items)
+        req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
         self.driver.check_model(req)
         parent = await self._parent(req, tenant)
         items = (parent.items if parent else []) + req.input_items()

@@ -13,8 +13,10 @@ from typing import Any
 from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.core.render import render_job
 from cluster.core.safety import Classifier
-from cluster.core.turn import TurnDriver
+from cluster.core.turn import TurnDriver, TurnSettings
 from cluster.engines.parsers import vllm_tool_call_extractor
+from cluster.core.messages import PROMPT_BASE_MISSING, EngineFailure, EngineRequest, RenderJob
+from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted import ScriptedEngine
 from cluster.engines.stream import stream_chunks
 from cluster.tokenizer import renderer_for
@@ -30,25 +32,19 @@ class InProcessStack:
             ScriptedEngineConfig(**{"tokens_per_second": 1e6, "prefill_tokens_per_second": 1e9, **scripted}),
             encode=lambda s: backend.encode(s, add_special_tokens=False).ids,
             decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
+            decode_raw=lambda ids: backend.decode(ids, skip_special_tokens=False),
         )
+        self.prompts = SessionPrompts()  # what an EngineReplica keeps: continuations send their tail
         self.extractor = vllm_tool_call_extractor("hermes", tokenizer)
-        self.render_jobs: list[dict[str, Any]] = []
+        self.render_jobs: list[RenderJob] = []
+        self.engine_requests: list[EngineRequest] = []
         self.mismatches = 0
         self.verify = verify
         self.fail_engine = False
-        self.driver = TurnDriver(
-            model_name="loopserve-tiny",
-            render=self.render,
-            engine=self.engine_port,
-            default_max_tokens=64,
-            max_model_len=max_model_len,
-            verify_renders=verify,
-            safety=safety,
-            output_chunk_chars=chunk_chars,
-            post_work=post_work,
-            tracer=tracer,
-            metrics=metrics,
-        )
+        settings = TurnSettings(model_name="loopserve-tiny", default_max_tokens=64, max_model_len=max_model_len,
+                                verify_renders=verify, output_chunk_chars=chunk_chars)
+        self.driver = TurnDriver(settings, render=self.render, engine=self.engine_port, safety=safety,
+                                 post_work=post_work, tracer=tracer, metrics=metrics)
 
     async def render(self, job):
         self.render_jobs.append(job)
@@ -56,10 +52,17 @@ class InProcessStack:
         self.mismatches += mismatch
         return result
 
-    async def engine_port(self, req):
+    async def engine_port(self, req: EngineRequest):
+        """The EngineReplica's path, minus Ray: resolve a tail prompt, run, stream chunks."""
         if self.fail_engine:
             raise RuntimeError("engine replica died")
-        async with aclosing(stream_chunks(self.engine, req, self.extractor)) as chunks:
+        self.engine_requests.append(req)
+        whole = self.prompts.resolve(req)
+        if whole is None:
+            yield [EngineFailure(409, "base missing", code=PROMPT_BASE_MISSING)]
+            return
+        self.prompts.remember(whole)
+        async with aclosing(stream_chunks(self.engine, whole, self.extractor)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

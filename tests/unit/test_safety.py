@@ -79,7 +79,7 @@ async def test_allowed_input_adds_no_latency_to_the_first_token(tokenizer):
     assert evs[-1]["type"] == "response.completed"
     prompt = evs[-1]["response"]["usage"]["input_tokens"]
     assert 0.25 < prompt / 50 < 0.4
-    timing = stack.driver.timings[-1]
+    timing = stack.driver.metrics.timings[-1]
     assert 0.3 <= timing.first_token < 0.5, timing
 
 

@@ -95,7 +95,7 @@ async def test_a_late_flag_survives_a_restart(tokenizer, tmp_path):
     queue = PostWorkQueue()
     queue.add("persist", service.persist)
     queue.add("output_safety", OutputTailCheck(safety, SafetyLedger(), on_flagged=service.mark_blocked))
-    stack.driver.post_work = queue
+    stack.driver.services.post_work = queue
     evs = await run(stack, {"input": "status?"}, on_state=service.remember, owner="t1")
     rid = evs[-1]["response"]["id"]
     await queue.drain()

@@ -40,7 +40,7 @@ def otel(tokenizer):
     local_render = stack.render
 
     async def remote_render(job):
-        with tracer.start_as_current_span("render.execute", context=telemetry.extract(job.get("trace"))):
+        with tracer.start_as_current_span("render.execute", context=telemetry.extract(job.trace)):
             return await local_render(job)
 
     stack.driver._render = remote_render
@@ -146,7 +146,7 @@ async def test_off_by_default_exports_nothing(tokenizer):
     evs = [ev async for ev in stack.driver.run(parse_request({"input": "hi"}), SessionCache(), session_key="s")]
     assert evs[-1]["response"]["status"] == "completed"
     assert telemetry.inject(None) is None
-    assert "trace" not in stack.render_jobs[0]  # nothing travels when not recording
+    assert stack.render_jobs[0].trace is None  # nothing travels when not recording
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

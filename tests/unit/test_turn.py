@@ -48,11 +48,11 @@ async def test_tool_loop_renders_only_new_items_and_reports_cached_tokens(stack)
         assert resp["usage"]["input_tokens_details"]["cached_tokens"] < resp["usage"]["input_tokens"]
         call = resp["output"][0]
         prev = resp["id"]
-    modes = [j["mode"] for j in stack.render_jobs]
+    modes = [j.mode for j in stack.render_jobs]
     assert modes == ["full"] + ["delta"] * 10
     assert stack.mismatches == 0
     # each delta job carries only the anchor + new items, never the history
-    assert all(len(j["new_items"]) + len(j["anchor_items"]) <= 4 for j in stack.render_jobs[1:])
+    assert all(len(j.new_items) + len(j.anchor_items) <= 4 for j in stack.render_jobs[1:])
 
 
 async def test_unknown_previous_response_is_not_found(stack):
@@ -90,8 +90,8 @@ async def test_warmup_then_chain(stack):
     assert warm["output"] == [] and warm["usage"]["output_tokens"] == 0
     resp = terminal(await run(stack, cache, {"previous_response_id": warm["id"], "input": [], "tools": TOOLS}))
     assert resp["output"][0]["type"] == "function_call"
-    assert [j["mode"] for j in stack.render_jobs] == ["full", "delta"]
-    assert stack.render_jobs[1]["new_items"] == []
+    assert [j.mode for j in stack.render_jobs] == ["full", "delta"]
+    assert list(stack.render_jobs[1].new_items) == []
 
 
 async def test_changed_instructions_force_a_full_render_and_are_not_carried_over(stack):
@@ -99,7 +99,7 @@ async def test_changed_instructions_force_a_full_render_and_are_not_carried_over
     first = terminal(await run(stack, cache, {"input": "hi", "instructions": "A"}))
     second = terminal(await run(stack, cache, {"input": "hi", "previous_response_id": first["id"]}))
     assert second["instructions"] is None
-    assert [j["mode"] for j in stack.render_jobs] == ["full", "full"]
+    assert [j.mode for j in stack.render_jobs] == ["full", "full"]
 
 
 async def test_context_length_exceeded(tokenizer):

@@ -119,7 +119,7 @@ async def test_chained_tool_loop_on_one_connection(stack):
         resp = p.terminals()[-1]
         assert resp["previous_response_id"] == prev and resp["status"] == "completed"
         prev = resp["id"]
-    assert [j["mode"] for j in stack.render_jobs] == ["full"] + ["delta"] * 5
+    assert [j.mode for j in stack.render_jobs] == ["full"] + ["delta"] * 5
     assert "error" not in p.types()
     await p.session.shutdown()
 
@@ -206,7 +206,7 @@ async def test_drain_finishes_the_turn_in_flight_then_closes_1001(tokenizer):
 
 async def test_too_many_input_items_is_a_400_and_the_socket_keeps_working(tokenizer):
     stack = InProcessStack(tokenizer)
-    stack.driver.max_input_items = 3
+    stack.driver.settings.max_input_items = 3
     p = Peer(stack)
     await p.frame({"type": "response.create", "input": [{"role": "user", "content": "x"}] * 4})
     await p.frame({"type": "response.create", "input": [{"role": "user", "content": "x"}] * 3})
@@ -220,7 +220,7 @@ async def test_too_many_input_items_is_a_400_and_the_socket_keeps_working(tokeni
 
 async def test_context_token_limit(tokenizer):
     stack = InProcessStack(tokenizer)
-    stack.driver.context_limit = 50
+    stack.driver.settings.max_context_tokens = 50
     p = Peer(stack)
     await p.frame({"type": "response.create", "input": "word " * 200})
     await p.frame({"type": "response.create", "input": "hi"})

@@ -1,0 +1,131 @@
+"""Typed messages between the turn core, the render deployment and the engine replicas.
+
+Plain dataclasses (slots): cheap to build, cheap to pickle across a Ray handle,
+and the only shapes that cross those boundaries. Item payloads (`Item`) are the
+Responses API's own JSON items, validated once at the edge (`protocol.requests`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence, Union
+
+from ..protocol.errors import ApiError
+from .output_parser import ReasoningPiece, TextPiece, ToolCallPiece
+
+Item = dict[str, Any]  # a Responses API input/output item (JSON form)
+ToolSpec = dict[str, Any]  # a normalized function tool ({"type": "function", "function": {...}})
+TraceCarrier = dict[str, str]  # W3C trace context headers
+
+
+# -- render ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RenderJob:
+    """Render a context (full) or only what follows a cached prefix (delta)."""
+
+    instructions: Optional[str]
+    tools: list[ToolSpec]
+    delta: bool = False
+    items: Sequence[Item] = ()  # full: the whole context
+    anchor_items: Sequence[Item] = ()  # delta: the last rendered message ...
+    new_items: Sequence[Item] = ()  # ... and the items after it
+    anchor_start: int = 0  # delta: index of the anchor in the context
+    # Tests and debugging: check a delta against a full render of `verify_items`.
+    verify_items: Optional[Sequence[Item]] = None
+    verify_prefix: Optional[array] = None
+    trace: Optional[TraceCarrier] = None
+
+    @property
+    def mode(self) -> str:
+        return "delta" if self.delta else "full"
+
+    @property
+    def inline_ok(self) -> bool:
+        """O(new items): cheap enough to run on an event loop."""
+        return self.delta and self.verify_items is None
+
+    def as_full(self, items: Sequence[Item]) -> "RenderJob":
+        return RenderJob(self.instructions, self.tools, items=items, trace=self.trace)
+
+
+# -- engine ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation. The prompt travels whole, or as the tail after the first
+    `base_len` tokens of the prompt the same replica ran for `base_request_id`
+    (a continuation sends O(new tokens), not its history)."""
+
+    request_id: str
+    session_key: str  # routes every turn of a session to the replica holding its KV
+    prompt_token_ids: array  # array('i'): the whole prompt, or the tail after the base
+    max_tokens: int
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Sequence[ToolSpec] = ()
+    tool_choice: Any = "auto"
+    # Prefix-cache namespace (one per tenant): a prompt only hits blocks cached
+    # under the same salt (vLLM's `cache_salt`).
+    cache_salt: Optional[str] = None
+    base_request_id: Optional[str] = None
+    base_len: int = 0
+    trace: Optional[TraceCarrier] = None
+    sent_at_ns: int = 0  # wall clock when sent: the replica reports the dispatch time from it
+
+    @property
+    def is_tail(self) -> bool:
+        return self.base_request_id is not None
+
+    def with_prompt(self, prompt: array) -> "EngineRequest":
+        return replace(self, prompt_token_ids=prompt, base_request_id=None, base_len=0)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenProgress:
+    """Tokens generated since the last chunk (a turn stopped early still knows its cost)."""
+
+    n: int
+
+
+@dataclass(slots=True)
+class EngineDone:
+    """The end of a generation, with the engine replica's own clock."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    finish_reason: Optional[str]
+    replica: str = ""
+    engine_s: float = 0.0  # the replica's time for the request
+    first_token_s: float = 0.0  # ... to the first output token (prefill)
+    dispatch_s: float = 0.0  # from the caller sending the request to the replica starting it
+    reasoning_tokens: int = 0
+
+
+# The engine replica cannot resolve a tail prompt (its base is gone): send the whole prompt.
+PROMPT_BASE_MISSING = "prompt_base_missing"
+
+
+@dataclass(slots=True, frozen=True)
+class EngineFailure:
+    """A request the engine refused (client error) or cannot serve as sent."""
+
+    status: int
+    message: str
+    code: Optional[str] = None
+    param: Optional[str] = None
+
+    def error(self) -> ApiError:
+        return ApiError(self.status, self.message, code=self.code, param=self.param)
+
+
+EnginePiece = Union[TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure]
+EngineChunk = list[EnginePiece]  # what one item of an engine replica's stream carries
+
+__all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
+           "EngineFailure", "EnginePiece", "EngineChunk", "PROMPT_BASE_MISSING", "TextPiece", "ReasoningPiece",
+           "ToolCallPiece"]

@@ -1,0 +1,156 @@
+"""The composition root of a connection replica: everything its routes use, built from
+the config and the other deployments' handles.
+
+`ConnectionActor` (actors/connection.py) builds one `ConnectionServices` and hands it
+to the routes; it owns nothing else. Session caches (one per WebSocket, all under one
+replica-wide memory bound), the replica-wide cache of `store: true` responses, the
+durable store, auth and per-key limits, post-inference work and the turn driver live
+here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+from typing import Any, Optional
+
+from fastapi import Request, WebSocket
+from fastapi.responses import JSONResponse
+from ray.serve.handle import DeploymentHandle
+
+from .. import telemetry
+from ..auth import Authenticator, Principal
+from ..config import LoopserveConfig
+from ..core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
+from ..core.safety import SafetyService, local_classifier
+from ..core.session_cache import CacheMemory, SessionCache
+from ..core.turn import TurnDriver, TurnSettings
+from ..core.ws_session import WebSocketSession, frame_too_large
+from ..protocol.errors import ApiError
+from ..store import ResponseStore, open_store
+from ..tokenizer import load_tokenizer, renderer_for
+from .clients import EngineClient, RenderClient, SafetyClient, deployment_retry
+from .responses import ResponsesService
+
+log = logging.getLogger("loopserve.connection")
+
+
+class ConnectionServices:
+    def __init__(self, config: LoopserveConfig, *, render: RenderClient, engine: EngineClient,
+                 safety: Optional[SafetyClient], store: Optional[ResponseStore]) -> None:
+        self.config = config
+        self.metrics = telemetry.Metrics()
+        self.auth = Authenticator(config.auth)
+        self.render, self.engine, self.safety, self.store = render, engine, safety, store
+        self.usage = UsageMeter()
+        self.safety_ledger = SafetyLedger()
+        self.post_work = PostWorkQueue({"usage": self.usage, "safety": self.safety_ledger},
+                                       retries=config.post_work.retries, backoff_s=config.post_work.backoff_s)
+        self.driver = TurnDriver(TurnSettings.from_config(config), render=render, engine=engine, safety=safety,
+                                 post_work=self.post_work, metrics=self.metrics)
+        self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
+        self.memory = CacheMemory(config.cache.max_entries, config.cache.max_bytes, config.cache.connections_max_bytes)
+        self.responses = ResponsesService(self.driver, self.registry, store, max_background=config.limits.max_background)
+        self.post_work.add("persist", self.responses.persist, retry_for_s=config.store.write_retry_s)
+        if safety is not None:
+            self.post_work.add("output_safety", OutputTailCheck(safety, self.safety_ledger,
+                                                                on_flagged=self.responses.mark_blocked))
+        for spec in config.post_work.hooks:
+            self.post_work.add(spec, load_hook(spec, config))
+        self.ws_sessions: set[WebSocketSession] = set()
+        self.draining = False
+        self.metrics.observe("loopserve.session_cache.bytes", self._cache_bytes, "bytes held by session caches", "By")
+        self.metrics.observe("loopserve.session_cache.entries", self._cache_entries, "responses held by session caches")
+
+    @classmethod
+    async def build(cls, config: LoopserveConfig, *, render: DeploymentHandle, engine: DeploymentHandle,
+                    safety: Optional[DeploymentHandle] = None) -> "ConnectionServices":
+        retry = deployment_retry(config)
+        local_renderer = None
+        if config.inline_delta_render:
+            tokenizer = await asyncio.to_thread(load_tokenizer, config)
+            local_renderer = renderer_for(tokenizer)
+        safety_client = None
+        if config.safety.runs_inline:  # no hop before the first token
+            s = config.safety
+            classifier = await asyncio.to_thread(local_classifier, s.policy, s.classifier, s.profanity_threshold)
+            safety_client = SafetyClient(retry, inline=SafetyService(classifier, tracer=telemetry.tracer()))
+        elif safety is not None:
+            safety_client = SafetyClient(retry, handle=safety)
+        return cls(config, render=RenderClient(render, retry, local_renderer), engine=EngineClient(engine, retry),
+                   safety=safety_client, store=await open_store(config.store))
+
+    def _cache_bytes(self):
+        return [(self.registry.nbytes, {"cache": "replica"}), (self.memory.nbytes, {"cache": "connections"})]
+
+    def _cache_entries(self):
+        return [(len(self.registry), {"cache": "replica"}), (self.memory.entries(), {"cache": "connections"})]
+
+    async def drain(self) -> None:
+        # Scale-down: live sockets finish their turn, then get a clean close to
+        # reconnect on (another replica; `store: true` chains continue there).
+        self.draining = True
+        await asyncio.gather(*[s.drain() for s in list(self.ws_sessions)], return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.post_work.drain(timeout=10)
+        if self.store is not None:
+            await self.store.close()
+
+    # -- helpers for the routes (actors/routes.py) ----------------------------------
+    def principal(self, request: Request) -> Principal:
+        return self.auth.authenticate(request.headers.get("authorization"))
+
+    def check_origin(self, ws: WebSocket) -> None:
+        origin = ws.headers.get("origin")
+        allowed = self.config.websocket.allowed_origins
+        if allowed and origin is not None and origin not in allowed:
+            raise ApiError(403, f"Origin '{origin[:200]}' is not allowed.", code="origin_not_allowed",
+                           type="invalid_request_error")
+
+    def frame_too_large(self, size: int) -> ApiError:
+        return frame_too_large(size, self.config.websocket.max_frame_bytes)
+
+    async def deny(self, ws: WebSocket, err: ApiError) -> None:
+        try:
+            await ws.send_denial_response(JSONResponse(err.http_body(), status_code=err.status))
+        except Exception:  # the server does not support denial responses: refuse the upgrade
+            await ws.close(code=1008, reason=err.message[:120])
+
+    async def health(self) -> None:
+        """Raises unless every deployment a turn needs answers."""
+        checks = [self.render.stats(), self.engine.stats()]
+        if self.safety is not None and self.safety.handle is not None:
+            checks.append(self.safety.stats())
+        await asyncio.wait_for(asyncio.gather(*checks), timeout=5)
+
+    async def stats(self, last: int, engine_session: Optional[str], rss_bytes: Optional[int]) -> dict[str, Any]:
+        """Counters and recent turn timings (the admin-only stats route)."""
+        m = self.metrics
+        writes = list(m.store_write_seconds)
+        return {
+            "safety": await self.safety.stats() if self.safety is not None else None,
+            "safety_ledger": self.safety_ledger.snapshot(),
+            "blocked_turns": m.blocked_turns,
+            "usage": self.usage.snapshot(),
+            "post_work": self.post_work.stats(),
+            "store_writes": {"count": len(writes), "p50_ms": statistics.median(writes) * 1000 if writes else None,
+                             "retried": self.post_work.retried_by["persist"],
+                             "failed": self.post_work.failed_by["persist"]},
+            "render": await self.render.stats(),
+            "render_inline": self.render.local_stats(),
+            "engine": await self.engine.stats(engine_session),  # one engine replica's counters
+            "open_sockets": m.open_sockets,
+            "tasks": len(asyncio.all_tasks()),
+            "background": len(self.responses.background),
+            "rss_bytes": rss_bytes,
+            "ws_cache_bytes": self.memory.nbytes,
+            "ws_cache_reclaimed": self.memory.reclaimed,
+            "registry_entries": len(self.registry),
+            "registry_bytes": self.registry.nbytes,
+            "session_moves": m.session_moves,
+            "prompt_resends": m.prompt_resends,
+            "turn_status": dict(m.turn_status),
+            "turns": m.recent_turns(last),
+        }
