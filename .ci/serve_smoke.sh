@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The README's serve command, as a user runs it: `serve run CONFIG`, then the README's curl.
-# Usage: .ci/serve_smoke.sh serve_configs/scripted.yaml
+# A README serve command, as a user runs it, then the README's curl.
+# Usage: .ci/serve_smoke.sh loopserve serve --config serve_configs/local.yaml
+#        .ci/serve_smoke.sh serve run serve_configs/scripted.yaml
 set -euo pipefail
-config="$1"
 export RAY_TMPDIR; RAY_TMPDIR="$(mktemp -d /tmp/loopserve-smoke-XXXX)"
 log="$RAY_TMPDIR/serve.log"
-setsid serve run "$config" >"$log" 2>&1 &
+echo "serve smoke: $*"
+setsid "$@" >"$log" 2>&1 &
 pid=$!
 cleanup() {
   kill -INT -- -"$pid" 2>/dev/null || true

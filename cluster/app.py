@@ -8,30 +8,11 @@ from typing import Any, Optional, Union
 from ray.serve import Application
 
 from .config import DeploymentResources, LoopserveConfig
+from .ingress import SERVE_FAST_PATH_ENV, haproxy_ingress
 from .torch_extras import startup_env
 
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
-
-# Ray Serve's request-path settings from its throughput-optimized profile, minus
-# direct ingress (clients keep talking to the proxy port). Measured on the
-# agent loop (2 cores, scripted engine): WebSocket turn overhead p50 12.0 ->
-# 9.3 ms, 8 concurrent loops 23 -> 46 turns/s. User code then shares the
-# replica's event loop, so nothing in a deployment may block it for long
-# (full renders and store writes run in threads). They are read at import in
-# every Serve process: the replicas get them here; the proxy gets them from
-# the cluster's environment (`start_local_serve`, infra manifests).
-SERVE_FAST_PATH_ENV = {
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-}
-
-
-def haproxy_ingress() -> bool:
-    """Ray Serve's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1` in the cluster's environment)."""
-    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"
-
 
 def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None, fast_path: bool = True) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": res.num_cpus}

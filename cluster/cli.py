@@ -30,17 +30,22 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from .app import build_app
     from .config import LoopserveConfig
+    from .ingress import apply_ingress_env, haproxy_ingress
 
     config = LoopserveConfig.model_validate(_load_args(ns.config))
     if ns.backend:
         config.engine.backend = ns.backend
+    if not ns.address:
+        apply_ingress_env(ns.ingress)  # before Ray starts: Serve reads it once, cluster-wide
     if ns.address:
         ray.init(address=ns.address)
     else:
         ray.init(num_cpus=ns.num_cpus, include_dashboard=False)
     serve.start(http_options={"host": ns.host, "port": ns.port})
     serve.run(build_app(config), name="loopserve", route_prefix="/", blocking=False)
-    print(f"loopserve: serving {config.model.name} ({config.engine.backend}) on http://{ns.host}:{ns.port}/v1", flush=True)
+    ingress = "HAProxy" if haproxy_ingress() else "Serve's proxy"
+    print(f"loopserve: serving {config.model.name} ({config.engine.backend}) on http://{ns.host}:{ns.port}/v1 "
+          f"({ingress})", flush=True)
     stop = {"now": False}
 
     def _stop(*_):
@@ -74,6 +79,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--address", default=None, help="join an existing Ray cluster instead of starting one")
     s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
+    s.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                   help="HAProxy in front of the connection replicas (default), or Serve's Python proxy; "
+                        "applies to the Ray cluster this command starts (see cluster/ingress.py)")
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="the agent-loop benchmark (see `loopserve bench --help`)", add_help=False)
     b.set_defaults(fn=None)

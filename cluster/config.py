@@ -324,7 +324,7 @@ class LoopserveConfig(_Strict):
     # (O(history): cache misses, stateless requests) still go to RenderActor.
     inline_delta_render: bool = True
     # Ray Serve's low-latency request path for every deployment (see
-    # `cluster.app.SERVE_FAST_PATH_ENV`).
+    # `cluster.ingress.SERVE_FAST_PATH_ENV`).
     serve_fast_path: bool = True
     # Verify every incremental render against a full render (tests; O(history)).
     verify_renders: bool = False

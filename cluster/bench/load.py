@@ -19,6 +19,8 @@ import json
 import time
 from collections import Counter
 from typing import Any
+
+from .local import add_ingress_argument
 from .local import stats as server_stats
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -169,12 +171,16 @@ def main(argv=None) -> None:
     ap.add_argument("--sessions", type=int, default=1000)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--out")
+    ap.add_argument("--safety", choices=["on", "off"], default="off",
+                    help="the default classifiers, inline in the connection replica")
+    add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     url = ns.url
     if url is None:
         from .local import deploy, start_local_serve
 
-        url = deploy(start_local_serve(), "load", "/", LOAD_APP)
+        app = {**LOAD_APP, "safety": {"enabled": ns.safety == "on"}}
+        url = deploy(start_local_serve(ingress=ns.ingress), "load", "/", app)
     try:
         report = asyncio.run(run_load(url, ns.sessions, ns.turns))
     finally:

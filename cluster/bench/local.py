@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
+
+from ..ingress import IngressMode, apply_ingress_env
 
 
 def free_port() -> int:
@@ -14,18 +16,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local_serve(num_cpus: int = 4, temp_dir: str | None = None) -> str:
-    """ray.init (own temp dir, free ports: never Redis's 6379) + serve.start; returns the base URL."""
-    import os
+def add_ingress_argument(ap) -> None:
+    """`--ingress`: how the local cluster a benchmark starts is reached (cluster/ingress.py)."""
+    ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                    help="HAProxy (loopserve's default) or Serve's Python proxy, for the local cluster")
 
+
+def start_local_serve(num_cpus: int = 4, temp_dir: str | None = None, ingress: Optional[IngressMode] = None) -> str:
+    """ray.init (own temp dir, free ports: never Redis's 6379) + serve.start; returns the base URL.
+
+    `ingress` applies to the Ray cluster this starts (a cluster-wide setting, see
+    cluster/ingress.py); None keeps what the environment says (Serve's proxy unless set)."""
     import ray
     from ray import serve
 
-    from ..app import SERVE_FAST_PATH_ENV
-
-    # The proxy reads these at start from the cluster's environment.
-    for k, v in SERVE_FAST_PATH_ENV.items():
-        os.environ.setdefault(k, v)
+    apply_ingress_env(ingress)  # the proxy reads these at start from the cluster's environment
     port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              _temp_dir=temp_dir or tempfile.mkdtemp(prefix="loopserve-ray-"))

@@ -16,15 +16,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .agent_loop import MODES, Loop, attach_server_timings, percentile, progress_bar, summarize
+from .local import add_ingress_argument
 
 SCRIPTED = {"tokens_per_second": 1000, "prefill_tokens_per_second": 20000, "max_output_tokens": 64}
 
 
-def _local_cluster(args: dict[str, Any]) -> str:
+def _local_cluster(args: dict[str, Any], ingress: str) -> str:
     from .local import deploy, start_local_serve
 
     # The echo route is the benchmark's floor: on for the benchmark's own app only.
-    return deploy(start_local_serve(), "bench", "/", {**args, "ops": {"echo_route": True}}, timeout=300)
+    return deploy(start_local_serve(ingress=ingress), "bench", "/", {**args, "ops": {"echo_route": True}},
+                  timeout=300)
 
 
 async def echo_floor(url: str, n: int = 500) -> dict[str, float]:
@@ -112,13 +114,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--concurrency-turns", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every mode, alternating (medians, spread)")
     ap.add_argument("--out", default="bench_out")
+    add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     local = ns.url is None
     url = ns.url or _local_cluster({"engine": {"backend": "scripted", "scripted": SCRIPTED},
-                                    "model": {"max_model_len": 262144}, "store": {"backend": "sqlite"}})
+                                    "model": {"max_model_len": 262144}, "store": {"backend": "sqlite"}}, ns.ingress)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"url": url, "turns": ns.turns, "tool_output_bytes": ns.tool_output_bytes,
+    report: dict[str, Any] = {"url": url, "ingress": ns.ingress if local else "given", "turns": ns.turns, "tool_output_bytes": ns.tool_output_bytes,
                               "engine": "scripted" if local else "given", "modes": []}
     try:
         report["echo_floor"] = asyncio.run(echo_floor(url))
@@ -183,7 +186,7 @@ def print_report(report: dict[str, Any]) -> None:
                   + "  ".join(f"{k} {v:.2f}" for k, v in split.items()))
     floor = report.get("echo_floor")
     if floor:
-        print(f"WS echo through the proxy: p50 {floor['p50_ms']:.2f} ms, p99 {floor['p99_ms']:.2f} ms"
+        print(f"WS echo through the same ingress ({report.get('ingress')}): p50 {floor['p50_ms']:.2f} ms, p99 {floor['p99_ms']:.2f} ms"
               + (f"; websocket overhead p50 = {ws['overhead_p50_ms'] / floor['p50_ms']:.1f}x the echo" if ws else ""))
     for c in report.get("concurrency", []):
         print(f"concurrency {c['sessions']:4d}: {c['turns_per_s']:7.1f} turns/s, overhead p50 "

@@ -20,7 +20,7 @@ import statistics
 from typing import Any
 
 from .agent_loop import Loop, attach_server_timings, percentile, summarize
-from .local import deploy, start_local_serve, stop_local_serve
+from .local import add_ingress_argument, deploy, start_local_serve, stop_local_serve
 from .runner import SCRIPTED, echo_floor
 
 DEFAULT_VARIANTS = {
@@ -37,8 +37,9 @@ def _app(extra: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def run(variants: dict[str, dict[str, Any]], turns: int, rounds: int, tool_output_bytes: int) -> dict[str, Any]:
-    base = start_local_serve()
+def run(variants: dict[str, dict[str, Any]], turns: int, rounds: int, tool_output_bytes: int,
+        ingress: str = "haproxy") -> dict[str, Any]:
+    base = start_local_serve(ingress=ingress)
     try:
         urls = {name: deploy(base, name.replace(".", "-"), f"/{name}", _app(extra), timeout=300)
                 for name, extra in variants.items()}
@@ -51,14 +52,14 @@ def run(variants: dict[str, dict[str, Any]], turns: int, rounds: int, tool_outpu
                 summary = summarize(name, loop_turns)
                 summary["overhead_p50_ms"] = percentile([t.overhead_s for t in loop_turns[1:]], 50) * 1000
                 results[name].append(summary)
-        return {"echo_floor": floor, "turns": turns, "rounds": rounds, "variants": results}
+        return {"echo_floor": floor, "ingress": ingress, "turns": turns, "rounds": rounds, "variants": results}
     finally:
         stop_local_serve()
 
 
 def report(out: dict[str, Any]) -> None:
     floor = out["echo_floor"]["p50_ms"]
-    print(f"WebSocket echo through the same ingress: p50 {floor:.2f} ms "
+    print(f"WebSocket echo through the same ingress ({out.get('ingress')}): p50 {floor:.2f} ms "
           f"({out['rounds']} rounds x {out['turns']} turns per variant, alternating)")
     print(f"{'variant':16s} {'loop/engine':>18s} {'overhead p50 ms':>18s} {'x echo':>7s}   "
           "split p50 ms (outside server | connection | render | safety wait | engine hop)")
@@ -80,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help='e.g. inline=\'{"safety": {"placement": "inline"}}\' (repeatable)')
     ap.add_argument("--json", help="also write the results here")
+    add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     variants = dict(v.split("=", 1) for v in ns.variant)
     variants = {k: json.loads(v) for k, v in variants.items()} or DEFAULT_VARIANTS
-    out = run(variants, ns.turns, ns.rounds, ns.tool_output_bytes)
+    out = run(variants, ns.turns, ns.rounds, ns.tool_output_bytes, ns.ingress)
     report(out)
     if ns.json:
         with open(ns.json, "w") as f:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .local import free_port
+from .local import add_ingress_argument, free_port
 
 BLOCK = 32
 MAX_LEN = 32768  # the tiny model's max_position_embeddings
@@ -118,10 +118,10 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
     return times
 
 
-def run_loopserve(turns: int, chars: int, max_tokens: int) -> list[float]:
+def run_loopserve(turns: int, chars: int, max_tokens: int, ingress: str = "haproxy") -> list[float]:
     from .runner import _local_cluster
 
-    url = _local_cluster({"engine": {"backend": "vllm", "vllm": {"block_size": BLOCK, "default_max_tokens": max_tokens}},
+    url = _local_cluster(ingress=ingress, args={"engine": {"backend": "vllm", "vllm": {"block_size": BLOCK, "default_max_tokens": max_tokens}},
                           "model": {"max_model_len": MAX_LEN}, "store": {"backend": "none"},
                           "safety": {"enabled": False}})
     try:
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-peer", action="store_true")
+    add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     from ..config import DEFAULT_MODEL_DIR
     from ..tiny_model import ensure_tiny_model
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     model_dir = str(ensure_tiny_model(DEFAULT_MODEL_DIR))
     results: dict[str, list[float]] = {}
     results["floor"] = asyncio.run(floor(model_dir, ns.turns, ns.message_chars, ns.max_tokens))
-    results["loopserve-ws"] = run_loopserve(ns.turns, ns.message_chars, ns.max_tokens)
+    results["loopserve-ws"] = run_loopserve(ns.turns, ns.message_chars, ns.max_tokens, ns.ingress)
     if not ns.skip_peer:
         results["vllm-server"] = run_peer(model_dir, ns.turns, ns.message_chars, ns.max_tokens)
     base = sum(results["floor"])
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
           f"{ns.max_tokens} output tokens")
     for name, times in results.items():
         print(f"{name:13s} loop {sum(times):7.2f} s   {sum(times) / base:5.2f}x the floor   "
-              f"turn 1 {times[0] * 1000:7.1f} ms   last turn {times[-1] * 1000:7.1f} ms")
+              f"turns 1-5 {sum(times[:5]) * 1000:7.1f} ms   turn 1 {times[0] * 1000:7.1f} ms   "
+              f"last turn {times[-1] * 1000:7.1f} ms")
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm_compare.json").write_text(json.dumps({"args": vars(ns), "turn_seconds": results}, indent=1))

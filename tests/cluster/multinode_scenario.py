@@ -83,10 +83,9 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else the driver hangs on 192.0.2.2 (NOTES)
-    from cluster.app import SERVE_FAST_PATH_ENV
+    from cluster.ingress import apply_ingress_env
 
-    for k, v in SERVE_FAST_PATH_ENV.items():
-        os.environ.setdefault(k, v)
+    apply_ingress_env("haproxy")  # loopserve's default ingress, as `loopserve serve` and infra/ run it
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster

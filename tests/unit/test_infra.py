@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import SERVE_FAST_PATH_ENV
+from cluster.ingress import ingress_env
 from cluster.config import LoopserveConfig, TelemetryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,9 +33,9 @@ def test_rayservice_shape():
         assert container["image"] and container["resources"]["limits"]["cpu"]
     gpu = groups["gpu-workers"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert gpu["nvidia.com/gpu"] == "1"
-    # The proxy and every replica run Serve's fast request path (same env everywhere).
+    # Every Ray container runs loopserve's ingress mode: Serve's fast request path and HAProxy.
     for c in [head["template"]["spec"]["containers"][0]] + [g["template"]["spec"]["containers"][0] for g in groups.values()]:
-        assert {e["name"]: e["value"] for e in c["env"]} == SERVE_FAST_PATH_ENV
+        assert {e["name"]: e["value"] for e in c["env"]} == ingress_env("haproxy")
 
 
 def _group_resources(group: dict) -> dict:
@@ -135,5 +135,6 @@ def test_image_definition_matches_the_project():
             assert (ROOT / path).exists(), path
     cmd = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
     assert (ROOT / cmd[-1]).exists()
-    for key, value in SERVE_FAST_PATH_ENV.items():
+    for key, value in ingress_env("haproxy").items():
         assert f"{key}={value}" in text
+    assert cmd[:2] == ["loopserve", "serve"]  # which applies the same mode when it starts Ray
