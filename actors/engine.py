@@ -17,6 +17,7 @@ from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
 from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest
+from cluster.engines.channel import ChannelServer
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 
@@ -59,8 +60,23 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (tests)
             self.replica_id = "local"
+        self.channel: Optional[ChannelServer] = None
+        if config.engine.direct_stream:
+            import ray
+
+            self.channel = ChannelServer(self._generate)
+            await self.channel.start(ray.util.get_node_ip_address())
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """The Serve handle's path (a session's first turn, or a fallback): the answer
+        names this replica's direct channel for the session's next turns."""
+        async with aclosing(self._generate(req)) as chunks:
+            async for chunk in chunks:
+                if self.channel is not None and chunk and isinstance(chunk[-1], EngineDone):
+                    chunk[-1].channel = self.channel.endpoint
+                yield chunk
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         start_ns = time.time_ns()
         span = self.tracer.start_span("engine.generate", context=telemetry.extract(req.trace),
                                       kind=telemetry.SpanKind.SERVER, start_time=start_ns)
@@ -114,12 +130,24 @@ class EngineReplica:
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests)}
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What this replica runs, handle and direct-channel requests alike (cluster/autoscaling.py)."""
+        return {"in_flight": float(self.in_flight)}
+
     async def check_health(self) -> None:
         llm = getattr(self.engine, "llm", None)
         if llm is not None:
             await llm.check_health()
 
     async def __del__(self) -> None:
+        if self.channel is not None:
+            # Draining: new turns go back through the handle (to live replicas); the
+            # ones streaming here finish first.
+            await self.channel.close()
+            for _ in range(600):
+                if not self.channel.in_flight:
+                    break
+                await asyncio.sleep(0.1)
         try:
             await self.engine.shutdown()
         except Exception:

@@ -58,6 +58,9 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
             env["OMP_NUM_THREADS"] = str(config.engine.vllm.cpu_threads or os.cpu_count() or 1)
     opts = _options(config.engine_deployment, env, config.serve_fast_path)
     opts["health_check_timeout_s"] = 120
+    if config.engine.direct_stream and "autoscaling_config" in opts:
+        # Most turns bypass Serve's request count: scale on what the engines report.
+        opts["autoscaling_config"]["policy"] = {"policy_function": "cluster.autoscaling:engine_in_flight_policy"}
     routing = config.routing
     if routing.policy == "session_affinity":
         from ray.serve.config import RequestRouterConfig

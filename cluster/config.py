@@ -90,6 +90,9 @@ class EngineConfig(_Strict):
     # Tokens of the sessions' last prompts a replica keeps so a continuation sends only
     # its new tokens (int32 each; LRU by session).
     session_prompts_max_tokens: int = Field(16_000_000, ge=0)
+    # After a session's first turn (placed by Serve's router), stream its turns from the
+    # same engine replica over a direct channel instead of a handle call per turn.
+    direct_stream: bool = True
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
 

@@ -104,6 +104,9 @@ class EngineDone:
     first_token_s: float = 0.0  # ... to the first output token (prefill)
     dispatch_s: float = 0.0  # from the caller sending the request to the replica starting it
     reasoning_tokens: int = 0
+    # The replica's direct channel ("host:port/secret"), on answers that came through the
+    # Serve handle: the session's next turns stream from it directly (cluster/engines/channel.py).
+    channel: str = ""
 
 
 # The engine replica cannot resolve a tail prompt (its base is gone): send the whole prompt.

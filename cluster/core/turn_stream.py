@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from .post_work import PostWorkQueue, TurnRecord
 from .safety import TurnSafety
 from .session_cache import SessionCache
 from .state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
+
+log = logging.getLogger("loopserve.turn")
 
 # An engine replica's stream: EngineRequest -> chunks (a Ray handle stream in production).
 EnginePort = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
@@ -311,6 +314,7 @@ class TurnStream:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception:
+            log.warning("engine stream failed for %s", turn.response_id, exc_info=True)
             for ev in self._failed(server_error("The engine failed while generating this response.")):
                 yield ev
             return

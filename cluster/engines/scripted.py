@@ -20,7 +20,11 @@ from .base import EngineDelta, EngineRequest, EngineStats
 
 def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
     """Valid arguments for a JSON schema's required (else first) properties."""
+    if not isinstance(parameters, dict):
+        return {}
     props = parameters.get("properties") or {}
+    if not isinstance(props, dict):
+        return {}
     names = parameters.get("required") or list(props)[:1]
     args: dict[str, Any] = {}
     for name in names:

@@ -173,6 +173,9 @@ class ResponsesRequest(_Tolerant):
                 raise ValueError(f"tools[{i}] needs a 'type'")
             if tool["type"] == "function" and not isinstance(tool.get("name"), str):
                 raise ValueError(f"tools[{i}] (function) needs a 'name'")
+            if tool["type"] == "function" and tool.get("parameters") is not None \
+                    and not isinstance(tool["parameters"], dict):
+                raise ValueError(f"tools[{i}].parameters must be a JSON schema object")
         return v
 
     @field_validator("tool_choice")

@@ -8,6 +8,7 @@ replacement; anything else is the caller's to handle.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Optional
 
 from opentelemetry import context as otel_context
@@ -16,10 +17,11 @@ from ray.serve.handle import DeploymentHandle
 
 from .. import telemetry
 from ..config import LoopserveConfig
-from ..core.messages import EngineChunk, EngineRequest, RenderJob
+from ..core.messages import EngineChunk, EngineDone, EngineRequest, RenderJob
 from ..core.render import IncrementalRenderer, RenderResult, render_job
 from ..core.retry import RetryPolicy
 from ..core.safety import SafetyService
+from ..engines.channel import ChannelError, ChannelPool
 
 log = logging.getLogger("loopserve.connection")
 
@@ -78,16 +80,51 @@ class SafetyClient:
 
 
 class EngineClient:
-    """The engine port: a stream of chunks from the replica the session key routes to."""
+    """The engine port: a stream of chunks from the replica the session is placed on.
 
-    def __init__(self, handle: DeploymentHandle, retry: RetryPolicy) -> None:
+    A session's first turn goes through the Serve handle (its router places the session);
+    later turns stream from that replica's direct channel (`cluster/engines/channel.py`).
+    A channel that fails before the first chunk sends the turn back to the handle."""
+
+    def __init__(self, handle: DeploymentHandle, retry: RetryPolicy, direct: bool = True,
+                 max_sessions: int = 100_000) -> None:
         self.handle = handle.options(stream=True)
         self.retry = retry
+        self.pool = ChannelPool() if direct else None
+        self.endpoints: OrderedDict[str, str] = OrderedDict()  # session key -> channel, LRU
+        self.max_sessions = max_sessions
+        self.direct_turns = self.handle_turns = self.channel_fallbacks = 0
 
-    def __call__(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def __call__(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        endpoint = self.endpoints.get(req.session_key) if self.pool is not None else None
+        if endpoint is not None:
+            self.endpoints.move_to_end(req.session_key)
+            started = False
+            try:
+                async for chunk in self.pool.stream(endpoint, req):
+                    started = True
+                    yield chunk
+                self.direct_turns += 1
+                return
+            except ChannelError:
+                if started:
+                    raise
+                # The replica went away (or restarted): Serve's router places the session again.
+                self.channel_fallbacks += 1
+                self.endpoints.pop(req.session_key, None)
+        self.handle_turns += 1
         # A replica that died before the first chunk: the router moves the session to a
         # live replica (a full prefill there). Mid-stream: the turn fails.
-        return self.retry.stream("engine", lambda: self._stream(req), replica_gone)
+        async for chunk in self.retry.stream("engine", lambda: self._stream(req), replica_gone):
+            if self.pool is not None and chunk and isinstance(chunk[-1], EngineDone) and chunk[-1].channel:
+                self._remember(req.session_key, chunk[-1].channel)
+            yield chunk
+
+    def _remember(self, session_key: str, endpoint: str) -> None:
+        self.endpoints[session_key] = endpoint
+        self.endpoints.move_to_end(session_key)
+        while len(self.endpoints) > self.max_sessions:
+            self.endpoints.popitem(last=False)
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         # The session key rides on every engine call: the consistent-hash router
@@ -101,6 +138,10 @@ class EngineClient:
         finally:
             if not finished:
                 gen.cancel()  # abandoned or failed: cancel (and abort) on the engine
+
+    def counters(self) -> dict[str, int]:
+        return {"direct_turns": self.direct_turns, "handle_turns": self.handle_turns,
+                "channel_fallbacks": self.channel_fallbacks, "sessions_with_channel": len(self.endpoints)}
 
     async def stats(self, session: Optional[str] = None) -> dict[str, Any]:
         handle = self.handle.options(stream=False)

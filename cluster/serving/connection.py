@@ -78,7 +78,7 @@ class ConnectionServices:
             safety_client = SafetyClient(retry, inline=SafetyService(classifier, tracer=telemetry.tracer()))
         elif safety is not None:
             safety_client = SafetyClient(retry, handle=safety)
-        return cls(config, render=RenderClient(render, retry, local_renderer), engine=EngineClient(engine, retry),
+        return cls(config, render=RenderClient(render, retry, local_renderer), engine=EngineClient(engine, retry, direct=config.engine.direct_stream),
                    safety=safety_client, store=await open_store(config.store))
 
     def _cache_bytes(self):
@@ -94,6 +94,8 @@ class ConnectionServices:
         await asyncio.gather(*[s.drain() for s in list(self.ws_sessions)], return_exceptions=True)
 
     async def close(self) -> None:
+        if self.engine.pool is not None:
+            await self.engine.pool.close()
         await self.post_work.drain(timeout=10)
         if self.store is not None:
             await self.store.close()
@@ -141,6 +143,7 @@ class ConnectionServices:
             "render": await self.render.stats(),
             "render_inline": self.render.local_stats(),
             "engine": await self.engine.stats(engine_session),  # one engine replica's counters
+            "engine_calls": self.engine.counters(),  # this replica's: direct channel vs Serve handle
             "open_sockets": m.open_sockets,
             "tasks": len(asyncio.all_tasks()),
             "background": len(self.responses.background),

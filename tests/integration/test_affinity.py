@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import pytest
 import ray
@@ -54,8 +55,17 @@ async def test_twenty_sessions_by_ten_turns_each_stay_on_one_replica(affinity_ur
 def _kill_replica(unique_id: str) -> None:
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if unique_id in actor["name"] and "EngineReplica" in actor["name"]:
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-            return
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            ray.kill(handle, no_restart=True)
+            # ray.kill returns before the process is gone: the next turn must come after the
+            # death (a turn racing it may stream from the dying replica and fail, retryably).
+            for _ in range(100):
+                try:
+                    ray.get(handle.__ray_ready__.remote(), timeout=1)
+                except Exception:
+                    return
+                time.sleep(0.1)
+            raise AssertionError(f"replica {unique_id} did not die")
     raise AssertionError(f"no replica actor named with {unique_id}")
 
 

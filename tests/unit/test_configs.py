@@ -67,3 +67,29 @@ def test_haproxy_ingress_drops_only_the_ingress_router(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     assert router(connection_options(config)) is None
     assert router(engine_options(config)) == CONSISTENT_HASH_ROUTER
+
+
+def test_engines_autoscale_on_what_they_run_when_turns_bypass_the_handle():
+    """Direct engine streams bypass Serve's request count: the engine deployment scales on
+    the replicas' own in-flight count (cluster/autoscaling.py), with Serve's bounds."""
+    from types import SimpleNamespace
+
+    from cluster.app import engine_options
+    from cluster.autoscaling import engine_in_flight_policy
+    from cluster.config import LoopserveConfig
+
+    auto = {"engine_deployment": {"autoscaling": {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 4}}}
+    opts = engine_options(LoopserveConfig.model_validate(auto))
+    assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:engine_in_flight_policy"
+    off = engine_options(LoopserveConfig.model_validate({**auto, "engine": {"direct_stream": False}}))
+    assert "policy" not in off["autoscaling_config"]
+
+    def ctx(in_flight, serve_count, replicas=2):
+        return SimpleNamespace(current_num_replicas=replicas, target_num_replicas=replicas,
+                               aggregated_metrics={"in_flight": dict(enumerate(in_flight))},
+                               total_num_requests=serve_count,
+                               config=SimpleNamespace(get_target_ongoing_requests=lambda: 4))
+
+    # 20 requests in the engines, only 2 of them seen by Serve: 5 replicas, not 0.5
+    assert engine_in_flight_policy(ctx([12, 8], 2))[0] == 5
+    assert engine_in_flight_policy(ctx([], 8))[0] == 2  # no reports yet: Serve's own count

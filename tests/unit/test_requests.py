@@ -90,3 +90,17 @@ def test_loc_to_param():
 def test_nested_field_names_survive():
     assert loc_to_param(("reasoning", "effort")) == "reasoning.effort"
     assert loc_to_param(("input", "str")) == "input"
+
+
+def test_function_parameters_must_be_a_schema_object():
+    from cluster.protocol.errors import ApiError
+    from cluster.protocol.requests import parse_request
+
+    for bad in ([None], "string", 3):
+        try:
+            parse_request({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": bad}]})
+        except ApiError as err:
+            assert err.status == 400 and err.param == "tools" and "parameters" in err.message
+        else:
+            raise AssertionError(f"parameters={bad!r} was accepted")
+    parse_request({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]})

@@ -1,0 +1,252 @@
+"""A direct stream between a connection replica and an engine replica.
+
+A session's first engine call goes through the Serve handle (Serve's router places
+the session); its answer names the replica's channel (address + a secret made by
+the replica, so it only ever travels inside Ray). Later turns of the session open
+(or reuse) one TCP connection per engine replica and multiplex their requests on
+it: no router, no gRPC or object store hop per chunk. A channel that fails before
+a request's first chunk sends the caller back to the handle (which routes to a
+live replica); after the first chunk, the turn fails like any engine failure.
+
+Frames: a 4-byte big-endian length, then msgpack (never pickle: a peer can only
+send data). Client -> server: [HELLO, secret], [START, n, request], [CANCEL, n].
+Server -> client: [HELLO, "ok"], [CHUNK, n, pieces], [END, n], [ERROR, n, message].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import struct
+from array import array
+from dataclasses import astuple, fields
+from typing import AsyncIterator, Callable, Optional
+
+import msgpack
+
+from ..core.messages import (EngineChunk, EngineDone, EngineFailure, EngineRequest, ReasoningPiece, TextPiece,
+                             TokenProgress, ToolCallPiece)
+
+log = logging.getLogger("loopserve.channel")
+
+HELLO, START, CANCEL, CHUNK, END, ERROR = range(6)
+MAX_FRAME = 256 * 1024 * 1024
+_LEN = struct.Struct(">I")
+_REQUEST_FIELDS = [f.name for f in fields(EngineRequest)]
+_PROMPT = _REQUEST_FIELDS.index("prompt_token_ids")
+
+
+class ChannelError(Exception):
+    """The channel failed (connection refused or lost, bad secret)."""
+
+
+# -- codec ------------------------------------------------------------------------------
+
+
+def encode_request(req: EngineRequest) -> list:
+    values = [getattr(req, name) for name in _REQUEST_FIELDS]
+    values[_PROMPT] = req.prompt_token_ids.tobytes()
+    values[_REQUEST_FIELDS.index("tools")] = list(req.tools)
+    return values
+
+
+def decode_request(values: list) -> EngineRequest:
+    values = list(values)
+    prompt = array("i")
+    prompt.frombytes(values[_PROMPT])
+    values[_PROMPT] = prompt
+    return EngineRequest(*values)
+
+
+_PIECES = (TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure)
+
+
+def encode_chunk(chunk: EngineChunk) -> list:
+    return [[_PIECES.index(type(p)), *astuple(p)] for p in chunk]
+
+
+def decode_chunk(data: list) -> EngineChunk:
+    return [_PIECES[kind](*values) for kind, *values in data]
+
+
+def _frame(msg: list) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+async def _read(reader: asyncio.StreamReader) -> list:
+    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if size > MAX_FRAME:
+        raise ChannelError(f"frame of {size} bytes")
+    return msgpack.unpackb(await reader.readexactly(size), raw=False)
+
+
+# -- server (in the engine replica) ------------------------------------------------------
+
+Handler = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
+
+
+class ChannelServer:
+    def __init__(self, handler: Handler, secret: Optional[str] = None) -> None:
+        self.handler = handler
+        self.secret = secret or secrets.token_hex(16)
+        self.address = ""  # host:port once started
+        self._server: Optional[asyncio.base_events.Server] = None
+        self._tasks: set[asyncio.Task] = set()
+        self.closing = False  # draining: new requests are refused (the caller goes back to the handle)
+
+    async def start(self, host: str, bind: str = "0.0.0.0") -> str:
+        self._server = await asyncio.start_server(self._serve, bind, 0)
+        self.address = f"{host}:{self._server.sockets[0].getsockname()[1]}"
+        return self.address
+
+    @property
+    def endpoint(self) -> str:
+        """What a caller needs to open this channel (travels only inside Ray)."""
+        return f"{self.address}/{self.secret}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        running: dict[int, asyncio.Task] = {}
+        try:
+            hello = await asyncio.wait_for(_read(reader), 10)
+            if hello[:1] != [HELLO] or not hmac.compare_digest(str(hello[1]), self.secret):
+                return
+            writer.write(_frame([HELLO, "ok"]))
+            while True:
+                msg = await _read(reader)
+                if msg[0] == START and self.closing:
+                    writer.write(_frame([ERROR, msg[1], "draining"]))
+                elif msg[0] == START:
+                    task = asyncio.get_running_loop().create_task(self._run(msg[1], decode_request(msg[2]), writer))
+                    running[msg[1]] = task
+                    self._tasks.add(task)
+                    task.add_done_callback(lambda t, n=msg[1]: (running.pop(n, None), self._tasks.discard(t)))
+                elif msg[0] == CANCEL and msg[1] in running:
+                    running[msg[1]].cancel()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ChannelError, ValueError):
+            pass
+        finally:
+            for task in list(running.values()):
+                task.cancel()  # the caller went away: abort its generations
+            writer.close()
+
+    async def _run(self, n: int, req: EngineRequest, writer: asyncio.StreamWriter) -> None:
+        stream = self.handler(req)
+        try:
+            async for chunk in stream:
+                writer.write(_frame([CHUNK, n, encode_chunk(chunk)]))
+                await writer.drain()
+            writer.write(_frame([END, n]))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the caller gets a failed stream, the channel lives on
+            log.warning("engine request %s failed: %s", req.request_id, type(exc).__name__)
+            if not writer.is_closing():
+                writer.write(_frame([ERROR, n, type(exc).__name__]))
+        finally:
+            await stream.aclose()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        """Stop taking connections and requests (callers go back to the handle, which
+        routes to live replicas); running requests go on."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+
+
+# -- client (in the connection replica) --------------------------------------------------
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.streams: dict[int, asyncio.Queue] = {}
+        self.next_id = 0
+        self.closed = False
+        self.reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await _read(self.reader)
+                queue = self.streams.get(msg[1])
+                if queue is not None:
+                    queue.put_nowait(msg)
+        except Exception:  # noqa: BLE001 - lost: every open stream learns it
+            pass
+        finally:
+            self.closed = True
+            for queue in self.streams.values():
+                queue.put_nowait(None)
+            self.writer.close()
+
+    async def stream(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        n = self.next_id = self.next_id + 1
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[n] = queue
+        ended = False
+        try:
+            self.writer.write(_frame([START, n, encode_request(req)]))
+            while True:
+                msg = await queue.get()
+                if msg is None:
+                    raise ChannelError("the engine channel closed")
+                if msg[0] == CHUNK:
+                    yield decode_chunk(msg[2])
+                elif msg[0] == END:
+                    ended = True
+                    return
+                else:
+                    raise ChannelError(f"the engine failed: {msg[2]}")
+        finally:
+            self.streams.pop(n, None)
+            if not ended and not self.closed:
+                self.writer.write(_frame([CANCEL, n]))  # left early: abort on the engine
+
+
+class ChannelPool:
+    """One connection per engine replica endpoint, opened on first use."""
+
+    def __init__(self, connect_timeout_s: float = 2.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._conns: dict[str, _Connection] = {}
+        self._opening: dict[str, asyncio.Task] = {}
+
+    async def _connection(self, endpoint: str) -> _Connection:
+        conn = self._conns.get(endpoint)
+        if conn is not None and not conn.closed:
+            return conn
+        task = self._opening.get(endpoint)
+        if task is None:
+            task = self._opening[endpoint] = asyncio.get_running_loop().create_task(self._open(endpoint))
+            task.add_done_callback(lambda _: self._opening.pop(endpoint, None))
+        return await asyncio.shield(task)
+
+    async def _open(self, endpoint: str) -> _Connection:
+        address, _, secret = endpoint.partition("/")
+        host, _, port = address.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.connect_timeout_s)
+            writer.write(_frame([HELLO, secret]))
+            if (await asyncio.wait_for(_read(reader), self.connect_timeout_s))[:2] != [HELLO, "ok"]:
+                raise ChannelError("refused")
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            raise ChannelError(f"cannot open the engine channel: {type(exc).__name__}") from None
+        conn = self._conns[endpoint] = _Connection(reader, writer)
+        return conn
+
+    async def stream(self, endpoint: str, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        conn = await self._connection(endpoint)
+        async for chunk in conn.stream(req):
+            yield chunk
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            conn.reader_task.cancel()
+        self._conns.clear()

@@ -1,0 +1,126 @@
+"""The direct engine channel over real localhost sockets (no Ray): typed chunks round-trip,
+the secret is checked, leaving early aborts the generation, a dead channel is an error
+the caller can fall back on."""
+
+import asyncio
+from array import array
+
+import pytest
+
+from cluster.core.messages import EngineDone, EngineFailure, EngineRequest, TokenProgress
+from cluster.core.output_parser import ReasoningPiece, TextPiece, ToolCallPiece
+from cluster.engines.channel import ChannelError, ChannelPool, ChannelServer, decode_request, encode_request
+
+CHUNKS = [[TextPiece("hel"), TokenProgress(2)], [ReasoningPiece("hm"), ToolCallPiece("read", '{"p": 1}')],
+          [EngineFailure(400, "no", code="c", param=None)],
+          [EngineDone(10, 4, 5, "stop", replica="r", engine_s=0.5, first_token_s=0.1, channel="x")]]
+
+
+def request(n: int = 0, **kw) -> EngineRequest:
+    return EngineRequest(f"req-{n}", "sess", array("i", range(50)), 16, temperature=0.2, tools=[{"type": "function",
+                         "function": {"name": "read"}}], tool_choice={"type": "function", "name": "read"},
+                         cache_salt="salt", base_request_id="prev", base_len=40, trace={"traceparent": "00-x"},
+                         sent_at_ns=123, **kw)
+
+
+def test_a_request_round_trips_through_the_codec():
+    import msgpack
+
+    req = request()
+    back = decode_request(msgpack.unpackb(msgpack.packb(encode_request(req), use_bin_type=True), raw=False))
+    assert back == req and isinstance(back.prompt_token_ids, array)
+
+
+class Engine:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.seen: list[EngineRequest] = []
+        self.closed: list[str] = []
+        self.delay = delay
+
+    async def __call__(self, req):
+        self.seen.append(req)
+        try:
+            for chunk in CHUNKS:
+                await asyncio.sleep(self.delay)
+                yield chunk
+        finally:
+            self.closed.append(req.request_id)
+
+
+async def test_chunks_stream_typed_and_requests_multiplex_on_one_connection():
+    engine = Engine()
+    server = ChannelServer(engine)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    pool = ChannelPool()
+    try:
+        async def one(n):
+            return [c async for c in pool.stream(server.endpoint, request(n))]
+
+        results = await asyncio.gather(*[one(n) for n in range(5)])
+        assert all(r == CHUNKS for r in results)
+        assert sorted(r.request_id for r in engine.seen) == [f"req-{n}" for n in range(5)]
+        assert engine.seen[0].prompt_token_ids == array("i", range(50))
+        assert len(pool._conns) == 1  # one connection carried all five
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_a_wrong_secret_is_refused():
+    server = ChannelServer(Engine())
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    try:
+        with pytest.raises(ChannelError):
+            _ = [c async for c in ChannelPool().stream(server.address + "/not-the-secret", request())]
+    finally:
+        await server.close()
+
+
+async def test_leaving_early_aborts_the_generation_on_the_engine():
+    engine = Engine(delay=0.2)
+    server = ChannelServer(engine)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    pool = ChannelPool()
+    try:
+        stream = pool.stream(server.endpoint, request(7))
+        first = await stream.__anext__()
+        assert first == CHUNKS[0]
+        await stream.aclose()
+        for _ in range(50):
+            if engine.closed:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.closed == ["req-7"]
+        assert server.in_flight == 0
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_a_channel_that_is_gone_is_an_error_before_the_first_chunk():
+    server = ChannelServer(Engine())
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    endpoint = server.endpoint
+    await server.close()
+    server._server = None
+    await asyncio.sleep(0.05)
+    with pytest.raises(ChannelError):
+        _ = [c async for c in ChannelPool(connect_timeout_s=1).stream(endpoint, request())]
+
+
+async def test_a_draining_server_refuses_new_requests_on_open_connections_and_finishes_running_ones():
+    engine = Engine(delay=0.1)
+    server = ChannelServer(engine)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    pool = ChannelPool()
+    try:
+        running = pool.stream(server.endpoint, request(1))
+        assert await running.__anext__() == CHUNKS[0]
+        await server.close()  # the replica starts draining; the connection stays open
+        with pytest.raises(ChannelError):  # a new request on it fails before any chunk: fall back
+            _ = [c async for c in pool.stream(server.endpoint, request(2))]
+        rest = [c async for c in running]
+        assert rest == CHUNKS[1:]  # the running one finished
+        assert [r.request_id for r in engine.seen] == ["req-1"]
+    finally:
+        await pool.close()
