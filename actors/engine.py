@@ -130,6 +130,11 @@ class EngineReplica:
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests)}
 
+    async def channel_endpoint(self) -> str:
+        """This replica's direct channel ("" when off or draining): a session placed here
+        streams its turns from it (cluster/serving/clients.py)."""
+        return self.channel.endpoint if self.channel is not None and not self.channel.closing else ""
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What this replica runs, handle and direct-channel requests alike (cluster/autoscaling.py)."""
         return {"in_flight": float(self.in_flight)}

@@ -31,6 +31,7 @@ class SessionResult:
         self.turns = 0
         self.problems: Counter[str] = Counter()
         self.response_ids: list[str] = []
+        self.latencies: list[float] = []  # client-observed seconds per measured turn (send -> terminal)
 
 
 async def _turn(ws, body: dict[str, Any], result: SessionResult) -> str | None:
@@ -86,7 +87,9 @@ async def session(url: str, n: int, turns: int, go: asyncio.Event, handshakes: a
             body = {"model": "loopserve-tiny", "input": f"session {n} turn {i}: next step"}
             if prev:
                 body["previous_response_id"] = prev
+            t0 = time.perf_counter()
             rid = await _turn(ws, body, result)
+            result.latencies.append(time.perf_counter() - t0)
             if rid is not None:
                 result.turns += 1
                 result.response_ids.append(rid)
@@ -141,6 +144,11 @@ async def run_load(url: str, sessions: int, turns: int) -> dict[str, Any]:
     def pct(p: float) -> float:
         return overheads[min(len(overheads) - 1, int(p / 100 * len(overheads)))] if overheads else float("nan")
 
+    latencies = sorted(x for r in results for x in r.latencies)
+
+    def client_pct(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))] * 1000 if latencies else float("nan")
+
     rss0, rss1 = base.get("rss_bytes"), idle.get("rss_bytes")
     return {
         "sessions": sessions, "turns_per_session": turns,
@@ -148,6 +156,7 @@ async def run_load(url: str, sessions: int, turns: int) -> dict[str, Any]:
         "problems": dict(problems), "open_s": opened_s, "run_s": run_s,
         "turns_per_s": sum(r.turns for r in results) / run_s if run_s else 0.0,
         "overhead_p50_ms": pct(50), "overhead_p99_ms": pct(99), "overhead_samples": len(overheads),
+        "turn_latency_p50_ms": client_pct(50), "turn_latency_p99_ms": client_pct(99),
         "idle_sockets": idle.get("open_sockets"),
         "rss_per_idle_session_bytes": (rss1 - rss0) / sessions if rss0 and rss1 else None,
         "cache_bytes_per_idle_session": idle.get("ws_cache_bytes", 0) / sessions,
@@ -158,6 +167,7 @@ def print_load(r: dict[str, Any]) -> None:
     print(f"\n{r['sessions']} sessions x {r['turns_per_session']} turns: {r['turns_completed']}/{r['turns_expected']} "
           f"completed in {r['run_s']:.1f} s ({r['turns_per_s']:.1f} turns/s; sockets opened in {r['open_s']:.1f} s)")
     print(f"problems (lost, duplicated, leaked, errors): {r['problems'] or 'none'}")
+    print(f"client-observed turn latency: p50 {r['turn_latency_p50_ms']:.0f} ms, p99 {r['turn_latency_p99_ms']:.0f} ms")
     print(f"server overhead under load: p50 {r['overhead_p50_ms']:.1f} ms, p99 {r['overhead_p99_ms']:.1f} ms "
           f"({r['overhead_samples']} turns sampled)")
     if r["rss_per_idle_session_bytes"] is not None:

@@ -96,9 +96,8 @@ class EngineClient:
         self.direct_turns = self.handle_turns = self.channel_fallbacks = 0
 
     async def __call__(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
-        endpoint = self.endpoints.get(req.session_key) if self.pool is not None else None
-        if endpoint is not None:
-            self.endpoints.move_to_end(req.session_key)
+        endpoint = await self._endpoint(req.session_key) if self.pool is not None else None
+        if endpoint:
             started = False
             try:
                 async for chunk in self.pool.stream(endpoint, req):
@@ -119,6 +118,24 @@ class EngineClient:
             if self.pool is not None and chunk and isinstance(chunk[-1], EngineDone) and chunk[-1].channel:
                 self._remember(req.session_key, chunk[-1].channel)
             yield chunk
+
+    async def _endpoint(self, session_key: str) -> str:
+        """The channel of the replica Serve's router places this session on: remembered, or
+        asked once with a unary call (a handle *stream* costs far more: every chunk crosses
+        Serve's streaming path, which slows a CPU engine's decode in the same process)."""
+        endpoint = self.endpoints.get(session_key)
+        if endpoint is not None:
+            self.endpoints.move_to_end(session_key)
+            return endpoint
+        try:
+            handle = self.handle.options(stream=False, session_id=session_key)
+            endpoint = await self.retry.call("engine placement", lambda: handle.channel_endpoint.remote(),
+                                             replica_gone)
+        except Exception:  # noqa: BLE001 - no placement answer: the handle stream places the turn
+            return ""
+        if endpoint:
+            self._remember(session_key, endpoint)
+        return endpoint
 
     def _remember(self, session_key: str, endpoint: str) -> None:
         self.endpoints[session_key] = endpoint
