@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from array import array
 from collections import OrderedDict
 import logging
 import time
@@ -15,6 +16,7 @@ from ray import serve
 from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
+from cluster.engines.base import EngineStats
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
 from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest
 from cluster.engines.channel import ChannelServer
@@ -60,6 +62,8 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (tests)
             self.replica_id = "local"
+        if config.engine.backend == "vllm":
+            await self._warm_up()
         self.channel: Optional[ChannelServer] = None
         if config.engine.direct_stream:
             import ray
@@ -129,6 +133,21 @@ class EngineReplica:
                 "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens,
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests)}
+
+    async def _warm_up(self) -> None:
+        """One short generation before serving: the first session's first turn would
+        otherwise pay for the engine's and the parsers' first-call costs."""
+        prompt = array("i", self.tokenizer.backend_tokenizer.encode("warm up", add_special_tokens=False).ids or [0])
+        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, 2, temperature=0.0,
+                            cache_salt="loopserve-warmup")
+        try:
+            async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
+                                              decode_tail=self._decode_tail)) as chunks:
+                async for _ in chunks:
+                    pass
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time
+            log.warning("engine warm-up failed: %s", type(exc).__name__)
+        self.engine.stats = EngineStats()  # counters describe served requests only
 
     async def channel_endpoint(self) -> str:
         """This replica's direct channel ("" when off or draining): a session placed here

@@ -28,4 +28,6 @@ def renderer_for(tokenizer) -> IncrementalRenderer:
     def encode(text: str) -> list[int]:
         return backend.encode(text, add_special_tokens=False).ids
 
-    return IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()))
+    renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()))
+    renderer.warm_up()
+    return renderer

@@ -145,6 +145,19 @@ class IncrementalRenderer:
         self.full_renders = 0
         self.delta_renders = 0
 
+    def warm_up(self) -> None:
+        """Compile the chat template and touch every render path once (a replica's first
+        real turn would otherwise pay for it); the counters start from zero after."""
+        tools = [{"type": "function", "function": {"name": "f", "description": "d",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        items = [{"type": "message", "role": "user", "content": "hi"},
+                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": "c", "output": "ok"}]
+        for tool_set in (tools, None):
+            self.full(items[:1], "warm up", tool_set)
+            self.delta(items[:1], items[1:], 0, "warm up", tool_set)
+        self.full_renders = self.delta_renders = 0
+
     def _system(self, instructions: Optional[str]) -> list[Message]:
         return [{"role": "system", "content": instructions}] if instructions else []
 
