@@ -33,9 +33,25 @@ TRACER_NAME = "loopserve"
 _installed: Optional[tuple[Any, Any]] = None  # (TracerProvider, MeterProvider) of this process
 
 
+def route_logs() -> None:
+    """loopserve's loggers (`loopserve.*`, `cluster.*`) write where the Serve replica's own
+    logs go: inside a replica they have no handler of their own, so their warnings (retries,
+    failed engine streams, failed post-work) would reach no log file."""
+    serve_handlers = logging.getLogger("ray.serve").handlers
+    for name in ("loopserve", "cluster"):
+        ours = logging.getLogger(name)
+        if ours.handlers or not serve_handlers:
+            continue
+        for handler in serve_handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def setup(config: TelemetryConfig, role: str) -> bool:
     """Install this process's providers (once); returns whether telemetry is on."""
     global _installed
+    route_logs()
     if not config.enabled or _installed is not None:
         return _installed is not None
     from opentelemetry.sdk.metrics import MeterProvider
