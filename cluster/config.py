@@ -21,10 +21,13 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """The served model: a local HF folder or hub id; `None` = generated tiny model."""
+    """The served model: a local HF folder or hub id (`path`), or with no `path` a built-in
+    model made on this machine without a download (`cluster/builtin_models.py`):
+    `loopserve-tiny` (random weights, tests) or `smollm2-135m-instruct` (a real model)."""
 
     name: str = TINY_MODEL_NAME
     path: Optional[str] = None
+    builtin: Literal["loopserve-tiny", "smollm2-135m-instruct"] = "loopserve-tiny"
     # The model family's output formats, as vLLM parser names: the tool-call
     # parser (`hermes`, `qwen3_xml`, `llama3_json`, `mistral`, ...) and the
     # reasoning parser (`qwen3`, `deepseek_r1`, ...; None = `<think>` tags).
@@ -33,7 +36,11 @@ class ModelConfig(_Strict):
     max_model_len: int = 32768
 
     def resolved_path(self) -> str:
-        return self.path or str(DEFAULT_MODEL_DIR)
+        if self.path:
+            return self.path
+        from .builtin_models import builtin_path
+
+        return str(builtin_path(self.builtin))
 
     @property
     def is_generated(self) -> bool:

@@ -9,12 +9,9 @@ so vLLM's `hermes` tool parser decodes its tool calls.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 SEED = 1234
@@ -24,38 +21,49 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (non-special) tokens: decoded into output text so parsers can see them.
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-CHAT_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages and messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
-    "{%- for tc in message.tool_calls or [] %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
-    "{%- if tc.function.arguments is string %}{{- tc.function.arguments }}"
-    "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+def chatml_hermes_template(default_system: str = "") -> str:
+    """ChatML with a Hermes tool section (`<tools>` in the system turn, `<tool_call>` JSON
+    in assistant turns, `<tool_response>` in user turns): vLLM's `hermes` parser reads its
+    calls. `default_system` is used when the conversation brings no system message."""
+    default = ("{%- set default_system = " + json.dumps(default_system) + " %}") if default_system else \
+        "{%- set default_system = '' %}"
+    return default + (
+        "{%- set has_system = messages and messages[0].role == 'system' %}"
+        "{%- set system = messages[0].content if has_system else default_system %}"
+        "{%- if tools %}"
+        "{{- '<|im_start|>system\\n' }}"
+        "{%- if system %}{{- system + '\\n\\n' }}{%- endif %}"
+        "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+        "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+        "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+        "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+        "{%- elif system %}"
+        "{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if message.role == 'system' and loop.first %}"
+        "{%- elif message.role == 'tool' %}"
+        "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+        "{%- elif message.role == 'assistant' %}"
+        "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+        "{%- for tc in message.tool_calls or [] %}"
+        "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + tc.function.name + '\\\", \\\"arguments\\\": ' }}"
+        "{%- if tc.function.arguments is string %}{{- tc.function.arguments }}"
+        "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}"
+        "{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- else %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+CHAT_TEMPLATE = chatml_hermes_template()
 
 _WORDS = (
     "the of and to in is for that with on as it by this be are from at or an was have not can which "
@@ -150,13 +158,6 @@ def _torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _complete(marker: Path, weights: bool) -> bool:
-    if not marker.exists():
-        return False
-    meta = json.loads(marker.read_text())
-    return meta.get("format") == FORMAT_VERSION and (meta.get("weights", True) or not weights)
-
-
 def ensure_tiny_model(path: str | os.PathLike, weights: bool | None = None) -> Path:
     """Generate the tiny model at `path` unless it is already there (safe across processes).
 
@@ -164,24 +165,7 @@ def ensure_tiny_model(path: str | os.PathLike, weights: bool | None = None) -> P
     the tokenizer and config only (the scripted engine and the render path need
     no weights); a folder without weights gets them when an engine asks.
     """
-    if weights is None:
-        weights = _torch_installed()
-    target = Path(path)
-    marker = target / "loopserve_model.json"
-    if _complete(marker, weights):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(target) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete(marker, weights):
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
-        try:
-            build_model_dir(tmp, weights)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    from .builtin_models import ensure_folder
+
+    return ensure_folder(Path(path), FORMAT_VERSION, _torch_installed() if weights is None else weights,
+                         build_model_dir)

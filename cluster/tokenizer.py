@@ -10,10 +10,10 @@ def load_tokenizer(config: LoopserveConfig):
     from transformers import AutoTokenizer
 
     if config.model.is_generated:
-        from .tiny_model import ensure_tiny_model
+        from .builtin_models import ensure_builtin
 
         # Weights only where an engine loads them (or torch is there anyway).
-        ensure_tiny_model(config.model.resolved_path(), weights=True if config.engine.backend == "vllm" else None)
+        ensure_builtin(config.model.builtin, weights=True if config.engine.backend == "vllm" else None)
     return AutoTokenizer.from_pretrained(config.model.resolved_path())
 
 

@@ -33,6 +33,9 @@ class VLLMEngine:
         self.max_model_len = model.max_model_len
         self.stats = EngineStats()
         self.llm = None
+        # The model's own sampling defaults (its generation_config.json), for requests
+        # that leave temperature/top_p unset, as vLLM's server does.
+        self.sampling_defaults: dict[str, float] = {}
 
     async def start(self) -> None:
         if _on_cpu():
@@ -62,6 +65,9 @@ class VLLMEngine:
             # TP workers as Ray actors in the replica's placement group.
             kwargs["distributed_executor_backend"] = "ray"
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        diff = self.llm.model_config.get_diff_sampling_param()
+        self.sampling_defaults = {k: v for k, v in diff.items()
+                                  if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -78,12 +84,12 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         assert self.llm is not None, "engine not started"
-        params = SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        sampling = dict(self.sampling_defaults)
+        if request.temperature is not None:
+            sampling["temperature"] = request.temperature
+        if request.top_p is not None:
+            sampling["top_p"] = request.top_p
+        params = SamplingParams(max_tokens=request.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling)
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
         if request.cache_salt and self.config.enable_prefix_caching:
             prompt["cache_salt"] = request.cache_salt  # blocks hash with the tenant's salt
