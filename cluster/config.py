@@ -28,6 +28,9 @@ class ModelConfig(_Strict):
     name: str = TINY_MODEL_NAME
     path: Optional[str] = None
     builtin: Literal["loopserve-tiny", "smollm2-135m-instruct"] = "loopserve-tiny"
+    # `mistral`: Mistral models' own tokenizer and request encoding (mistral_common), as
+    # vLLM's tokenizer_mode="mistral" (the folder holds tekken.json or tokenizer.model.v*).
+    tokenizer_mode: Literal["auto", "mistral"] = "auto"
     # The model family's output formats, as vLLM parser names: the tool-call
     # parser (`hermes`, `qwen3_xml`, `llama3_json`, `mistral`, ...) and the
     # reasoning parser (`qwen3`, `deepseek_r1`, ...; None = `<think>` tags).

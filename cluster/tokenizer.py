@@ -1,4 +1,9 @@
-"""The served model's HF tokenizer and chat template, wired into the core renderer."""
+"""The served model's tokenizer and chat template, wired into the core renderer.
+
+HF tokenizers render with their Jinja chat template (text, then tokenized);
+Mistral models served with vLLM's `tokenizer_mode="mistral"` render with
+mistral_common through vLLM's `MistralTokenizer` (token ids directly).
+"""
 
 from __future__ import annotations
 
@@ -7,27 +12,71 @@ from .core.render import IncrementalRenderer
 
 
 def load_tokenizer(config: LoopserveConfig):
-    from transformers import AutoTokenizer
-
     if config.model.is_generated:
         from .builtin_models import ensure_builtin
 
         # Weights only where an engine loads them (or torch is there anyway).
         ensure_builtin(config.model.builtin, weights=True if config.engine.backend == "vllm" else None)
+    if config.model.tokenizer_mode == "mistral":
+        from vllm.tokenizers.mistral import MistralTokenizer
+
+        return MistralTokenizer.from_pretrained(config.model.resolved_path())
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(config.model.resolved_path())
 
 
-def renderer_for(tokenizer) -> IncrementalRenderer:
-    backend = tokenizer.backend_tokenizer  # the Rust tokenizer: no Python-side overhead
+def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
+    """The incremental renderer for `tokenizer`, probed on its template (`render_probe.py`)."""
+    if getattr(tokenizer, "IS_MISTRAL_TOKENIZER", False):
+        renderer = mistral_renderer(tokenizer)
+    else:
+        backend = tokenizer.backend_tokenizer  # the Rust tokenizer: no Python-side overhead
+
+        def apply(messages, tools, add_generation_prompt):
+            return tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+
+        def encode(text: str) -> list[int]:
+            return backend.encode(text, add_special_tokens=False).ids
+
+        def decode(ids) -> str:
+            return backend.decode(list(ids), skip_special_tokens=False)
+
+        renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()), decode=decode,
+                                       eos=tokenizer.eos_token)
+    if probe:
+        renderer.warm_up()
+    return renderer
+
+
+def mistral_renderer(tokenizer) -> IncrementalRenderer:
+    """mistral_common's request encoding (what vLLM's tokenizer_mode="mistral" prompts with)."""
 
     def apply(messages, tools, add_generation_prompt):
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        # mistral_common wants 9-character tool call ids, as vLLM's serving truncates them.
+        fixed = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "id": _mistral_call_id(c.get("id", ""))} for c in m["tool_calls"]]
+            if m.get("tool_call_id"):
+                m["tool_call_id"] = _mistral_call_id(m["tool_call_id"])
+            m.pop("reasoning", None)
+            m.pop("reasoning_content", None)
+            fixed.append(m)
+        return list(tokenizer.apply_chat_template(fixed, tools=tools, add_generation_prompt=add_generation_prompt))
 
     def encode(text: str) -> list[int]:
-        return backend.encode(text, add_special_tokens=False).ids
+        return tokenizer.encode(text, add_special_tokens=False)
 
-    renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()))
-    renderer.warm_up()
-    return renderer
+    def decode(ids) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    return IncrementalRenderer(apply, encode, [], decode=decode, eos=tokenizer.eos_token_id)
+
+
+def _mistral_call_id(call_id: str) -> str:
+    alnum = "".join(ch for ch in call_id if ch.isalnum())
+    return (alnum[-9:] if len(alnum) >= 9 else alnum.rjust(9, "0"))

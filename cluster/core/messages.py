@@ -23,6 +23,17 @@ TraceCarrier = dict[str, str]  # W3C trace context headers
 
 
 @dataclass(slots=True)
+class PriorOutput:
+    """The previous turn's generation prompt and what the engine generated after it
+    (token ids and their text with special tokens kept): a delta reuses these ids when
+    the template renders that output as exactly this text (token-exact continuation)."""
+
+    generation: array
+    token_ids: array
+    text: str
+
+
+@dataclass(slots=True)
 class RenderJob:
     """Render a context (full) or only what follows a cached prefix (delta)."""
 
@@ -33,6 +44,7 @@ class RenderJob:
     anchor_items: Sequence[Item] = ()  # delta: the last rendered message ...
     new_items: Sequence[Item] = ()  # ... and the items after it
     anchor_start: int = 0  # delta: index of the anchor in the context
+    prior: Optional[PriorOutput] = None  # delta: new_items starts with the output these tokens are
     # Tests and debugging: check a delta against a full render of `verify_items`.
     verify_items: Optional[Sequence[Item]] = None
     verify_prefix: Optional[array] = None

@@ -3,9 +3,20 @@
 Exactness contract: prefix tokens + delta tokens == tokens of a full render of
 the same context. The delta is the render of (anchor + new) minus the render of
 the anchor, where the anchor is the last message already rendered; it is used
-only when (a) the anchor render is a true prefix and (b) every piece starts with
-a special token, so the tokenizer cannot merge across the cut. Otherwise the
-renderer falls back to a full render (correct, O(history), counted).
+only when (a) the anchor render is a true prefix, (b) every cut is at a special
+token, so the tokenizer cannot merge across it, and (c) the start-up probe
+(`render_probe.py`) proved this shape of delta exact on the served template (a
+template may re-render *earlier* messages when a new one arrives: tools moved
+before the last user message, reasoning dropped from earlier turns). Otherwise
+the renderer falls back to a full render (correct, O(history), counted by reason).
+
+Token-exact continuations: when the previous turn's generated tokens are known
+(`PriorOutput`) and the template renders that output as exactly the text the
+model generated, the delta reuses the generated token ids instead of
+re-tokenizing their text, so the engine's prefix cache covers them.
+
+A template renders text (HF chat templates) or token ids (mistral_common, via
+vLLM's `MistralTokenizer`); the delta logic is the same on both.
 """
 
 from __future__ import annotations
@@ -13,12 +24,13 @@ from __future__ import annotations
 import json
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-from .messages import RenderJob
+from .messages import PriorOutput, RenderJob
 
 Message = dict[str, Any]
-ApplyTemplate = Callable[[list[Message], Optional[list[dict[str, Any]]], bool], str]
+Template = Union[str, list[int]]  # a render: text, or token ids for templates that tokenize themselves
+ApplyTemplate = Callable[[list[Message], Optional[list[dict[str, Any]]], bool], Template]
 Encode = Callable[[str], list[int]]
 
 
@@ -66,6 +78,7 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
     """
     messages: list[Message] = []
     starts: list[int] = []
+    reasoning = ""  # a reasoning item's text, for the assistant message it precedes
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
@@ -73,7 +86,14 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
             if role == "developer":
                 role = "system"
             messages.append({"role": role, "content": _content_text(item.get("content"))})
+            if role == "assistant" and reasoning:
+                _attach_reasoning(messages[-1], reasoning)
+            reasoning = ""
             starts.append(i)
+        elif kind == "reasoning":
+            # Templates decide what earlier reasoning they show (Qwen3: only the current turn's).
+            reasoning = _content_text(item.get("content")) or _content_text(item.get("summary"))
+            continue
         elif kind == "function_call":
             call = {
                 "type": "function",
@@ -86,6 +106,9 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
                 starts.append(i)
+            if reasoning:
+                _attach_reasoning(messages[-1], reasoning)
+            reasoning = ""
         elif kind == "function_call_output":
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": _content_text(item.get("output"))}
@@ -94,8 +117,12 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
         elif kind == "compaction":
             messages.append({"role": "system", "content": compaction_text(item)})
             starts.append(i)
-        # reasoning items are not re-rendered (chat templates drop past reasoning)
     return messages, starts
+
+
+def _attach_reasoning(message: Message, text: str) -> None:
+    # Both names templates read (Qwen3: reasoning_content; others: reasoning).
+    message["reasoning_content"] = message["reasoning"] = text
 
 
 def _is_assistant_run(items: Sequence[dict[str, Any]], start: int, end: int) -> bool:
@@ -111,6 +138,26 @@ def _is_assistant_run(items: Sequence[dict[str, Any]], start: int, end: int) -> 
     return True
 
 
+def message_kind(message: Message) -> str:
+    role = message["role"]
+    if role != "assistant":
+        return role
+    return "assistant" + ("+calls" if message.get("tool_calls") else "") + ("+think" if message.get("reasoning") else "")
+
+
+def delta_steps(system: bool, tools: bool, reuse: bool, messages: Sequence[Message]) -> tuple:
+    """What decides whether a delta render can be exact: each step from one message to the
+    next (anchor first, by kind), whether a system prompt and tools are rendered, and (first
+    step) whether generated tokens are reused. The probe proves steps, not whole sequences,
+    so a turn bringing any mix of proven steps takes the delta path."""
+    kinds = [message_kind(m) for m in messages]
+    return tuple((system, tools, reuse and i == 0, a, b) for i, (a, b) in enumerate(zip(kinds, kinds[1:])))
+
+
+def _starts(seq: Template, head: Template) -> bool:
+    return len(seq) >= len(head) and seq[: len(head)] == head
+
+
 @dataclass
 class RenderResult:
     """What a render sends back: only the new tokens (O(new items) on the wire)."""
@@ -119,9 +166,11 @@ class RenderResult:
     generation: array  # the generation prompt's tokens, after the prefix
     anchor_start: int  # item index of the last rendered message
     full: bool  # True when this was a full render
-    rendered_chars: int  # characters of template text rendered
+    rendered_chars: int  # characters (or tokens) of template output rendered
     # A full render whose generation prompt cannot be cut off at a special token.
     prompt_override: Optional[array] = None
+    reused_output: bool = False  # the previous turn's generated tokens were reused
+    fallback: str = ""  # a delta job rendered fully: why (see IncrementalRenderer.fallbacks)
 
     def assemble(self, base: Optional[array]) -> tuple[array, array]:
         """(prefix, prompt) given the cached prefix this delta extends."""
@@ -137,32 +186,54 @@ class RenderResult:
 class IncrementalRenderer:
     """Chat template + tokenizer, rendering only what is new when it can."""
 
-    def __init__(self, apply_template: ApplyTemplate, encode: Encode, special_tokens: Sequence[str]) -> None:
+    def __init__(self, apply_template: ApplyTemplate, encode: Encode, special_tokens: Sequence[str],
+                 decode: Optional[Callable[[Sequence[int]], str]] = None, eos: Optional[Template] = None) -> None:
         self._apply = apply_template
         self._encode = encode
+        self.decode = decode  # raw (special tokens kept): the probe's stand-in for a model's output text
+        self.eos = eos  # what ends a generated turn (text, or one token id): the probe's outputs stop there
         # Longest first so startswith checks find the right token.
         self._specials = tuple(sorted((s for s in special_tokens if s), key=len, reverse=True))
         self.full_renders = 0
         self.delta_renders = 0
+        self.reused_outputs = 0
+        # Delta steps the start-up probe proved exact (None: no probe ran, trust the local checks).
+        self.proven: Optional[frozenset] = None
+        self.probe_report: Optional[Any] = None  # render_probe.ProbeReport
+        self.fallbacks: dict[str, int] = {}  # reason -> delta jobs rendered fully
+        self.last_fallback = ""
+        self.on_fallback: Optional[Callable[[str, tuple], None]] = None
 
     def warm_up(self) -> None:
         """Compile the chat template and touch every render path once (a replica's first
         real turn would otherwise pay for it); the counters start from zero after."""
-        tools = [{"type": "function", "function": {"name": "f", "description": "d",
-                                                   "parameters": {"type": "object", "properties": {}}}}]
-        items = [{"type": "message", "role": "user", "content": "hi"},
-                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
-                 {"type": "function_call_output", "call_id": "c", "output": "ok"}]
-        for tool_set in (tools, None):
-            self.full(items[:1], "warm up", tool_set)
-            self.delta(items[:1], items[1:], 0, "warm up", tool_set)
-        self.full_renders = self.delta_renders = 0
+        from .render_probe import probe
+
+        probe(self)
+
+    def reset_counters(self) -> None:
+        self.full_renders = self.delta_renders = self.reused_outputs = 0
+        self.fallbacks = {}
 
     def _system(self, instructions: Optional[str]) -> list[Message]:
         return [{"role": "system", "content": instructions}] if instructions else []
 
-    def _safe_cut(self, text: str) -> bool:
-        return not text or text.startswith(self._specials)
+    def _safe_cut(self, before: Template, after: Template) -> bool:
+        """A cut the tokenizer cannot merge across: at a special token (token ids always)."""
+        if not isinstance(after, str) or not after or not before:
+            return True
+        return after.startswith(self._specials) or before.endswith(self._specials)
+
+    def _tokens(self, rendered: Template) -> array:
+        if isinstance(rendered, str):
+            return array("i", self._encode(rendered)) if rendered else array("i")
+        return array("i", rendered)
+
+    def _fallback(self, reason: str, shape: tuple = ()) -> None:
+        self.last_fallback = reason
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if self.on_fallback is not None:
+            self.on_fallback(reason, shape)
 
     def full(
         self, items: Sequence[dict[str, Any]], instructions: Optional[str], tools: Optional[list[dict[str, Any]]]
@@ -173,12 +244,13 @@ class IncrementalRenderer:
         tools = tools or None
         text = self._apply(msgs, tools, False) if msgs else ""
         with_gen = self._apply(msgs, tools, True)
-        prefix = array("i", self._encode(text))
-        suffix = with_gen[len(text) :]
         anchor = starts[-1] if starts else 0
-        if with_gen.startswith(text) and self._safe_cut(suffix):
-            return RenderResult(prefix, array("i", self._encode(suffix)), anchor, True, len(with_gen))
-        return RenderResult(prefix, array("i"), anchor, True, len(with_gen), array("i", self._encode(with_gen)))
+        if isinstance(with_gen, list) and not text:
+            text = []
+        suffix = with_gen[len(text) :]
+        if _starts(with_gen, text) and self._safe_cut(text, suffix):
+            return RenderResult(self._tokens(text), self._tokens(suffix), anchor, True, len(with_gen))
+        return RenderResult(self._tokens(text), array("i"), anchor, True, len(with_gen), self._tokens(with_gen))
 
     def delta(
         self,
@@ -187,37 +259,90 @@ class IncrementalRenderer:
         anchor_start: int,
         instructions: Optional[str],
         tools: Optional[list[dict[str, Any]]],
+        prior: Optional[PriorOutput] = None,
     ) -> Optional[RenderResult]:
-        """Tokens for `new_items` appended after a cached prefix; None if unsafe."""
+        """Tokens for `new_items` appended after a cached prefix; None if not provably exact.
+
+        `prior`: the previous turn's generation prompt and generated tokens; `new_items`
+        then starts with that turn's output items.
+        """
         tools = tools or None
         system = self._system(instructions)
         anchor_msgs, _ = messages_from_items(anchor_items)
         both_msgs, both_starts = messages_from_items(list(anchor_items) + list(new_items))
-        base = self._apply(system + anchor_msgs, tools, False) if (system or anchor_msgs) else ""
-        text = self._apply(system + both_msgs, tools, False) if (system or both_msgs) else ""
-        with_gen = self._apply(system + both_msgs, tools, True)
-        if not text.startswith(base) or not with_gen.startswith(text):
+        if prior is not None:
+            res = self._delta_reusing(system, anchor_msgs, both_msgs, both_starts, anchor_start, tools, prior)
+            if res is not None:
+                return res
+        shape = delta_steps(bool(system), bool(tools), False, both_msgs)
+        if self.proven is not None and not self.proven.issuperset(shape):
+            self._fallback("shape_not_proven", shape)
+            return None
+        try:
+            base = self._apply(system + anchor_msgs, tools, False) if (system or anchor_msgs) else ""
+            text = self._apply(system + both_msgs, tools, False) if (system or both_msgs) else ""
+            with_gen = self._apply(system + both_msgs, tools, True)
+        except Exception:  # noqa: BLE001 - the window alone may not be a valid conversation
+            self._fallback("window_render_failed", shape)
+            return None
+        if not _starts(text, base) or not _starts(with_gen, text):
+            self._fallback("not_a_prefix", shape)
             return None
         delta_text, gen_text = text[len(base) :], with_gen[len(text) :]
-        if not (self._safe_cut(delta_text) and self._safe_cut(gen_text)):
+        if not (self._safe_cut(base, delta_text) and self._safe_cut(text, gen_text)):
+            self._fallback("unsafe_cut", shape)
             return None
         self.delta_renders += 1
-        delta_ids = array("i", self._encode(delta_text)) if delta_text else array("i")
         new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
-        return RenderResult(delta_ids, array("i", self._encode(gen_text)), new_anchor, False, len(with_gen))
+        return RenderResult(self._tokens(delta_text), self._tokens(gen_text), new_anchor, False, len(with_gen))
+
+    def _delta_reusing(self, system, anchor_msgs, both_msgs, both_starts, anchor_start, tools,
+                       prior: PriorOutput) -> Optional[RenderResult]:
+        """The delta with the previous turn's generated tokens in place of a re-render of
+        their text: used when the template renders that output as exactly what was generated."""
+        shape = delta_steps(bool(system), bool(tools), True, both_msgs)
+        if self.proven is not None and not self.proven.issuperset(shape):
+            self._fallback("reuse_shape_not_proven", shape)
+            return None
+        try:
+            base_gen = self._apply(system + anchor_msgs, tools, True)
+            text = self._apply(system + both_msgs, tools, False)
+            with_gen = self._apply(system + both_msgs, tools, True)
+        except Exception:  # noqa: BLE001
+            self._fallback("window_render_failed", shape)
+            return None
+        generated: Template = prior.text if isinstance(text, str) else list(prior.token_ids)
+        head = base_gen + generated
+        if not (_starts(text, head) and _starts(with_gen, text)):
+            self._fallback("output_rendered_differently", shape)
+            return None
+        rest, gen_text = text[len(head) :], with_gen[len(text) :]
+        if not (self._safe_cut(head, rest) and self._safe_cut(text, gen_text)):
+            self._fallback("unsafe_cut", shape)
+            return None
+        self.delta_renders += 1
+        self.reused_outputs += 1
+        appended = array("i", prior.generation) + array("i", prior.token_ids) + self._tokens(rest)
+        new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
+        return RenderResult(appended, self._tokens(gen_text), new_anchor, False, len(with_gen), reused_output=True)
 
 
 def render_job(renderer: IncrementalRenderer, job: RenderJob) -> tuple[Optional[RenderResult], bool]:
     """Run a render job from the turn driver; returns (result, mismatch).
 
     `verify_items` + `verify_prefix` (tests, debugging) check the delta against a full render;
-    on a mismatch the full render is returned, so output stays correct.
+    on a mismatch the full render is returned, so output stays correct. A delta that reused
+    generated tokens is compared as text (the model's own tokens may tokenize its text
+    differently: that is the point of reusing them).
     """
     if not job.delta:
         return renderer.full(job.items, job.instructions, job.tools), False
-    res = renderer.delta(job.anchor_items, job.new_items, job.anchor_start, job.instructions, job.tools)
+    res = renderer.delta(job.anchor_items, job.new_items, job.anchor_start, job.instructions, job.tools, job.prior)
     if res is not None and job.verify_items is not None:
         full = renderer.full(job.verify_items, job.instructions, job.tools)
-        if full.assemble(None)[1] != res.assemble(job.verify_prefix)[1]:
+        want, got = full.assemble(None)[1], res.assemble(job.verify_prefix)[1]
+        if res.reused_output and renderer.decode is not None:
+            want, got = renderer.decode(want), renderer.decode(got)
+        if want != got:
             return full, True
     return res, False
