@@ -57,7 +57,7 @@ class EngineReplica:
         tools = tool_format(config.model.tool_parser)
         think = reasoning_tags(config.model.reasoning_parser, self.tokenizer)
         self.format = OutputFormat(tools.start, tools.end, think[0], think[1])
-        self._decode_tail = lambda ids: backend.decode(list(ids), skip_special_tokens=False)
+        self._decode_raw = lambda ids: backend.decode(list(ids), skip_special_tokens=False)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (tests)
@@ -92,7 +92,7 @@ class EngineReplica:
                 return
             self.prompts.remember(resolved)
             chunks = coalesce(stream_chunks(self.engine, resolved, self.extractor, self.format, replica=self.replica_id,
-                                            decode_tail=self._decode_tail), self.config.engine.stream_interval_ms / 1000)
+                                            decode_raw=self._decode_raw), self.config.engine.stream_interval_ms / 1000)
             async with aclosing(chunks):
                 async for chunk in chunks:
                     if chunk and isinstance(chunk[-1], EngineDone):
@@ -147,7 +147,7 @@ class EngineReplica:
                                 cache_salt="loopserve-warmup")
             try:
                 async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
-                                                  decode_tail=self._decode_tail)) as chunks:
+                                                  decode_raw=self._decode_raw)) as chunks:
                     async for _ in chunks:
                         pass
             except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time

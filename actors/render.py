@@ -12,7 +12,7 @@ from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import RenderJob
 from cluster.core.render import RenderResult, render_job
-from cluster.tokenizer import load_tokenizer, renderer_for
+from cluster.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
 
 log = logging.getLogger("loopserve.render")
 
@@ -25,6 +25,7 @@ class RenderActor:
         self.tracer = telemetry.tracer()
         self.tokenizer = load_tokenizer(config)
         self.renderer = renderer_for(self.tokenizer)
+        watch_fallbacks(self.renderer, telemetry.Metrics())
         self.mismatches = 0
 
     async def render(self, job: RenderJob) -> Optional[RenderResult]:
@@ -41,9 +42,5 @@ class RenderActor:
             log.error("incremental render differs from the full render; used the full one")
         return result
 
-    async def stats(self) -> dict[str, int]:
-        return {
-            "full_renders": self.renderer.full_renders,
-            "delta_renders": self.renderer.delta_renders,
-            "mismatches": self.mismatches,
-        }
+    async def stats(self) -> dict[str, object]:
+        return {**self.renderer.stats(), "mismatches": self.mismatches}

@@ -166,6 +166,8 @@ class Metrics:
         self.cache_lookups = m.create_counter("loopserve.session_cache.lookups",
                                               description="previous_response_id lookups, by result (hit|store|miss)")
         self.safety_blocks = m.create_counter("loopserve.safety.blocks", description="turns stopped by the content filter")
+        self.render_fallbacks = m.create_counter(
+            "loopserve.render.fallbacks", description="delta renders done as full renders, by reason")
         self.store_write = m.create_histogram("loopserve.store.write_latency", unit="ms",
                                               description="durable store write latency")
         self.connections = m.create_up_down_counter("loopserve.connections.active",
@@ -193,6 +195,9 @@ class Metrics:
     def safety_blocked(self, stage: str) -> None:
         self.blocked_turns += 1
         self.safety_blocks.add(1, {"stage": stage})
+
+    def render_fell_back(self, reason: str) -> None:
+        self.render_fallbacks.add(1, {"reason": reason})
 
     def session_moved(self) -> None:
         self.session_moves += 1

@@ -7,8 +7,12 @@ mistral_common through vLLM's `MistralTokenizer` (token ids directly).
 
 from __future__ import annotations
 
+import logging
+
 from .config import LoopserveConfig
 from .core.render import IncrementalRenderer
+
+log = logging.getLogger("loopserve.render")
 
 
 def load_tokenizer(config: LoopserveConfig):
@@ -49,6 +53,21 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
     if probe:
         renderer.warm_up()
     return renderer
+
+
+def watch_fallbacks(renderer: IncrementalRenderer, metrics) -> None:
+    """Count the renderer's fallbacks in `metrics` and log each reason and steps once."""
+    logged: set = set()
+
+    def on_fallback(reason: str, steps: tuple) -> None:
+        metrics.render_fell_back(reason)
+        if (reason, steps) not in logged and len(logged) < 256:
+            logged.add((reason, steps))
+            from .core.render_probe import format_step
+
+            log.info("delta render rendered fully (%s): %s", reason, "; ".join(map(format_step, steps)))
+
+    renderer.on_fallback = on_fallback
 
 
 def mistral_renderer(tokenizer) -> IncrementalRenderer:

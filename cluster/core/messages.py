@@ -119,6 +119,16 @@ class EngineDone:
     # The replica's direct channel ("host:port/secret"), on answers that came through the
     # Serve handle: the session's next turns stream from it directly (cluster/engines/channel.py).
     channel: str = ""
+    # What was generated: token ids (int32 bytes) and their text with special tokens kept;
+    # the next turn's prompt reuses these ids where the template renders them as this text.
+    output_ids: bytes = b""
+    output_text: str = ""
+
+    @property
+    def output_token_ids(self) -> array:
+        ids = array("i")
+        ids.frombytes(self.output_ids)
+        return ids
 
 
 # The engine replica cannot resolve a tail prompt (its base is gone): send the whole prompt.

@@ -211,6 +211,12 @@ class IncrementalRenderer:
 
         probe(self)
 
+    def stats(self) -> dict[str, Any]:
+        report = self.probe_report
+        return {"full_renders": self.full_renders, "delta_renders": self.delta_renders,
+                "reused_outputs": self.reused_outputs, "fallbacks": dict(self.fallbacks),
+                "probe": report.summary() if report is not None else None}
+
     def reset_counters(self) -> None:
         self.full_renders = self.delta_renders = self.reused_outputs = 0
         self.fallbacks = {}

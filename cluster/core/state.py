@@ -7,6 +7,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .messages import PriorOutput
+
 
 @dataclass(frozen=True)
 class RenderKey:
@@ -33,6 +35,9 @@ class RenderedPrefix:
     # The engine request whose prompt starts with `token_ids` (its replica keeps that
     # prompt, so the next turn sends only its tail); None when no such prompt ran.
     engine_request_id: Optional[str] = None
+    # The generation prompt after `token_ids` and what the engine generated after it: the
+    # next turn reuses those token ids (`render.IncrementalRenderer.delta`).
+    prior: Optional[PriorOutput] = None
 
 
 @dataclass
@@ -77,6 +82,9 @@ def estimate_nbytes(state: ResponseState) -> int:
     holds only this state keeps all of it alive.
     """
     tokens = len(state.rendered.token_ids) * 4 if state.rendered else 0
+    if state.rendered is not None and state.rendered.prior is not None:
+        prior = state.rendered.prior
+        tokens += 4 * (len(prior.generation) + len(prior.token_ids)) + len(prior.text)
     # (The Response object shares its output items with the context.)
     request = _size(state.tools) + len(state.instructions or "")
     return 256 + tokens + 8 * len(state.items) + state.context_bytes + request

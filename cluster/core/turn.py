@@ -281,7 +281,8 @@ class TurnDriver:
             # Only the anchor message and the new items travel: O(new items).
             job = RenderJob(req.instructions, tools_spec, delta=True,
                             anchor_items=ctx.items[pre.anchor_start : pre.item_count],
-                            new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start)
+                            new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start,
+                            prior=pre.prior if parent.output_start == pre.item_count else None)
             if st.verify_renders:
                 job.verify_items, job.verify_prefix = ctx.items, pre.token_ids
         else:

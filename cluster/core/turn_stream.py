@@ -22,8 +22,8 @@ from ..protocol.errors import ApiError, server_error
 from ..protocol.requests import ResponsesRequest
 from .context import ResolvedContext, output_as_context, output_call_ids
 from .events import Event, EventAssembler, usage_object
-from .messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, ReasoningPiece,
-                       TextPiece, TokenProgress, ToolCallPiece, ToolSpec)
+from .messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, PriorOutput,
+                       ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, ToolSpec)
 from .post_work import PostWorkQueue, TurnRecord
 from .safety import TurnSafety
 from .session_cache import SessionCache
@@ -153,7 +153,7 @@ class Turn:
             self.cache.evict(self.request.previous_response_id)
 
     def commit(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
-               engine_ran: bool = False) -> ResponseState:
+               engine_ran: bool = False, done: Optional[EngineDone] = None) -> ResponseState:
         """The next turn's state, in the cache before the terminal event leaves."""
         req, ctx, rendered = self.request, self.context, self.rendered
         out_items = output_as_context(output)
@@ -161,6 +161,10 @@ class Turn:
         inherited = ctx.parent.context_bytes if ctx.parent is not None else 0
         # The engine replica keeps this turn's prompt: the next one sends only its tail.
         engine_request_id = self.response_id if engine_ran and rendered.prompt_extends_prefix else None
+        prior = None
+        if done is not None and done.output_ids and rendered.prompt_extends_prefix:
+            prior = PriorOutput(rendered.prompt_token_ids[len(rendered.prefix_token_ids):], done.output_token_ids,
+                                done.output_text)
         state = ResponseState(
             response_id=self.response_id,
             model=self.model,
@@ -169,7 +173,7 @@ class Turn:
             instructions=req.instructions,
             tools=list(req.tools or []),
             rendered=RenderedPrefix(self.render_key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start,
-                                    engine_request_id),
+                                    engine_request_id, prior),
             known_call_ids=ctx.known_call_ids | frozenset(calls),
             pending_call_ids=ctx.pending_call_ids + tuple(calls),
             store=req.store is not False,
@@ -341,7 +345,7 @@ class TurnStream:
             timing.session_moved = True
             self.services.metrics.session_moved()
         incomplete = "max_output_tokens" if done.finish_reason == "length" else None
-        turn.commit(asm.response["output"], asm.response, done.replica, engine_ran=True)
+        turn.commit(asm.response["output"], asm.response, done.replica, engine_ran=True, done=done)
         self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
         turn.status = "incomplete" if incomplete else "completed"
         terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)

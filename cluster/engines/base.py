@@ -17,6 +17,7 @@ class EngineDelta:
     finish_reason: Optional[str] = None  # stop | length | abort
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the new tokens themselves
 
 
 @dataclass

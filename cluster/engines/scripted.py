@@ -194,6 +194,7 @@ class ScriptedEngine:
                     finish_reason=finish if last else None,
                     prompt_tokens=len(prompt),
                     cached_tokens=cached,
+                    token_ids=[tok],
                 )
             if not out_ids:
                 yield EngineDelta(finished=True, finish_reason="length", prompt_tokens=len(prompt), cached_tokens=cached)

@@ -30,19 +30,20 @@ async def stream_chunks(
     fmt: OutputFormat = OutputFormat(),
     *,
     replica: str = "",
-    decode_tail: Optional[Callable[[array], str]] = None,
+    decode_raw: Optional[Callable[[array], str]] = None,
 ) -> AsyncIterator[EngineChunk]:
     """Run one request (whole prompt); yield lists of pieces, the last one ending with `EngineDone`.
 
-    `decode_tail` decodes the prompt's last tokens: a prompt that ends inside an
-    opened think tag (Qwen3-style templates) starts the output in reasoning.
+    `decode_raw` decodes tokens with special tokens kept: the prompt's last tokens (a prompt
+    that ends inside an opened think tag, as Qwen3-style templates do, starts the output in
+    reasoning) and, at the end, the whole output (the next turn reuses its token ids).
     """
     if len(request.prompt_token_ids) >= engine.max_model_len:
         yield [EngineFailure(400, f"The prompt has {len(request.prompt_token_ids)} tokens; "
                                   f"the model's limit is {engine.max_model_len}.",
                              code="context_length_exceeded", param="input")]
         return
-    tail = decode_tail(request.prompt_token_ids[-8:]) if decode_tail else ""
+    tail = decode_raw(request.prompt_token_ids[-8:]) if decode_raw else ""
     parser = StreamingOutputParser(
         extractor,
         tool_open=fmt.tool_open,
@@ -53,6 +54,7 @@ async def stream_chunks(
         start_in_reasoning=tail.rstrip().endswith(fmt.think_open),
     )
     output_tokens = 0
+    output_ids = array("i")
     # The engine's own clock: the connection actor subtracts it from what it
     # saw to get the cost of the handle hop (benchmarks, traces).
     started = time.perf_counter()
@@ -62,6 +64,7 @@ async def stream_chunks(
     async with aclosing(engine.generate(request)) as deltas:
         async for delta in deltas:
             output_tokens += delta.new_tokens
+            output_ids.extend(delta.token_ids)
             if delta.new_tokens and not first_token:
                 first_token = time.perf_counter() - started
             chunk: EngineChunk = list(parser.feed(delta.text)) if delta.text else []
@@ -71,7 +74,8 @@ async def stream_chunks(
                 chunk += parser.finish()
                 chunk.append(EngineDone(delta.prompt_tokens, delta.cached_tokens, output_tokens, delta.finish_reason,
                                         replica=replica, engine_s=time.perf_counter() - started,
-                                        first_token_s=first_token))
+                                        first_token_s=first_token, output_ids=output_ids.tobytes(),
+                                        output_text=decode_raw(output_ids) if decode_raw else ""))
             if chunk:
                 yield chunk
 

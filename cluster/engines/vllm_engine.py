@@ -115,6 +115,7 @@ class VLLMEngine:
                     finish_reason=comp.finish_reason if out.finished else None,
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     cached_tokens=cached,
+                    token_ids=list(comp.token_ids),
                 )
         finally:
             if not finished:

@@ -56,8 +56,7 @@ class RenderClient:
     def local_stats(self) -> Optional[dict[str, int]]:
         if self.local is None:
             return None
-        return {"full_renders": self.local.full_renders, "delta_renders": self.local.delta_renders,
-                "mismatches": self.local_mismatches}
+        return {**self.local.stats(), "mismatches": self.local_mismatches}
 
 
 class SafetyClient:

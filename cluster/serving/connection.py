@@ -29,7 +29,7 @@ from ..core.turn import TurnDriver, TurnSettings
 from ..core.ws_session import WebSocketSession, frame_too_large
 from ..protocol.errors import ApiError
 from ..store import ResponseStore, open_store
-from ..tokenizer import load_tokenizer, renderer_for
+from ..tokenizer import load_tokenizer, renderer_for, watch_fallbacks
 from .clients import EngineClient, RenderClient, SafetyClient, deployment_retry
 from .responses import ResponsesService
 
@@ -41,6 +41,8 @@ class ConnectionServices:
                  safety: Optional[SafetyClient], store: Optional[ResponseStore]) -> None:
         self.config = config
         self.metrics = telemetry.Metrics()
+        if render.local is not None:
+            watch_fallbacks(render.local, self.metrics)
         self.auth = Authenticator(config.auth)
         self.render, self.engine, self.safety, self.store = render, engine, safety, store
         self.usage = UsageMeter()

@@ -34,6 +34,7 @@ class InProcessStack:
             decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
             decode_raw=lambda ids: backend.decode(ids, skip_special_tokens=False),
         )
+        self.decode_raw = lambda ids: backend.decode(list(ids), skip_special_tokens=False)
         self.prompts = SessionPrompts()  # what an EngineReplica keeps: continuations send their tail
         self.extractor = vllm_tool_call_extractor("hermes", tokenizer)
         self.render_jobs: list[RenderJob] = []
@@ -62,7 +63,7 @@ class InProcessStack:
             yield [EngineFailure(409, "base missing", code=PROMPT_BASE_MISSING)]
             return
         self.prompts.remember(whole)
-        async with aclosing(stream_chunks(self.engine, whole, self.extractor)) as chunks:
+        async with aclosing(stream_chunks(self.engine, whole, self.extractor, decode_raw=self.decode_raw)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

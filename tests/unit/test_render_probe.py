@@ -1,0 +1,223 @@
+"""The start-up render probe on real chat templates that are on this machine, and
+token-exact continuations.
+
+Templates: the served ChatML+Hermes template (tiny model, SmolLM2), SmolLM2's own
+template (inside its GGUF), vLLM's shipped ChatML / basic / MiniCPM-V 4.5 (a Qwen3-style
+template that drops reasoning from earlier turns), Llama 4's (tools inside the first user
+message; shipped in transformers), Mistral's request encoding in mistral_common (v1, v3,
+v7, tekken) through vLLM's MistralTokenizer, and a template written here that puts the
+tools before the last user message as Mistral v3 does.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from cluster.core.context import normalize_tools
+from cluster.core.render_probe import SCENARIOS, TOOLS, _check, _State, format_step
+from cluster.core.session_cache import SessionCache
+from cluster.protocol.requests import parse_request
+from cluster.tokenizer import renderer_for
+
+from .harness import InProcessStack
+
+# Mistral v3 style, as Jinja: the tools block goes right before the *last* user message.
+TOOLS_BEFORE_LAST_USER = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if loop.index0 == ns.last_user and tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def tokenizer_with(tiny_model_dir, template: str, specials=(), eos=None):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    if eos:
+        tok.eos_token = eos
+    tok.chat_template = template
+    return tok
+
+
+def drive(renderer, turns, instructions=None, tools=None):
+    """A conversation through the renderer as the turn driver runs it (delta when the renderer
+    takes it, else full); returns [(assembled prompt, full render's prompt)] per turn."""
+    items, st, out = [], None, []
+    for new, output in turns:
+        ctx = items + new
+        want = renderer.full(ctx, instructions, tools).assemble(None)[1]
+        res = None
+        if st is not None:
+            res = renderer.delta(ctx[st.anchor_start: st.item_count], ctx[st.item_count:], st.anchor_start,
+                                 instructions, tools)
+        prefix, prompt = res.assemble(st.prefix) if res is not None else renderer.full(
+            ctx, instructions, tools).assemble(None)
+        out.append((prompt, want))
+        st = _State(ctx, prefix, len(ctx), (res or renderer.full(ctx, instructions, tools)).anchor_start,
+                    prompt[len(prefix):], True)
+        items = ctx + output
+    return out
+
+
+def all_exact(renderer):
+    for turns in SCENARIOS.values():
+        for instructions in (None, "Be brief."):
+            for tools in (TOOLS, None):
+                for got, want in drive(renderer, turns, instructions, tools):
+                    assert got == want
+
+
+def test_the_served_template_is_proven_exact_everywhere(tiny_model_dir):
+    r = renderer_for(AutoTokenizer.from_pretrained(tiny_model_dir))
+    report = r.probe_report
+    assert not report.wrong
+    for step in ("tool -> assistant+calls [tools, reusing output]", "assistant+calls -> tool [tools]",
+                 "tool -> user [tools]", "assistant -> user [system, tools]"):
+        assert step in report.summary()["proven"]
+    all_exact(r)
+
+
+def test_smollm2s_own_template_from_its_gguf():
+    from cluster.builtin_models import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    r = renderer_for(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+    assert not r.probe_report.wrong and len(r.probe_report.proven) > 40
+    all_exact(r)
+
+
+def test_tools_before_the_last_user_message_fall_back(tiny_model_dir):
+    tok = tokenizer_with(tiny_model_dir, TOOLS_BEFORE_LAST_USER)
+    tools = normalize_tools([{"type": "function", "name": "f", "parameters": {"type": "object"}}])
+    turns = [([{"type": "message", "role": "user", "content": "hi"}],
+              [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]),
+             ([{"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+              [{"type": "message", "role": "assistant", "content": "done"}]),
+             ([{"type": "message", "role": "user", "content": "more"}], [])]
+    # Without the probe the local checks accept the delta (the window, from the tool result on,
+    # has no user message before the new one) and the tools block appears twice.
+    unprobed = renderer_for(tok, probe=False)
+    *_, (got, want) = drive(unprobed, turns, tools=tools)
+    assert got != want
+    assert unprobed.decode(got).count("<|im_start|>tools") == 2
+    probed = renderer_for(tok)
+    assert "tool -> assistant [tools]" in probed.probe_report.summary()["falls_back"] or \
+        "assistant -> user [tools]" in probed.probe_report.summary()["falls_back"]
+    assert "assistant+calls -> tool [tools]" in probed.probe_report.summary()["proven"]
+    assert all(got == want for got, want in drive(probed, turns, tools=tools))
+    all_exact(probed)
+
+
+def test_vllms_shipped_templates(tiny_model_dir):
+    import vllm
+
+    folder = pathlib.Path(vllm.__file__).parent / "transformers_utils" / "chat_templates"
+    chatml = renderer_for(tokenizer_with(tiny_model_dir, (folder / "template_chatml.jinja").read_text()))
+    assert not chatml.probe_report.wrong
+    all_exact(chatml)
+    # No special tokens between messages: a cut could merge tokens, so nothing is proven.
+    basic = renderer_for(tokenizer_with(tiny_model_dir, (folder / "template_basic.jinja").read_text()))
+    assert not basic.probe_report.proven
+    all_exact(basic)
+    # Qwen3-style: reasoning of earlier turns is dropped once a new user message arrives.
+    qwen3_like = renderer_for(tokenizer_with(tiny_model_dir, (folder / "template_minicpmv45.jinja").read_text()))
+    falls_back = qwen3_like.probe_report.summary()["falls_back"]
+    assert falls_back["assistant+think -> user"] == "differs_from_full_render"
+    assert "user -> assistant+calls+think" in qwen3_like.probe_report.summary()["proven"]
+    all_exact(qwen3_like)
+
+
+def test_llama4_tools_inside_the_first_user_message(tiny_model_dir):
+    import transformers.models.llama4.processing_llama4 as llama4
+
+    template = eval(re.search(r'chat_template = (".*?")\n', pathlib.Path(llama4.__file__).read_text()).group(1))
+    tok = tokenizer_with(tiny_model_dir, template, ["<|header_start|>", "<|header_end|>", "<|eot|>",
+                                                     "<|python_start|>", "<|python_end|>"], eos="<|eot|>")
+    r = renderer_for(tok)
+    assert "Environment: ipython" in r.decode(r.full(SCENARIOS["tool_loop"][0][0], "s", TOOLS).assemble(None)[1])
+    assert "assistant+calls -> tool [system, tools]" in r.probe_report.summary()["proven"]
+    all_exact(r)
+
+
+@pytest.mark.parametrize("name,file", [("tokenizer.model.v1", "tokenizer.model.v1"),
+                                       ("tokenizer.model.v3", "mistral_instruct_tokenizer_240323.model.v3"),
+                                       ("tokenizer.model.v7", "mistral_instruct_tokenizer_241114.model.v7"),
+                                       ("tekken.json", "tekken_240911.json")])
+def test_mistral_common_encodings(tmp_path, name, file):
+    import mistral_common
+    from vllm.tokenizers.mistral import MistralTokenizer
+
+    shutil.copy(pathlib.Path(mistral_common.__file__).parent / "data" / file, tmp_path / name)
+    r = renderer_for(MistralTokenizer.from_pretrained(str(tmp_path)))
+    summary = r.probe_report.summary()
+    if name == "tokenizer.model.v1":  # v1 has no tools at all
+        assert not [s for s in summary["proven"] if "tool ->" in s or "-> tool" in s]
+    else:
+        # A window that starts with a tool result is not a conversation mistral_common accepts.
+        assert summary["falls_back"]["tool -> assistant"] in ("window_render_failed",
+                                                              "template_refuses_it (InvalidMessageStructureException)")
+        # v3/v7/tekken move the tools (v3: and the system prompt) to the last user message.
+        assert "assistant -> user [system, tools]" in summary["falls_back"]
+    assert summary["proven"]
+    for turns in SCENARIOS.values():
+        for tools in (TOOLS, None) if name != "tokenizer.model.v1" else (None,):
+            try:
+                pairs = drive(r, turns, "Be brief.", tools)
+            except Exception:  # noqa: BLE001 - mistral_common refuses this conversation shape outright
+                continue
+            assert all(got == want for got, want in pairs)
+
+
+def test_a_probe_check_catches_a_wrong_delta(tiny_model_dir):
+    """The check the probe is made of: a delta that differs from the full render is recorded wrong."""
+    from cluster.core.render_probe import ProbeReport
+
+    r = renderer_for(tokenizer_with(tiny_model_dir, TOOLS_BEFORE_LAST_USER), probe=False)
+    items = [{"type": "message", "role": "user", "content": "hi"},
+             {"type": "message", "role": "assistant", "content": "hello"}]
+    prefix = r.full(items[:1], None, TOOLS).assemble(None)[0]
+    report = ProbeReport()
+    _check(report, r, _State(items[:1], prefix, 1, 0, r.full(items[:1], None, TOOLS).generation, True),
+           items + [{"type": "message", "role": "user", "content": "more"}], None, TOOLS, None)
+    assert {format_step(s) for s in report.inexact[0][0]} == {"user -> assistant [tools]", "assistant -> user [tools]"}
+
+
+TOOL = [{"type": "function", "name": "read_file", "description": "Read a file",
+         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+async def test_continuations_reuse_the_generated_tokens(tokenizer):
+    """The next prompt holds the engine's own output tokens, so the prefix cache covers the
+    previous prompt and output (the scripted engine's cache is token-exact like vLLM's)."""
+    stack = InProcessStack(tokenizer, verify=True)
+    cache = SessionCache()
+    resp = None
+    prompts = []
+    for n in range(6):
+        if resp is None:
+            body = {"input": "read the readme", "tools": TOOL}
+        elif resp["output"][0]["type"] == "function_call":  # the scripted engine calls after a user message
+            body = {"previous_response_id": resp["id"], "tools": TOOL, "input": [
+                {"type": "function_call_output", "call_id": resp["output"][0]["call_id"], "output": f"line {n}\n" * 50}]}
+        else:  # ... and answers after a tool result
+            body = {"previous_response_id": resp["id"], "tools": TOOL, "input": f"now step {n}"}
+        evs = [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s1")]
+        resp = evs[-1]["response"]
+        prompts.append((resp["usage"]["input_tokens"], resp["usage"]["input_tokens_details"]["cached_tokens"],
+                        resp["usage"]["output_tokens"]))
+    assert stack.mismatches == 0
+    assert stack.renderer.reused_outputs == 5
+    assert all(job.prior is not None for job in stack.render_jobs[1:])
+    for (p0, _, o0), (_, cached, _) in zip(prompts, prompts[1:]):
+        assert cached >= p0 + o0 - 1  # all but the last generated token, which was never computed
