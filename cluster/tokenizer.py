@@ -8,6 +8,8 @@ mistral_common through vLLM's `MistralTokenizer` (token ids directly).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from .config import LoopserveConfig
 from .core.render import IncrementalRenderer
@@ -30,26 +32,42 @@ def load_tokenizer(config: LoopserveConfig):
     return AutoTokenizer.from_pretrained(config.model.resolved_path())
 
 
+@dataclass(frozen=True)
+class TokenCodec:
+    """Text <-> token ids for the engine side (no special tokens added on encode)."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]  # special tokens skipped (output text)
+    decode_raw: Callable[[Sequence[int]], str]  # special tokens kept (parsers, token reuse)
+
+
+def token_codec(tokenizer) -> TokenCodec:
+    if getattr(tokenizer, "IS_MISTRAL_TOKENIZER", False):
+        return TokenCodec(lambda s: tokenizer.encode(s, add_special_tokens=False),
+                          lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+                          lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False))
+    backend = tokenizer.backend_tokenizer  # the Rust tokenizer: no Python-side overhead
+    return TokenCodec(lambda s: backend.encode(s, add_special_tokens=False).ids,
+                      lambda ids: backend.decode(list(ids), skip_special_tokens=True),
+                      lambda ids: backend.decode(list(ids), skip_special_tokens=False))
+
+
 def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
     """The incremental renderer for `tokenizer`, probed on its template (`render_probe.py`)."""
     if getattr(tokenizer, "IS_MISTRAL_TOKENIZER", False):
         renderer = mistral_renderer(tokenizer)
     else:
-        backend = tokenizer.backend_tokenizer  # the Rust tokenizer: no Python-side overhead
+        codec = token_codec(tokenizer)
 
-        def apply(messages, tools, add_generation_prompt):
+        def apply(messages, tools, add_generation_prompt, **template_kwargs):
             return tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
 
-        def encode(text: str) -> list[int]:
-            return backend.encode(text, add_special_tokens=False).ids
-
-        def decode(ids) -> str:
-            return backend.decode(list(ids), skip_special_tokens=False)
-
+        encode, decode = codec.encode, codec.decode_raw
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()), decode=decode,
-                                       eos=tokenizer.eos_token)
+                                       eos=tokenizer.eos_token, template_source=template)
     if probe:
         renderer.warm_up()
     return renderer
@@ -73,7 +91,7 @@ def watch_fallbacks(renderer: IncrementalRenderer, metrics) -> None:
 def mistral_renderer(tokenizer) -> IncrementalRenderer:
     """mistral_common's request encoding (what vLLM's tokenizer_mode="mistral" prompts with)."""
 
-    def apply(messages, tools, add_generation_prompt):
+    def apply(messages, tools, add_generation_prompt, **_template_kwargs):
         # mistral_common wants 9-character tool call ids, as vLLM's serving truncates them.
         fixed = []
         for m in messages:
@@ -87,13 +105,8 @@ def mistral_renderer(tokenizer) -> IncrementalRenderer:
             fixed.append(m)
         return list(tokenizer.apply_chat_template(fixed, tools=tools, add_generation_prompt=add_generation_prompt))
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(ids) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    return IncrementalRenderer(apply, encode, [], decode=decode, eos=tokenizer.eos_token_id)
+    codec = token_codec(tokenizer)
+    return IncrementalRenderer(apply, codec.encode, [], decode=codec.decode_raw, eos=tokenizer.eos_token_id)
 
 
 def _mistral_call_id(call_id: str) -> str:

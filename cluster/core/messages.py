@@ -45,6 +45,7 @@ class RenderJob:
     new_items: Sequence[Item] = ()  # ... and the items after it
     anchor_start: int = 0  # delta: index of the anchor in the context
     prior: Optional[PriorOutput] = None  # delta: new_items starts with the output these tokens are
+    reasoning_effort: Optional[str] = None  # the chat template's reasoning-effort argument
     # Tests and debugging: check a delta against a full render of `verify_items`.
     verify_items: Optional[Sequence[Item]] = None
     verify_prefix: Optional[array] = None
@@ -60,7 +61,8 @@ class RenderJob:
         return self.delta and self.verify_items is None
 
     def as_full(self, items: Sequence[Item]) -> "RenderJob":
-        return RenderJob(self.instructions, self.tools, items=items, trace=self.trace)
+        return RenderJob(self.instructions, self.tools, items=items, trace=self.trace,
+                         reasoning_effort=self.reasoning_effort)
 
 
 # -- engine ---------------------------------------------------------------------------
@@ -80,6 +82,9 @@ class EngineRequest:
     top_p: Optional[float] = None
     tools: Sequence[ToolSpec] = ()
     tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    # The request's `text.format` ({"type": "json_schema", "schema": ...} | {"type": "json_object"}).
+    text_format: Optional[dict[str, Any]] = None
     # Prefix-cache namespace (one per tenant): a prompt only hits blocks cached
     # under the same salt (vLLM's `cache_salt`).
     cache_salt: Optional[str] = None

@@ -26,11 +26,13 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
+from .controls import template_effort_kwargs
 from .messages import PriorOutput, RenderJob
 
 Message = dict[str, Any]
 Template = Union[str, list[int]]  # a render: text, or token ids for templates that tokenize themselves
-ApplyTemplate = Callable[[list[Message], Optional[list[dict[str, Any]]], bool], Template]
+# (messages, tools, add_generation_prompt, **template arguments) -> render
+ApplyTemplate = Callable[..., Template]
 Encode = Callable[[str], list[int]]
 
 
@@ -187,8 +189,10 @@ class IncrementalRenderer:
     """Chat template + tokenizer, rendering only what is new when it can."""
 
     def __init__(self, apply_template: ApplyTemplate, encode: Encode, special_tokens: Sequence[str],
-                 decode: Optional[Callable[[Sequence[int]], str]] = None, eos: Optional[Template] = None) -> None:
+                 decode: Optional[Callable[[Sequence[int]], str]] = None, eos: Optional[Template] = None,
+                 template_source: str = "") -> None:
         self._apply = apply_template
+        self.template_source = template_source  # what `reasoning.effort` is looked up in
         self._encode = encode
         self.decode = decode  # raw (special tokens kept): the probe's stand-in for a model's output text
         self.eos = eos  # what ends a generated turn (text, or one token id): the probe's outputs stop there
@@ -241,15 +245,21 @@ class IncrementalRenderer:
         if self.on_fallback is not None:
             self.on_fallback(reason, shape)
 
+    def _applier(self, tools: Optional[list[dict[str, Any]]], effort: Optional[str]) -> Callable[..., Template]:
+        kwargs = template_effort_kwargs(self.template_source, effort)
+        return lambda messages, add_generation_prompt: self._apply(messages, tools or None, add_generation_prompt,
+                                                                   **kwargs)
+
     def full(
-        self, items: Sequence[dict[str, Any]], instructions: Optional[str], tools: Optional[list[dict[str, Any]]]
+        self, items: Sequence[dict[str, Any]], instructions: Optional[str], tools: Optional[list[dict[str, Any]]],
+        effort: Optional[str] = None,
     ) -> RenderResult:
+        apply = self._applier(tools, effort)
         self.full_renders += 1
         messages, starts = messages_from_items(items)
         msgs = self._system(instructions) + messages
-        tools = tools or None
-        text = self._apply(msgs, tools, False) if msgs else ""
-        with_gen = self._apply(msgs, tools, True)
+        text = apply(msgs, False) if msgs else ""
+        with_gen = apply(msgs, True)
         anchor = starts[-1] if starts else 0
         if isinstance(with_gen, list) and not text:
             text = []
@@ -266,18 +276,20 @@ class IncrementalRenderer:
         instructions: Optional[str],
         tools: Optional[list[dict[str, Any]]],
         prior: Optional[PriorOutput] = None,
+        effort: Optional[str] = None,
     ) -> Optional[RenderResult]:
         """Tokens for `new_items` appended after a cached prefix; None if not provably exact.
 
         `prior`: the previous turn's generation prompt and generated tokens; `new_items`
         then starts with that turn's output items.
         """
+        apply = self._applier(tools, effort)
         tools = tools or None
         system = self._system(instructions)
         anchor_msgs, _ = messages_from_items(anchor_items)
         both_msgs, both_starts = messages_from_items(list(anchor_items) + list(new_items))
         if prior is not None:
-            res = self._delta_reusing(system, anchor_msgs, both_msgs, both_starts, anchor_start, tools, prior)
+            res = self._delta_reusing(system, anchor_msgs, both_msgs, both_starts, anchor_start, tools, prior, apply)
             if res is not None:
                 return res
         shape = delta_steps(bool(system), bool(tools), False, both_msgs)
@@ -285,9 +297,9 @@ class IncrementalRenderer:
             self._fallback("shape_not_proven", shape)
             return None
         try:
-            base = self._apply(system + anchor_msgs, tools, False) if (system or anchor_msgs) else ""
-            text = self._apply(system + both_msgs, tools, False) if (system or both_msgs) else ""
-            with_gen = self._apply(system + both_msgs, tools, True)
+            base = apply(system + anchor_msgs, False) if (system or anchor_msgs) else ""
+            text = apply(system + both_msgs, False) if (system or both_msgs) else ""
+            with_gen = apply(system + both_msgs, True)
         except Exception:  # noqa: BLE001 - the window alone may not be a valid conversation
             self._fallback("window_render_failed", shape)
             return None
@@ -303,7 +315,7 @@ class IncrementalRenderer:
         return RenderResult(self._tokens(delta_text), self._tokens(gen_text), new_anchor, False, len(with_gen))
 
     def _delta_reusing(self, system, anchor_msgs, both_msgs, both_starts, anchor_start, tools,
-                       prior: PriorOutput) -> Optional[RenderResult]:
+                       prior: PriorOutput, apply: Callable[..., Template]) -> Optional[RenderResult]:
         """The delta with the previous turn's generated tokens in place of a re-render of
         their text: used when the template renders that output as exactly what was generated."""
         shape = delta_steps(bool(system), bool(tools), True, both_msgs)
@@ -311,9 +323,9 @@ class IncrementalRenderer:
             self._fallback("reuse_shape_not_proven", shape)
             return None
         try:
-            base_gen = self._apply(system + anchor_msgs, tools, True)
-            text = self._apply(system + both_msgs, tools, False)
-            with_gen = self._apply(system + both_msgs, tools, True)
+            base_gen = apply(system + anchor_msgs, True)
+            text = apply(system + both_msgs, False)
+            with_gen = apply(system + both_msgs, True)
         except Exception:  # noqa: BLE001
             self._fallback("window_render_failed", shape)
             return None
@@ -342,10 +354,11 @@ def render_job(renderer: IncrementalRenderer, job: RenderJob) -> tuple[Optional[
     differently: that is the point of reusing them).
     """
     if not job.delta:
-        return renderer.full(job.items, job.instructions, job.tools), False
-    res = renderer.delta(job.anchor_items, job.new_items, job.anchor_start, job.instructions, job.tools, job.prior)
+        return renderer.full(job.items, job.instructions, job.tools, job.reasoning_effort), False
+    res = renderer.delta(job.anchor_items, job.new_items, job.anchor_start, job.instructions, job.tools, job.prior,
+                         job.reasoning_effort)
     if res is not None and job.verify_items is not None:
-        full = renderer.full(job.verify_items, job.instructions, job.tools)
+        full = renderer.full(job.verify_items, job.instructions, job.tools, job.reasoning_effort)
         want, got = full.assemble(None)[1], res.assemble(job.verify_prefix)[1]
         if res.reused_output and renderer.decode is not None:
             want, got = renderer.decode(want), renderer.decode(got)

@@ -16,10 +16,12 @@ class RenderKey:
 
     instructions: Optional[str]
     tools_json: str  # canonical JSON of the normalized tools
+    reasoning_effort: Optional[str] = None
 
     @classmethod
-    def of(cls, instructions: Optional[str], tools: list[dict[str, Any]]) -> "RenderKey":
-        return cls(instructions, json.dumps(tools, sort_keys=True, separators=(",", ":")))
+    def of(cls, instructions: Optional[str], tools: list[dict[str, Any]],
+           reasoning_effort: Optional[str] = None) -> "RenderKey":
+        return cls(instructions, json.dumps(tools, sort_keys=True, separators=(",", ":")), reasoning_effort)
 
 
 @dataclass

@@ -16,8 +16,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from .. import telemetry
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
+from ..engines.parsers import tool_format
 from ..protocol.requests import ResponsesRequest
-from .context import normalize_tools, reject_non_text, resolve_context
+from .context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
+from .controls import check_output_controls
 from .events import Event, EventAssembler, build_response
 from .ids import new_id
 from .messages import RenderJob
@@ -62,6 +64,8 @@ class TurnSettings:
     max_input_items: Optional[int] = None
     max_context_tokens: Optional[int] = None
     max_context_bytes: Optional[int] = None
+    # The engine can force tool calls (tool_choice required/named) for this model's format.
+    can_force_tool_calls: bool = True
 
     @classmethod
     def from_config(cls, config: Any) -> "TurnSettings":
@@ -76,6 +80,7 @@ class TurnSettings:
             max_input_items=config.limits.max_input_items,
             max_context_tokens=config.limits.max_context_tokens,
             max_context_bytes=config.limits.max_context_bytes,
+            can_force_tool_calls=eng.backend == "scripted" or tool_format(config.model.tool_parser).forcible,
         )
 
     @property
@@ -204,6 +209,8 @@ class TurnDriver:
             if prev_id:
                 cache.evict(prev_id)
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the render's own error
+            if isinstance(cause, ApiError):
+                raise cause from None
             if _is_input_error(cause):
                 raise ApiError(400, f"The input cannot be rendered with this model's chat template: "
                                     f"{str(cause)[:300]}", param="input", code="invalid_value") from None
@@ -246,6 +253,31 @@ class TurnDriver:
             # mid-turn (tokens were spent); never awaited here.
             stream.schedule_post_work()
 
+    async def _truncate(self, ctx: ResolvedContext, job: RenderJob) -> tuple[ResolvedContext, RenderResult]:
+        """`truncation: "auto"`: drop the oldest items, whole user turns at a time (a cut at a
+        user message never separates a tool call from its output), keeping the instructions,
+        until the prompt fits; the response continues from what the model saw. Binary search:
+        O(log turns) full renders. When even the last user turn alone does not fit, the
+        context_length_exceeded error stands."""
+        items = ctx.items
+        cuts = [i for i, item in enumerate(items)
+                if i > 0 and item.get("type", "message") == "message" and item.get("role") == "user"]
+        best: Optional[tuple[int, RenderResult]] = None
+        lo, hi = 0, len(cuts) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            rendered = await self._render(job.as_full(items[cuts[mid]:]))
+            if len(rendered.assemble(None)[1]) <= self.settings.context_limit:
+                best, hi = (cuts[mid], rendered), mid - 1
+            else:
+                lo = mid + 1
+        if best is None:
+            rendered = await self._render(job)
+            return ctx, rendered
+        cut, rendered = best
+        return ResolvedContext(items[cut:], max(0, ctx.new_start - cut), ctx.known_call_ids, ctx.pending_call_ids,
+                               ctx.parent), rendered
+
     async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState]) -> int:
         """What `input_tokens` would be for this request (renders, does not generate)."""
         _, rendered, _, _ = await self._prepare(req, parent, TurnTiming(), None)
@@ -269,17 +301,20 @@ class TurnDriver:
                 raise ApiError(400, "Missing required parameter: 'input'.", param="input",
                                code="missing_required_parameter")
             tools_spec = normalize_tools(req.tools)
-            key = RenderKey.of(req.instructions, tools_spec)
+            check_output_controls(req, tools_spec, model=self.model_name,
+                                  can_force_tool_calls=self.settings.can_force_tool_calls)
+            effort = req.reasoning.effort if req.reasoning is not None else None
+            key = RenderKey.of(req.instructions, tools_spec, effort)
         timing.resolve = time.perf_counter() - t0
         timing.new_items = len(new_items)
         timing.context_items = len(ctx.items)
         t1 = time.perf_counter()
         st = self.settings
         pre = parent.rendered if parent is not None else None
-        full_job = RenderJob(req.instructions, tools_spec, items=ctx.items)
+        full_job = RenderJob(req.instructions, tools_spec, items=ctx.items, reasoning_effort=effort)
         if pre is not None and pre.key == key:
             # Only the anchor message and the new items travel: O(new items).
-            job = RenderJob(req.instructions, tools_spec, delta=True,
+            job = RenderJob(req.instructions, tools_spec, delta=True, reasoning_effort=effort,
                             anchor_items=ctx.items[pre.anchor_start : pre.item_count],
                             new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start,
                             prior=pre.prior if parent.output_start == pre.item_count else None)
@@ -302,6 +337,10 @@ class TurnDriver:
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
         timing.delta_tokens = rendered.delta_tokens
+        if len(prompt) > st.context_limit and req.truncation == "auto":
+            ctx, rendered = await self._truncate(ctx, full_job)
+            prefix, prompt = rendered.assemble(None)
+            timing.full_render, extends = True, False
         if len(prompt) > st.context_limit:
             raise ApiError(
                 400,

@@ -21,6 +21,7 @@ from .. import telemetry
 from ..protocol.errors import ApiError, server_error
 from ..protocol.requests import ResponsesRequest
 from .context import ResolvedContext, output_as_context, output_call_ids
+from .controls import tool_call_limit
 from .events import Event, EventAssembler, usage_object
 from .messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, PriorOutput,
                        ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, ToolSpec)
@@ -140,6 +141,9 @@ class Turn:
             top_p=req.top_p,
             tools=self.tools,
             tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            text_format=req.text.format.model_dump(by_alias=True, exclude_none=True)
+            if req.text is not None and req.text.format is not None and req.text.format.type != "text" else None,
             # Tenants never share prefix-cache blocks: `cached_tokens` is exact, so a
             # shared cache would let one tenant probe another's prompts.
             cache_salt=cache_salt(self.owner),
@@ -271,6 +275,7 @@ class TurnStream:
         flag: Optional[dict[str, Any]] = None
         engine_start = time.perf_counter()
         tool_calls = 0
+        call_limit = tool_call_limit(req)
         chunks = self._engine_chunks()
         try:
             async for chunk in chunks:
@@ -297,7 +302,7 @@ class TurnStream:
                         events = asm.reasoning(piece.text)
                         safety.on_output(piece.text)
                     elif isinstance(piece, ToolCallPiece):
-                        if req.max_tool_calls is not None and tool_calls >= req.max_tool_calls:
+                        if call_limit is not None and tool_calls >= call_limit:
                             continue
                         tool_calls += 1
                         events = asm.tool_call(piece.name, piece.arguments)

@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 class ToolFormat:
     start: str
     end: Optional[str]  # None: the tool-call section runs to the end of the output
+    # vLLM has a structural tag for it (the parser's `structural_tag_model`): forced
+    # tool calls (tool_choice required/named) work. Known here without importing vLLM,
+    # for connection nodes that have none; a unit test checks it against vLLM.
+    forcible: bool = True
 
 
 # Families whose tool-call section begins at a marker (vLLM parser name -> format).
@@ -29,7 +33,7 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
     "qwen3_xml": ToolFormat("<tool_call>", "</tool_call>"),  # Qwen3-Coder XML calls
     "qwen3_coder": ToolFormat("<tool_call>", "</tool_call>"),
     "llama3_json": ToolFormat("<|python_tag|>", None),  # Llama 3.1/3.2 JSON calls
-    "mistral": ToolFormat("[TOOL_CALLS]", None),
+    "mistral": ToolFormat("[TOOL_CALLS]", None, forcible=False),
 }
 
 # Reasoning tags when no vLLM reasoning parser is configured.

@@ -62,7 +62,14 @@ async def stream_chunks(
     # aclosing: leaving early (client gone, content filter) closes the engine's
     # generator now, which aborts the request, instead of whenever GC runs.
     async with aclosing(engine.generate(request)) as deltas:
-        async for delta in deltas:
+        try:
+            first = await anext(deltas)
+        except StopAsyncIteration:
+            first = None
+        except ValueError as exc:  # the engine refused the request (e.g. a schema structured outputs cannot compile)
+            yield [EngineFailure(400, f"The request cannot be generated: {str(exc)[:300]}", code="invalid_value")]
+            return
+        async for delta in _prepend(first, deltas):
             output_tokens += delta.new_tokens
             output_ids.extend(delta.token_ids)
             if delta.new_tokens and not first_token:
@@ -78,6 +85,13 @@ async def stream_chunks(
                                         output_text=decode_raw(output_ids) if decode_raw else ""))
             if chunk:
                 yield chunk
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
 
 
 async def coalesce(chunks: AsyncIterator[list], min_interval_s: float = 0.0) -> AsyncIterator[list]:

@@ -59,6 +59,8 @@ class VLLMEngine:
         )
         if not _on_cpu():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if self.model.tokenizer_mode == "mistral":
+            kwargs["tokenizer_mode"] = "mistral"
         if cfg.block_size:
             kwargs["block_size"] = cfg.block_size
         if cfg.tensor_parallel_size > 1:
@@ -89,7 +91,12 @@ class VLLMEngine:
             sampling["temperature"] = request.temperature
         if request.top_p is not None:
             sampling["top_p"] = request.top_p
-        params = SamplingParams(max_tokens=request.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling)
+        from .constraints import structured_outputs
+
+        params = SamplingParams(max_tokens=request.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling,
+                                structured_outputs=structured_outputs(request.tools, request.tool_choice,
+                                                                      request.parallel_tool_calls, request.text_format,
+                                                                      self.model.tool_parser))
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
         if request.cache_salt and self.config.enable_prefix_caching:
             prompt["cache_salt"] = request.cache_salt  # blocks hash with the tenant's salt

@@ -19,6 +19,11 @@ _TYPE_BY_STATUS = {
 }
 
 
+def _rebuild_api_error(status: int, message: str, code: Optional[str], param: Optional[str],
+                       type: Optional[str]) -> "ApiError":
+    return ApiError(status, message, code=code, param=param, type=type)
+
+
 class ApiError(Exception):
     """An error the client is told about, in the API's own shape."""
 
@@ -37,6 +42,10 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+
+    def __reduce__(self):
+        # Picklable across a Ray handle (a render replica's 400 reaches the client as a 400).
+        return (_rebuild_api_error, (self.status, self.message, self.code, self.param, self.type))
 
     def error_object(self) -> dict[str, Any]:
         return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}

