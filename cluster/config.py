@@ -170,6 +170,10 @@ class OpsConfig(_Strict):
     # floor the benchmark compares with. Benchmark-only: off unless turned on,
     # and even then it needs an admin key and obeys the WebSocket limits.
     echo_route: bool = False
+    # Tests and debugging: engine replicas also keep a digest of each prompt's text (decoded,
+    # O(prompt) after each turn), to check prompts that reuse generated tokens against a full
+    # render (their token ids legitimately differ from a re-tokenization).
+    prompt_text_digests: bool = False
 
 
 class LimitsConfig(_Strict):

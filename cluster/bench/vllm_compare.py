@@ -1,8 +1,10 @@
 """The agent loop on the real engine: loopserve (vllm backend) vs the engine floor vs vLLM's server.
 
     python -m cluster.bench.vllm_compare --turns 50 --message-chars 800
+    python -m cluster.bench.vllm_compare --model smollm2-135m-instruct --turns 30 --message-chars 600
 
-Same tiny model, same loop, one run, one engine at a time:
+Same model (the generated tiny one, or the real built-in SmolLM2), same loop, one run, one
+engine at a time:
 - floor:     vLLM's AsyncLLM in this process, fed token ids directly (no server);
 - loopserve: WebSocket mode, previous_response_id, only new items;
 - peer:      vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`),
@@ -27,7 +29,7 @@ from typing import Any
 from .local import add_ingress_argument, free_port
 
 BLOCK = 32
-MAX_LEN = 32768  # the tiny model's max_position_embeddings
+MAX_LEN = {"loopserve-tiny": 32768, "smollm2-135m-instruct": 8192}  # max_position_embeddings
 
 # vLLM's own server (its process and its children get the torch-extension guard
 # through `expand_startup_env`).
@@ -40,7 +42,7 @@ def _message(turn: int, chars: int, prefix: str) -> str:
     return (line * (chars // len(line) + 1))[:chars]
 
 
-async def floor(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[float]:
+async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int) -> list[float]:
     """AsyncLLM fed token ids: each turn's prompt = previous prompt + output + the new message's tokens."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -52,7 +54,7 @@ async def floor(model_dir: str, turns: int, chars: int, max_tokens: int) -> list
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, enforce_eager=True, dtype="float32",
-                                                    max_model_len=MAX_LEN, enable_prefix_caching=True,
+                                                    max_model_len=max_len, enable_prefix_caching=True,
                                                     block_size=BLOCK, seed=0))
     prefix = secrets.token_hex(8)
     prompt: list[int] = []
@@ -62,6 +64,8 @@ async def floor(model_dir: str, turns: int, chars: int, max_tokens: int) -> list
         for i in range(turns):
             msg = tok.apply_chat_template([{"role": "user", "content": _message(i, chars, prefix)}], tokenize=False,
                                           add_generation_prompt=True)
+            if prompt:  # a template's default system prompt opens the conversation only
+                msg = msg[msg.index("<|im_start|>user"):]
             prompt = prompt + tok.encode(msg, add_special_tokens=False)
             t0 = time.perf_counter()
             out: list[int] = []
@@ -118,14 +122,14 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
     return times
 
 
-def run_loopserve(turns: int, chars: int, max_tokens: int, ingress: str = "haproxy") -> list[float]:
+def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy") -> list[float]:
     from .runner import _local_cluster
 
     url = _local_cluster(ingress=ingress, args={"engine": {"backend": "vllm", "vllm": {"block_size": BLOCK, "default_max_tokens": max_tokens}},
-                          "model": {"max_model_len": MAX_LEN}, "store": {"backend": "none"},
-                          "safety": {"enabled": False}})
+                          "model": {"name": model, "builtin": model, "max_model_len": MAX_LEN[model]},
+                          "store": {"backend": "none"}, "safety": {"enabled": False}})
     try:
-        return asyncio.run(ws_chain(url, turns, chars, max_tokens, "loopserve-tiny"))
+        return asyncio.run(ws_chain(url, turns, chars, max_tokens, model))
     finally:
         from ray import serve
         import ray
@@ -134,7 +138,7 @@ def run_loopserve(turns: int, chars: int, max_tokens: int, ingress: str = "hapro
         ray.shutdown()
 
 
-def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[float]:
+def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int) -> list[float]:
     import httpx
 
     port = free_port()
@@ -144,7 +148,7 @@ def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int) -> list[fl
     proc = subprocess.Popen(
         [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port),
          "--host", "127.0.0.1", "--served-model-name", "peer", "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", str(MAX_LEN), "--enable-prefix-caching", "--block-size", str(BLOCK), "--seed", "0"],
+         "--max-model-len", str(max_len), "--enable-prefix-caching", "--block-size", str(BLOCK), "--seed", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -173,19 +177,19 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--model", choices=sorted(MAX_LEN), default="loopserve-tiny")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
-    from ..config import DEFAULT_MODEL_DIR
-    from ..tiny_model import ensure_tiny_model
+    from ..builtin_models import ensure_builtin
 
-    model_dir = str(ensure_tiny_model(DEFAULT_MODEL_DIR))
+    model_dir, max_len = str(ensure_builtin(ns.model)), MAX_LEN[ns.model]
     results: dict[str, list[float]] = {}
-    results["floor"] = asyncio.run(floor(model_dir, ns.turns, ns.message_chars, ns.max_tokens))
-    results["loopserve-ws"] = run_loopserve(ns.turns, ns.message_chars, ns.max_tokens, ns.ingress)
+    results["floor"] = asyncio.run(floor(model_dir, ns.turns, ns.message_chars, ns.max_tokens, max_len))
+    results["loopserve-ws"] = run_loopserve(ns.model, ns.turns, ns.message_chars, ns.max_tokens, ns.ingress)
     if not ns.skip_peer:
-        results["vllm-server"] = run_peer(model_dir, ns.turns, ns.message_chars, ns.max_tokens)
+        results["vllm-server"] = run_peer(model_dir, ns.turns, ns.message_chars, ns.max_tokens, max_len)
     base = sum(results["floor"])
-    print(f"\nreal engine (vLLM, tiny model, CPU): {ns.turns} turns, +{ns.message_chars} chars/turn, "
+    print(f"\nreal engine (vLLM, {ns.model}, CPU): {ns.turns} turns, +{ns.message_chars} chars/turn, "
           f"{ns.max_tokens} output tokens")
     for name, times in results.items():
         print(f"{name:13s} loop {sum(times):7.2f} s   {sum(times) / base:5.2f}x the floor   "

@@ -62,6 +62,8 @@ def _kill_replica(unique_id: str) -> None:
             for _ in range(100):
                 try:
                     ray.get(handle.__ray_ready__.remote(), timeout=1)
+                except ray.exceptions.GetTimeoutError:
+                    continue  # busy (a loaded machine), not dead
                 except Exception:
                     return
                 time.sleep(0.1)

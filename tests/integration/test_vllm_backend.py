@@ -68,8 +68,9 @@ def test_tenants_do_not_share_the_prefix_cache(vllm_url):
 
 
 def test_production_render_path_sends_the_engine_exactly_a_full_render(vllm_url):
-    """Every continuation (delta render inline in the connection actor) gives the
-    engine the same token ids as a full render of the same context (RenderActor)."""
+    """Every continuation (delta render inline in the connection actor) gives the engine the
+    same prompt as a full render of the same context (RenderActor): the same text, with the
+    previous turns' generated token ids in place where the template renders them as generated."""
     from .test_render_exactness import assert_continuations_render_exactly
 
-    assert_continuations_render_exactly(vllm_url, api_key="sk-test", turns=4)
+    assert_continuations_render_exactly(vllm_url, api_key="sk-test", turns=4, compare="prompt_text_digests")
