@@ -1,7 +1,7 @@
 """The agent loop on the real engine: loopserve (vllm backend) vs the engine floor vs vLLM's server.
 
     python -m cluster.bench.vllm_compare --turns 50 --message-chars 800
-    python -m cluster.bench.vllm_compare --model smollm2-135m-instruct --turns 30 --message-chars 600
+    python -m cluster.bench.vllm_compare --model smollm2-135m-instruct --turns 20 --message-chars 600
 
 Same model (the generated tiny one, or the real built-in SmolLM2), same loop, one run, one
 engine at a time:

