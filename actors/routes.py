@@ -234,7 +234,9 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
     except ApiError as err:
         await conn.deny(ws, err)  # before the upgrade: a plain HTTP error
         return
-    await ws.accept()
+    # Codex reads the server's frame limit from the upgrade response (PROTOCOL §8).
+    limit = str(conn.config.websocket.max_frame_bytes).encode()
+    await ws.accept(headers=[(b"x-codex-websocket-max-message-bytes", limit)])
     conn.metrics.socket_opened()
     lock = asyncio.Lock()
 
@@ -258,6 +260,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         owner=p.tenant,
         admit=lambda: conn.auth.admit_request(p),
         trace_parent=telemetry.extract_headers(ws.headers),
+        timing_metrics=ws.headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
     )
     session.start()
     conn.ws_sessions.add(session)

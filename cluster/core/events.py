@@ -78,6 +78,10 @@ def usage_object(input_tokens: int, cached_tokens: int, output_tokens: int, reas
 class EventAssembler:
     """Turns parsed engine output into the ordered event stream of one response."""
 
+    @property
+    def stream_id(self) -> Optional[str]:
+        return self._stream_id
+
     def __init__(self, response: dict[str, Any], *, stream_id: Optional[str] = None) -> None:
         self.response = response
         self._seq = 0
@@ -313,3 +317,22 @@ def replay_events(response: dict[str, Any]) -> list[Event]:
     if status == "cancelled":
         events[-1]["response"]["status"] = "cancelled"
     return events
+
+
+def timing_event(t: Any, stream_id: Optional[str] = None) -> Event:
+    """Codex's server-timing event (sent when the upgrade asked with
+    `x-responsesapi-include-timing-metrics`; `t` is the turn's TurnTiming): where the turn's
+    time went, in ms. "service" is
+    the engine replica's own clock; "iapi" is the engine as the API layer saw it (hop included)."""
+    ms = lambda s: max(0, round(s * 1000))  # noqa: E731
+    iapi_ttft = t.engine_first_token + t.engine_dispatch
+    ev: Event = {"type": "responsesapi.websocket_timing", "timing_metrics": {
+        "responses_duration_excl_engine_and_client_tool_time_ms": ms(t.total - t.engine),
+        "engine_service_total_ms": ms(t.engine_inner),
+        "engine_iapi_ttft_total_ms": ms(iapi_ttft),
+        "engine_service_ttft_total_ms": ms(t.engine_first_token),
+        "engine_iapi_tbt_across_engine_calls_ms": ms(t.engine - iapi_ttft),
+        "engine_service_tbt_across_engine_calls_ms": ms(t.engine_inner - t.engine_first_token)}}
+    if stream_id:
+        ev["stream_id"] = stream_id
+    return ev

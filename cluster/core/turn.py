@@ -18,7 +18,7 @@ from .. import telemetry
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..engines.parsers import tool_format
 from ..protocol.requests import ResponsesRequest
-from .context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
+from .context import ResolvedContext, normalize_tools, output_as_context, reject_non_text, resolve_context
 from .controls import check_output_controls
 from .events import Event, EventAssembler, build_response
 from .ids import new_id
@@ -49,6 +49,8 @@ class RenderPort(Protocol):
 
 
 Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
+# (item id, tenant) -> the stored item (an `item_reference` input), or None.
+ItemLookup = Callable[[str, Optional[str]], Awaitable[Optional[dict[str, Any]]]]
 
 
 @dataclass
@@ -100,8 +102,10 @@ class TurnDriver:
         post_work: Optional[PostWorkQueue] = None,
         tracer: Optional[Any] = None,
         metrics: Optional[telemetry.Metrics] = None,
+        items: Optional[ItemLookup] = None,
     ) -> None:
         self.settings = settings
+        self._items = items
         self.model_name = settings.model_name
         self._render = render
         self._safety = safety
@@ -135,6 +139,7 @@ class TurnDriver:
         parsed_at: Optional[float] = None,
         trace_parent: Optional[Any] = None,
         transport: str = "http",
+        include_timing: bool = False,
     ) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
 
@@ -157,7 +162,7 @@ class TurnDriver:
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
-                                      timing, root, tctx):
+                                      timing, root, tctx, include_timing):
                 if ev["type"] in _TERMINAL:
                     status = ev["response"]["status"]
                 yield ev
@@ -172,7 +177,7 @@ class TurnDriver:
             root.end()
 
     async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
-                   root, tctx) -> AsyncIterator[Event]:
+                   root, tctx, include_timing=False) -> AsyncIterator[Event]:
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -200,7 +205,7 @@ class TurnDriver:
             # Keep the chain on the engine replica that holds its prefix KV.
             session_key = parent.affinity_key
         try:
-            prep = await self._prepare(req, parent, timing, tctx)
+            prep = await self._prepare(req, parent, timing, tctx, owner)
         except ApiError:
             if prev_id:
                 cache.evict(prev_id)
@@ -233,7 +238,7 @@ class TurnDriver:
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
-                    timing=timing, on_state=on_state, trace=tctx)
+                    timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing)
         stream = TurnStream(turn, asm, safety, self.services)
         streaming = self.tracer.start_span("stream_events", context=tctx)
         try:
@@ -241,7 +246,7 @@ class TurnDriver:
             timing.first_event = time.perf_counter() - timing.started
             for ev in events:
                 yield ev
-            async for ev in (stream.warm_up() if req.generate is False else stream.generate()):
+            async for ev in (stream.warm_up() if req.is_warm_up else stream.generate()):
                 yield ev
         finally:
             safety.cancel()
@@ -283,10 +288,26 @@ class TurnDriver:
         _, rendered, _, _ = await self._prepare(req, parent, TurnTiming(), None)
         return len(rendered.prompt_token_ids)
 
-    async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx):
+    async def _dereference(self, items: list[dict[str, Any]], owner: Optional[str]) -> list[dict[str, Any]]:
+        """`item_reference` inputs -> the tenant's stored items (400 when not found)."""
+        out = []
+        for i, item in enumerate(items):
+            if item.get("type") == "item_reference":
+                found = await self._items(item["id"], owner) if self._items is not None else None
+                if found is None:
+                    raise ApiError(400, f"Item with id '{item['id']}' not found.", param=f"input[{i}]",
+                                   code="invalid_value")
+                item = output_as_context([found])[0]
+            out.append(item)
+        return out
+
+    async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx,
+                       owner: Optional[str] = None):
         t0 = time.perf_counter()
+        new_items = req.input_items()
+        if any(item.get("type") == "item_reference" for item in new_items):
+            new_items = await self._dereference(new_items, owner)
         with self.tracer.start_as_current_span("resolve_context", context=tctx):
-            new_items = req.input_items()
             reject_non_text(new_items, self.model_name)
             ctx = resolve_context(new_items, parent)
             limit = self.settings.max_context_bytes
@@ -297,7 +318,7 @@ class TurnDriver:
                     raise ApiError(400, f"The conversation holds about {size} bytes of input; the limit is "
                                         f"{limit} bytes. Start a new conversation or compact it.",
                                    param="input", code="context_too_large")
-            if not ctx.items and req.generate is not False:
+            if not ctx.items and not req.is_warm_up:
                 raise ApiError(400, "Missing required parameter: 'input'.", param="input",
                                code="missing_required_parameter")
             tools_spec = normalize_tools(req.tools)

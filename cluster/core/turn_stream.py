@@ -22,7 +22,7 @@ from ..protocol.errors import ApiError, server_error
 from ..protocol.requests import ResponsesRequest
 from .context import ResolvedContext, output_as_context, output_call_ids
 from .controls import tool_call_limit
-from .events import Event, EventAssembler, usage_object
+from .events import Event, EventAssembler, timing_event, usage_object
 from .messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, PriorOutput,
                        ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, ToolSpec)
 from .post_work import PostWorkQueue, TurnRecord
@@ -114,6 +114,7 @@ class Turn:
     timing: TurnTiming
     on_state: Optional[Callable[[ResponseState], None]] = None
     trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
+    include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
     # What it produced
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -226,16 +227,44 @@ class TurnStream:
         return self.asm.fail(err)
 
     async def warm_up(self) -> AsyncIterator[Event]:
+        """`generate: false`: cache the turn's state and prefill the engine with its prompt (one
+        token generated and discarded), so the first real turn finds the context in the
+        engine's prefix cache."""
         flag = await self.safety.gate()
         if flag:
             for ev in self._blocked(flag):
                 yield ev
             return
-        self.turn.commit([], self.asm.response)
+        done = await self._prefill() if self.turn.context.items else None
+        if done is not None:
+            self.turn.cached_tokens = done.cached_tokens
+        self.turn.commit([], self.asm.response, done.replica if done else "", engine_ran=done is not None)
         self.turn.status = "completed"
         self.services.metrics.turn_timed(self.turn.finish_timing())
         for ev in self.asm.finish(self._usage()):
             yield ev
+
+    async def _prefill(self) -> Optional[EngineDone]:
+        """Run the prompt through the engine for one token (discarded); None if it failed (the
+        warm-up still caches the state: a failed prefill costs only the first turn's time)."""
+        self.turn.max_tokens = 1
+        done = None
+        chunks = self._engine_chunks()
+        try:
+            async for chunk in chunks:
+                for piece in chunk:
+                    if isinstance(piece, EngineDone):
+                        done = piece
+                    elif isinstance(piece, EngineFailure):
+                        return None
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception:  # noqa: BLE001
+            log.warning("warm-up prefill failed for %s", self.turn.response_id, exc_info=True)
+            return None
+        finally:
+            await chunks.aclose()
+        return done
 
     async def _engine_chunks(self) -> AsyncIterator[EngineChunk]:
         """The engine's chunks; a tail prompt whose base is gone is resent whole (once)."""
@@ -355,6 +384,8 @@ class TurnStream:
         turn.status = "incomplete" if incomplete else "completed"
         terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)
         self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
+        if turn.include_timing:
+            yield timing_event(turn.timing, stream_id=asm.stream_id)  # after finish_timing above
         for ev in terminal:
             yield ev
 

@@ -54,6 +54,7 @@ class WebSocketSession:
         owner: Optional[str] = None,
         admit: Optional[Callable[[], None]] = None,
         trace_parent: Any = None,
+        timing_metrics: bool = False,
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -66,6 +67,8 @@ class WebSocketSession:
         self._owner = owner
         self._admit = admit  # per-key rate limit for each response.create (raises ApiError)
         self._trace_parent = trace_parent  # a `traceparent` sent on the upgrade: every turn joins that trace
+        # `x-responsesapi-include-timing-metrics` on the upgrade: each turn sends Codex's timing event.
+        self._timing_metrics = timing_metrics
         # Frames waiting for the connection's FIFO: (frame, or the error it earned; arrival time).
         self._queue: asyncio.Queue[tuple[Union[str, bytes, ApiError], float]] = asyncio.Queue()
         self._queued_bytes = 0
@@ -246,6 +249,7 @@ class WebSocketSession:
                 parsed_at=parsed_at,
                 trace_parent=self._trace_parent,
                 transport="websocket",
+                include_timing=self._timing_metrics,
             ):
                 await self._send(ev)
             self.responses += 1

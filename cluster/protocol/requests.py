@@ -137,6 +137,8 @@ class ResponsesRequest(_Tolerant):
     text: Optional[TextConfig] = None
     reasoning: Optional[ReasoningConfig] = None
     prompt_cache_key: Optional[str] = None
+    # {mode, ttl, prewarm, comparison_response_id}: `prewarm: true` is a warm-up (generate: false).
+    prompt_cache_options: Optional[dict[str, Any]] = None
     safety_identifier: Optional[str] = None
     service_tier: Optional[str] = None
     background: Optional[bool] = False
@@ -194,6 +196,12 @@ class ResponsesRequest(_Tolerant):
                 raise ValueError("allowed_tools needs 'mode' ('auto' or 'required') and a 'tools' list")
         return v
 
+    @property
+    def is_warm_up(self) -> bool:
+        """`generate: false`, or `prompt_cache_options.prewarm`: prefill and cache, no output."""
+        prewarm = isinstance(self.prompt_cache_options, dict) and self.prompt_cache_options.get("prewarm") is True
+        return self.generate is False or prewarm
+
     def input_items(self) -> list[dict[str, Any]]:
         """The new input as plain dicts; a string input is one user message."""
         if self.input is None:
@@ -231,16 +239,6 @@ def parse_request(body: Any, *, max_input_items: Optional[int] = None) -> Respon
         if choice["name"] not in names:
             raise ApiError(400, f"Tool choice '{choice['name']}' not found in 'tools' parameter.",
                            param="tool_choice", code="invalid_value")
-    for i, item in enumerate(req.input if isinstance(req.input, list) else []):
-        if isinstance(item, ItemReference):
-            # Items are referenced through previous_response_id; standalone
-            # references need the durable store (not in this build).
-            raise ApiError(
-                400,
-                f"Item with id '{item.id}' not found.",
-                param=f"input[{i}]",
-                code="invalid_value",
-            )
     return req
 
 

@@ -50,7 +50,9 @@ class ConnectionServices:
         self.post_work = PostWorkQueue({"usage": self.usage, "safety": self.safety_ledger},
                                        retries=config.post_work.retries, backoff_s=config.post_work.backoff_s)
         self.driver = TurnDriver(TurnSettings.from_config(config), render=render, engine=engine, safety=safety,
-                                 post_work=self.post_work, metrics=self.metrics)
+                                 post_work=self.post_work, metrics=self.metrics,
+                                 items=(lambda item_id, owner: store.get_item(item_id, owner or "default"))
+                                 if store is not None else None)
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
         self.memory = CacheMemory(config.cache.max_entries, config.cache.max_bytes, config.cache.connections_max_bytes)
         self.responses = ResponsesService(self.driver, self.registry, store, max_background=config.limits.max_background)

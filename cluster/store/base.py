@@ -37,6 +37,12 @@ class StoredResponse:
             json.dumps(self.blocked) if self.blocked is not None else None,
         )
 
+    def item_rows(self) -> list[tuple[str, str, str, str]]:
+        """(tenant, item id, response id, item JSON) of every item with an id, input and output:
+        what `item_reference` inputs resolve from."""
+        return [(self.tenant, item["id"], self.id, json.dumps(item))
+                for item in (*self.input_items, *self.output) if isinstance(item.get("id"), str)]
+
     @classmethod
     def from_row(cls, row: Any) -> "StoredResponse":
         r = tuple(row)
@@ -46,6 +52,11 @@ class StoredResponse:
 
 COLUMNS = ("id, tenant, previous_response_id, created_at, model, input_items, output, response, "
            "instructions, tools, affinity_key, blocked")
+
+# Items by id, per tenant (`item_reference` inputs); deleted with their response.
+ITEMS_TABLE = """CREATE TABLE IF NOT EXISTS response_items (
+    tenant TEXT NOT NULL, item_id TEXT NOT NULL, response_id TEXT NOT NULL, item TEXT NOT NULL,
+    PRIMARY KEY (tenant, item_id))"""
 
 
 def chain_query(id_param: str, tenant_param: str) -> str:
@@ -78,6 +89,8 @@ class ResponseStore(Protocol):
         ...
 
     async def delete(self, response_id: str, tenant: str) -> bool: ...
+
+    async def get_item(self, item_id: str, tenant: str) -> Optional[dict[str, Any]]: ...
 
     async def mark_blocked(self, response_id: str, tenant: str, blocked: dict[str, Any]) -> bool:
         """Record that a stored response may not be continued (False if it is not stored yet)."""

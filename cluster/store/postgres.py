@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import COLUMNS, StoredResponse, chain_query
+from .base import COLUMNS, ITEMS_TABLE, StoredResponse, chain_query
 
 MIGRATIONS = [
     # version 1
@@ -18,6 +18,8 @@ MIGRATIONS = [
     ],
     # version 2: why a response may not be continued (durable across restarts)
     ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS blocked TEXT"],
+    # version 3: items by id (item_reference inputs)
+    [ITEMS_TABLE],
 ]
 
 CHAIN = chain_query("$1", "$2")
@@ -55,12 +57,23 @@ class PostgresStore:
                 pool.terminate()
 
     async def put(self, record: StoredResponse) -> None:
-        await self._pool.execute(
-            f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12)
-                ON CONFLICT (id) DO UPDATE SET response = EXCLUDED.response, output = EXCLUDED.output,
-                blocked = COALESCE(EXCLUDED.blocked, responses.blocked)""",
-            *record.row(),
-        )
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12)
+                    ON CONFLICT (id) DO UPDATE SET response = EXCLUDED.response, output = EXCLUDED.output,
+                    blocked = COALESCE(EXCLUDED.blocked, responses.blocked)""",
+                *record.row(),
+            )
+            await conn.executemany(
+                """INSERT INTO response_items (tenant, item_id, response_id, item) VALUES ($1,$2,$3,$4)
+                   ON CONFLICT (tenant, item_id) DO UPDATE SET item = EXCLUDED.item""", record.item_rows())
+
+    async def get_item(self, item_id: str, tenant: str) -> Optional[dict]:
+        import json
+
+        item = await self._pool.fetchval("SELECT item FROM response_items WHERE item_id = $1 AND tenant = $2",
+                                         item_id, tenant)
+        return json.loads(item) if item is not None else None
 
     async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]:
         row = await self._pool.fetchrow(f"SELECT {COLUMNS} FROM responses WHERE id = $1 AND tenant = $2",
@@ -79,5 +92,7 @@ class PostgresStore:
         return result.endswith(" 1")
 
     async def delete(self, response_id: str, tenant: str) -> bool:
-        result = await self._pool.execute("DELETE FROM responses WHERE id = $1 AND tenant = $2", response_id, tenant)
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM response_items WHERE response_id = $1 AND tenant = $2", response_id, tenant)
+            result = await conn.execute("DELETE FROM responses WHERE id = $1 AND tenant = $2", response_id, tenant)
         return result.endswith(" 1")

@@ -8,7 +8,7 @@ import sqlite3
 from pathlib import Path
 from typing import Optional
 
-from .base import COLUMNS, StoredResponse, chain_query
+from .base import COLUMNS, ITEMS_TABLE, StoredResponse, chain_query
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS loopserve_schema (version INTEGER NOT NULL)""",
@@ -17,6 +17,7 @@ SCHEMA = [
         model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
         instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT)""",
     """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
+    ITEMS_TABLE,
 ]
 
 CHAIN = chain_query("?", "?")
@@ -42,7 +43,7 @@ class SQLiteStore:
             columns = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
             if "blocked" not in columns:  # version 1 -> 2
                 db.execute("ALTER TABLE responses ADD COLUMN blocked TEXT")
-            db.execute("UPDATE loopserve_schema SET version = 2")
+            db.execute("UPDATE loopserve_schema SET version = 3")  # 3: response_items (in SCHEMA)
             return db
 
         self._db = await asyncio.to_thread(open_db)
@@ -57,8 +58,20 @@ class SQLiteStore:
             return await asyncio.to_thread(fn, self._db)
 
     async def put(self, record: StoredResponse) -> None:
-        await self._run(lambda db: db.execute(
-            f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", record.row()))
+        def write(db: sqlite3.Connection) -> None:
+            with db:  # one transaction: the response and its items
+                db.execute("BEGIN")
+                db.execute(f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                           record.row())
+                db.executemany("INSERT OR REPLACE INTO response_items (tenant, item_id, response_id, item) "
+                               "VALUES (?,?,?,?)", record.item_rows())
+
+        await self._run(write)
+
+    async def get_item(self, item_id: str, tenant: str) -> Optional[dict]:
+        row = await self._run(lambda db: db.execute(
+            "SELECT item FROM response_items WHERE item_id = ? AND tenant = ?", (item_id, tenant)).fetchone())
+        return json.loads(row[0]) if row else None
 
     async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]:
         row = await self._run(lambda db: db.execute(
@@ -75,6 +88,11 @@ class SQLiteStore:
         return cur.rowcount > 0
 
     async def delete(self, response_id: str, tenant: str) -> bool:
-        cur = await self._run(lambda db: db.execute(
-            "DELETE FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant)))
-        return cur.rowcount > 0
+        def remove(db: sqlite3.Connection) -> int:
+            with db:
+                db.execute("BEGIN")
+                db.execute("DELETE FROM response_items WHERE response_id = ? AND tenant = ?", (response_id, tenant))
+                return db.execute("DELETE FROM responses WHERE id = ? AND tenant = ?",
+                                  (response_id, tenant)).rowcount
+
+        return await self._run(remove) > 0

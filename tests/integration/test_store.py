@@ -237,3 +237,39 @@ def test_unsupported_input_is_a_400_naming_the_field(scripted_url, body, param):
 def test_query_parameters_are_validated_and_named(scripted_url):
     r = httpx.get(scripted_url + "/v1/responses/resp_x/input_items", params={"limit": "many"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
+def test_item_references_resolve_from_the_store(store_url):
+    """`item_reference` inputs name stored items (input or output) of the tenant's responses."""
+    client = sdk(store_url)
+    first = client.responses.create(model="loopserve-tiny", input="Read the readme please", tools=TOOLS)
+    call = first.output[0]
+    assert call.type == "function_call" and call.id
+    items = client.responses.input_items.list(first.id).data
+    user_item_id = items[0].id
+    deadline = time.time() + 10  # the store write is post-inference work
+    while True:
+        try:
+            second = client.responses.create(
+                model="loopserve-tiny", tools=TOOLS, store=False,
+                input=[{"type": "item_reference", "id": user_item_id}, {"type": "item_reference", "id": call.id},
+                       {"type": "function_call_output", "call_id": call.call_id, "output": "# loopserve"}])
+            break
+        except BadRequestError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+    assert second.status == "completed" and second.output_text.startswith("I looked at the files")
+    # the referenced items were rendered: the same context sent in full costs the same tokens
+    full = client.responses.create(model="loopserve-tiny", tools=TOOLS, store=False, input=[
+        {"type": "message", "role": "user", "content": "Read the readme please"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "# loopserve"}])
+    assert second.usage.input_tokens == full.usage.input_tokens
+    with pytest.raises(BadRequestError) as err:
+        client.responses.create(model="loopserve-tiny", input=[{"type": "item_reference", "id": "msg_nope"}])
+    assert err.value.body["param"] == "input[0]" and "msg_nope" in err.value.body["message"]
+    if store_url.endswith("/pg"):  # the app with API keys: another tenant's item does not exist for it
+        with pytest.raises(BadRequestError):
+            sdk(store_url, KEY_B).responses.create(model="loopserve-tiny",
+                                                   input=[{"type": "item_reference", "id": call.id}])

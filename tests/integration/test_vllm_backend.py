@@ -74,3 +74,25 @@ def test_production_render_path_sends_the_engine_exactly_a_full_render(vllm_url)
     from .test_render_exactness import assert_continuations_render_exactly
 
     assert_continuations_render_exactly(vllm_url, api_key="sk-test", turns=4, compare="prompt_text_digests")
+
+
+def test_a_warm_up_prefills_so_the_first_turn_hits_the_cache(vllm_url, client_for):
+    """Codex's first frame is a `generate: false` warm-up: it prefills the engine, so the
+    first real turn reports cached_tokens covering the warmed prefix (whole KV blocks of 32)."""
+    client = client_for(vllm_url)
+    context = f"warm {uuid.uuid4().hex} " + "the repository layout and the coding rules " * 30
+    with client.responses.connect() as conn:
+        conn.response.create(model="loopserve-tiny", input=context, store=False, generate=False)
+        for event in conn:
+            if event.type in TERMINAL or event.type == "error":
+                break
+        assert event.type == "response.completed" and event.response.output == [], event
+        warmed = event.response.usage.input_tokens
+        conn.response.create(model="loopserve-tiny", input="Now fix the bug.", store=False,
+                             previous_response_id=event.response.id, max_output_tokens=4)
+        for event in conn:
+            if event.type in TERMINAL or event.type == "error":
+                break
+        assert event.type in ("response.completed", "response.incomplete"), event
+    # the warmed prompt minus its generation prompt, rounded down to a block
+    assert event.response.usage.input_tokens_details.cached_tokens >= (warmed - 8) // 32 * 32 > 0

@@ -147,3 +147,55 @@ async def test_store_true_response_continues_on_a_new_socket(scripted_url):
             pass
         assert ev["type"] == "response.completed", ev
         assert ev["response"]["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_codex_0171_upgrade_header_and_create_fields(scripted_url):
+    """Codex 0.171 reads the frame limit from the upgrade response and sends newer create
+    fields; they are accepted (a warm-up with prompt_cache_options.prewarm, then a turn)."""
+    async with connect(ws_url(scripted_url), additional_headers={"Authorization": "Bearer sk-test"},
+                       open_timeout=20) as ws:
+        assert ws.response.headers["x-codex-websocket-max-message-bytes"] == str(256 * 1024)
+        extra = {"request_country": "FR", "stream_options": {"include_obfuscation": False},
+                 "moderation": {"mode": "off"}, "access_programs": [], "stream": True,
+                 "reasoning": {"context": "current_turn", "summary": "auto"}}
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                  "input": "Read the readme", "tools": TOOLS,
+                                  "prompt_cache_options": {"mode": "implicit", "ttl": "30m", "prewarm": True},
+                                  **extra}))
+        types = []
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL + ("error",):
+            types.append(ev["type"])
+        assert ev["type"] == "response.completed" and ev["response"]["output"] == [], ev
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                  "previous_response_id": ev["response"]["id"], "input": "go on", "tools": TOOLS,
+                                  **extra}))
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL + ("error",):
+            pass
+        assert ev["type"] == "response.completed" and ev["response"]["output"][0]["type"] == "function_call", ev
+
+
+async def test_codex_timing_metrics_on_request(scripted_url):
+    """With `x-responsesapi-include-timing-metrics` on the upgrade, each turn sends Codex's
+    `responsesapi.websocket_timing` event right before its terminal event; without it, none."""
+    for asked in (True, False):
+        headers = {"Authorization": "Bearer sk-test"}
+        if asked:
+            headers["x-responsesapi-include-timing-metrics"] = "true"
+        async with connect(ws_url(scripted_url), additional_headers=headers, open_timeout=20) as ws:
+            await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                      "input": "Read the readme", "tools": TOOLS}))
+            events = []
+            while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL + ("error",):
+                events.append(ev)
+            timing = [e for e in events if e["type"] == "responsesapi.websocket_timing"]
+            if not asked:
+                assert timing == []
+                continue
+            assert events[-1]["type"] == "responsesapi.websocket_timing" and len(timing) == 1
+            metrics = timing[0]["timing_metrics"]
+            assert set(metrics) == {"responses_duration_excl_engine_and_client_tool_time_ms", "engine_service_total_ms",
+                                    "engine_iapi_ttft_total_ms", "engine_service_ttft_total_ms",
+                                    "engine_iapi_tbt_across_engine_calls_ms",
+                                    "engine_service_tbt_across_engine_calls_ms"}
+            assert all(isinstance(v, int) and v >= 0 for v in metrics.values())
+            assert metrics["engine_service_total_ms"] > 0  # the scripted engine decodes at 100 tokens/s

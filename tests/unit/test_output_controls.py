@@ -91,3 +91,21 @@ async def test_truncation_auto_drops_the_oldest_turns(tokenizer):
     with pytest.raises(ApiError) as err:
         [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
     assert err.value.code == "context_length_exceeded"
+
+
+async def test_a_warm_up_prefills_the_engine(tokenizer):
+    """generate: false (or prompt_cache_options.prewarm) caches the state and runs the prompt
+    through the engine (one token, discarded): the first real turn hits the warmed prefix."""
+    for warm in ({"generate": False}, {"prompt_cache_options": {"prewarm": True}}):
+        stack = InProcessStack(tokenizer)
+        cache = SessionCache()
+        body = {"input": "context " * 200, "instructions": "Be brief.", "tools": TOOLS, **warm}
+        evs = [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
+        assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.completed"]
+        warm_resp = evs[-1]["response"]
+        assert warm_resp["output"] == [] and warm_resp["usage"]["output_tokens"] == 0
+        assert len(stack.engine_requests) == 1 and stack.engine_requests[0].max_tokens == 1
+        body = {"previous_response_id": warm_resp["id"], "input": "go", "instructions": "Be brief.", "tools": TOOLS}
+        evs = [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
+        usage = evs[-1]["response"]["usage"]
+        assert usage["input_tokens_details"]["cached_tokens"] >= warm_resp["usage"]["input_tokens"] - 8
