@@ -18,7 +18,7 @@ from .. import telemetry
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..engines.parsers import tool_format
 from ..protocol.requests import ResponsesRequest
-from .context import ResolvedContext, normalize_tools, output_as_context, reject_non_text, resolve_context
+from .context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
 from .controls import check_output_controls
 from .events import Event, EventAssembler, build_response
 from .ids import new_id
@@ -297,7 +297,7 @@ class TurnDriver:
                 if found is None:
                     raise ApiError(400, f"Item with id '{item['id']}' not found.", param=f"input[{i}]",
                                    code="invalid_value")
-                item = output_as_context([found])[0]
+                item = found  # stored input and output items render as they are
             out.append(item)
         return out
 

@@ -2,8 +2,10 @@
 
 import asyncio
 import json
+import os
 import time
 
+import psutil
 import pytest
 import ray
 from websockets.asyncio.client import connect
@@ -52,22 +54,27 @@ async def test_twenty_sessions_by_ten_turns_each_stay_on_one_replica(affinity_ur
     assert len(used) == 3, "sessions should spread over all replicas"
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _kill_replica(unique_id: str) -> None:
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if unique_id in actor["name"] and "EngineReplica" in actor["name"]:
             handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
             ray.kill(handle, no_restart=True)
-            # ray.kill returns before the process is gone: the next turn must come after the
-            # death (a turn racing it may stream from the dying replica and fail, retryably).
-            for _ in range(100):
-                try:
-                    ray.get(handle.__ray_ready__.remote(), timeout=1)
-                except ray.exceptions.GetTimeoutError:
-                    continue  # busy (a loaded machine), not dead
-                except Exception:
+            # ray.kill returns before the process is gone, and Ray may report the actor dead
+            # while its process still serves its direct channel: the next turn must come after
+            # the process is gone (a turn racing it streams from the dying replica and fails).
+            for _ in range(200):
+                if _gone(pid):
                     return
-                time.sleep(0.1)
-            raise AssertionError(f"replica {unique_id} did not die")
+                time.sleep(0.05)
+            raise AssertionError(f"replica {unique_id} (pid {pid}) did not die")
     raise AssertionError(f"no replica actor named with {unique_id}")
 
 
