@@ -1,8 +1,14 @@
 """WebSocket mode (PROTOCOL §5) as transport-free logic: frames in, events out.
 
 The ASGI route feeds received frames to `on_frame` and gives `send`/`close`
-callables; everything else (FIFO per connection, warm-up, errors that keep the
-socket open, connection time limit, cancellation on disconnect) lives here.
+callables; everything else (frames handled in arrival order, `stream_id` lanes,
+warm-up, errors that keep the socket open, connection time limit, cancellation
+on disconnect) lives here.
+
+Lanes: a `response.create` runs on the lane its `stream_id` names (no stream_id:
+the connection's default lane). Each lane is FIFO; lanes run concurrently, at
+most `MAX_ACTIVE` responses at once (more wait); at most `MAX_LANES` named lanes
+exist at a time. A create that has to wait is told so with `response.queued`.
 """
 
 from __future__ import annotations
@@ -10,18 +16,50 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from ..config import WebSocketConfig
 from ..protocol.errors import ApiError, server_error
 from ..protocol.requests import parse_request
+from .events import build_response
+from .ids import new_id
 from .session_cache import SessionCache
 from .turn import Lookup, TurnDriver
 
 log = logging.getLogger(__name__)
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
+MAX_ACTIVE = 16  # responses running at once on one connection
+MAX_LANES = 32  # named lanes (stream_id) at once on one connection
+_STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
+
+
+@dataclass
+class _Create:
+    body: dict[str, Any]
+    received_at: Optional[float]
+    stream_id: Optional[str]
+    response_id: Optional[str] = None  # given when `response.queued` announced it
+    announced: asyncio.Event = field(default_factory=asyncio.Event)  # its `response.queued` (if any) is out
+
+
+@dataclass
+class _Lane:
+    pending: deque = field(default_factory=deque)
+    running: bool = False
+    task: Optional[asyncio.Task] = None
+
+    @property
+    def busy(self) -> bool:
+        return self.running or bool(self.pending)
+
+    @property
+    def has_creates(self) -> bool:
+        return self.running or any(isinstance(item, _Create) for item in self.pending)
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Close = Callable[[int, str], Awaitable[None]]
 
@@ -74,7 +112,8 @@ class WebSocketSession:
         self._queued_bytes = 0
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
-        self.busy = False
+        self._lanes: dict[str, _Lane] = {}  # "" = the default lane
+        self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.expired = False
         self.draining = False
         self.idle = False
@@ -110,10 +149,15 @@ class WebSocketSession:
         self._queued_bytes += len(data)
         self._queue.put_nowait((data, time.perf_counter()))
 
+    @property
+    def busy(self) -> bool:
+        """A response is running or waiting on some lane."""
+        return any(lane.busy for lane in self._lanes.values())
+
     async def shutdown(self) -> None:
-        """The client went away: cancel the in-flight turn, drop the queue."""
+        """The client went away: cancel the in-flight turns, drop the queues."""
         self.closed = True
-        for task in (self._timer, self._worker):
+        for task in (self._timer, self._worker, *(lane.task for lane in self._lanes.values())):
             if task is not None and not task.done():
                 task.cancel()
         for task in (self._timer, self._worker):
@@ -136,8 +180,9 @@ class WebSocketSession:
             await self._expire()
 
     async def wait_idle(self) -> None:
-        """For tests: until every queued frame has been handled."""
+        """For tests: until every queued frame has been handled and every lane is idle."""
         await self._queue.join()
+        await self._wait_lanes()
 
     # -- internals -------------------------------------------------------------
     async def _limit(self) -> None:
@@ -179,15 +224,16 @@ class WebSocketSession:
             await self._close(1000, "connection limit reached")
 
     async def _work(self) -> None:
+        """Frames in arrival order: errors answered here, creates handed to their lane."""
         while True:
             data, received_at = await self._queue.get()
             if not isinstance(data, ApiError):
                 self._queued_bytes -= len(data)
             try:
                 if self.expired:
+                    await self._wait_lanes()
                     await self._expire()
                     return
-                self.busy = True
                 await self._handle(data, received_at)
             except asyncio.CancelledError:
                 raise
@@ -195,25 +241,116 @@ class WebSocketSession:
                 log.exception("websocket frame handling failed")
                 await self._send_error(server_error())
             finally:
-                self.busy = False
                 self._last_activity = time.monotonic()
                 self._queue.task_done()
             if self.expired and self._queue.empty():
+                await self._wait_lanes()
                 await self._expire()
                 return
 
+    async def _wait_lanes(self) -> None:
+        while self.busy:
+            tasks = [lane.task for lane in self._lanes.values() if lane.task is not None and not lane.task.done()]
+            if not tasks:
+                return  # closed: what is left on the lanes will not run
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _enqueue(self, body: dict[str, Any], received_at: Optional[float]) -> None:
+        """Put a create on its lane; announce `response.queued` when it has to wait."""
+        stream_id = body.get("stream_id")
+        if stream_id is not None and not (isinstance(stream_id, str) and _STREAM_ID.match(stream_id)):
+            self._defer_error(ApiError(400, "stream_id must be 1-256 characters of [A-Za-z0-9_.-].",
+                                       param="stream_id", code="invalid_stream_id"))
+            return
+        key = stream_id or ""
+        lane = self._lanes.get(key)
+        if lane is None:
+            if key and sum(1 for k in self._lanes if k) >= MAX_LANES:
+                self._defer_error(ApiError(
+                    400, f"This connection already has {MAX_LANES} active stream_id lanes; wait for one to finish.",
+                    param="stream_id", code="websocket_stream_limit_reached"), stream_id=stream_id)
+                return
+            lane = self._lane(key)
+        create = _Create(body, received_at, stream_id)
+        # Each busy lane holds (or waits for) one of the MAX_ACTIVE slots.
+        waits = lane.has_creates or sum(1 for other in self._lanes.values() if other.has_creates) >= MAX_ACTIVE
+        # On the lane before any await (its task may be ending); it starts only once announced.
+        lane.pending.append(create)
+        self._start_lane(key)
+        if waits:
+            await self._announce_queued(create)
+        create.announced.set()
+
+    def _defer_error(self, err: ApiError, stream_id: Optional[str] = None) -> None:
+        """A frame's error goes out in FIFO order on the default lane, after the responses before
+        it (a client without lanes must not read it as the failure of the response in flight)."""
+        self._lane("").pending.append((err, stream_id))
+        self._start_lane("")
+
+    def _lane(self, key: str) -> _Lane:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane()
+        return lane
+
+    def _start_lane(self, key: str) -> None:
+        lane = self._lanes[key]
+        if lane.task is None or lane.task.done():
+            lane.task = asyncio.create_task(self._run_lane(key, lane), name=f"ws-lane-{self.session_key}-{key}")
+
+    async def _announce_queued(self, create: _Create) -> None:
+        try:
+            req = parse_request(create.body, max_input_items=self.driver.settings.max_input_items)
+        except ApiError:
+            return  # its error is sent when its turn comes, in lane order
+        create.response_id = new_id("resp")
+        response = build_response(response_id=create.response_id, model=self.driver.model_name, request=req,
+                                  previous_response_id=req.previous_response_id)
+        response["status"] = "queued"
+        event: dict[str, Any] = {"type": "response.queued", "sequence_number": 0, "response": response}
+        if create.stream_id:
+            event["stream_id"] = create.stream_id
+        await self._send(event)
+
+    async def _run_lane(self, key: str, lane: _Lane) -> None:
+        try:
+            while lane.pending and not self.closed:
+                create = lane.pending.popleft()
+                if not isinstance(create, _Create):  # a deferred frame error
+                    await self._send_error(*create)
+                    continue
+                lane.running = True
+                try:
+                    await create.announced.wait()
+                    async with self._slots:
+                        await self._turn(create)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # never let one response kill the connection
+                    log.exception("websocket response failed")
+                    await self._send_error(server_error(), stream_id=create.stream_id)
+                finally:
+                    lane.running = False
+                    self._last_activity = time.monotonic()
+        finally:
+            if not lane.busy and self._lanes.get(key) is lane:
+                del self._lanes[key]
+        if self.expired and not self.busy and self._queue.empty():
+            await self._expire()  # the connection limit or a drain waited for the responses in flight
+
     async def _handle(self, data: Union[str, bytes, ApiError], received_at: Optional[float] = None) -> None:
+        """One frame: a create goes to its lane, anything else is answered in FIFO order."""
         if isinstance(data, ApiError):
-            await self._send_error(data)
+            self._defer_error(data)
             return
         try:
             event = json.loads(data)
         except (ValueError, RecursionError) as exc:
             reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            await self._send_error(ApiError(400, f"The message is not valid JSON: {reason}.", code="invalid_json"))
+            self._defer_error(ApiError(400, f"The message is not valid JSON: {reason}.", code="invalid_json"))
             return
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-            await self._send_error(
+            self._defer_error(
                 ApiError(400, "Each message must be a JSON object with a 'type'.", param="type", code="missing_required_parameter")
             )
             return
@@ -221,7 +358,7 @@ class WebSocketSession:
         if kind in IGNORED_TYPES:
             return
         if kind != "response.create":
-            await self._send_error(
+            self._defer_error(
                 ApiError(400, f"Invalid event type '{kind}'. Supported: 'response.create'.", param="type", code="invalid_value")
             )
             return
@@ -229,6 +366,10 @@ class WebSocketSession:
         if isinstance(body.get("response"), dict) and "input" not in body:
             # Tolerate the nested form some clients send: {"type", "response": {...}}.
             body = {**body.pop("response"), **body}
+        await self._enqueue(body, received_at)
+
+    async def _turn(self, create: _Create) -> None:
+        body, received_at = create.body, create.received_at
         try:
             if self._admit is not None:
                 self._admit()
@@ -250,6 +391,7 @@ class WebSocketSession:
                 trace_parent=self._trace_parent,
                 transport="websocket",
                 include_timing=self._timing_metrics,
+                response_id=create.response_id,
             ):
                 await self._send(ev)
             self.responses += 1

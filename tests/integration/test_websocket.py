@@ -199,3 +199,30 @@ async def test_codex_timing_metrics_on_request(scripted_url):
                                     "engine_service_tbt_across_engine_calls_ms"}
             assert all(isinstance(v, int) and v >= 0 for v in metrics.values())
             assert metrics["engine_service_total_ms"] > 0  # the scripted engine decodes at 100 tokens/s
+
+
+async def test_stream_id_lanes_run_concurrently(scripted_url):
+    """Two lanes on one socket: their responses run at the same time (events interleave on the
+    socket, never within a response), each lane stays FIFO, a create waiting on its lane is
+    announced with `response.queued`, and every event names its lane."""
+    async with connect(ws_url(scripted_url), open_timeout=20) as ws:
+        for n in range(2):
+            for lane in ("left", "right"):
+                await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                          "input": f"{lane} question {n}", "stream_id": lane}))
+        events = []
+        while len([e for e in events if e["type"] in TERMINAL]) < 4:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            assert ev["type"] != "error", ev
+            events.append(ev)
+    assert all(e.get("stream_id") in ("left", "right") for e in events)
+    for lane in ("left", "right"):
+        mine = [e for e in events if e["stream_id"] == lane]
+        kinds = [e["type"] for e in mine]
+        assert kinds.count("response.queued") == 1 and kinds.count("response.completed") == 2
+        first_done = kinds.index("response.completed")
+        assert kinds.index("response.created", first_done) > first_done  # FIFO on the lane
+        ids = [e["response"]["id"] for e in mine if e["type"] in ("response.queued", "response.completed")]
+        assert ids[0] == ids[-1] or ids.count(ids[0]) == 2  # the queued one is the lane's second response
+    order = [(e["stream_id"], e["type"]) for e in events]
+    assert order.index(("right", "response.created")) < order.index(("left", "response.completed"))

@@ -16,8 +16,13 @@ TOOLS = [{"type": "function", "name": "read_file",
 
 
 class Peer:
+    """A client on a WebSocketSession. `sent` holds what it received except `response.queued`
+    announcements (kept in `queued`: they precede their response, whatever else interleaves)."""
+
     def __init__(self, stack, **cfg):
         self.sent = []
+        self.queued = []
+        self.all = []
         self.closed = None
         self.session = WebSocketSession(
             stack.driver, SessionCache(), session_key="conn", config=WebSocketConfig(**cfg),
@@ -26,7 +31,8 @@ class Peer:
         self.session.start()
 
     async def send(self, ev):
-        self.sent.append(ev)
+        self.all.append(ev)
+        (self.queued if ev["type"] == "response.queued" else self.sent).append(ev)
 
     async def close(self, code, reason):
         self.closed = code
@@ -227,4 +233,49 @@ async def test_context_token_limit(tokenizer):
     await p.idle()
     assert p.sent[0]["error"]["code"] == "context_length_exceeded"
     assert p.types()[-1] == "response.completed"
+    await p.session.shutdown()
+
+
+async def test_lanes_run_concurrently_each_fifo_and_waiting_creates_are_announced(tokenizer):
+    """stream_id lanes: two lanes' responses interleave on the socket, never within a response;
+    each lane is FIFO; a create behind another on its lane gets `response.queued` first, with the
+    id its response then has; every event carries its lane's stream_id."""
+    stack = InProcessStack(tokenizer, tokens_per_second=400)
+    p = Peer(stack)
+    for lane in ("a", "b"):
+        for n in range(2):
+            await p.frame({"type": "response.create", "input": f"{lane}{n}", "stream_id": lane, "store": False})
+    await p.idle()
+    by_lane = {lane: [e for e in p.all if e.get("stream_id") == lane] for lane in ("a", "b")}
+    assert len(p.all) == len(by_lane["a"]) + len(by_lane["b"])  # every event names its lane
+    for lane, events in by_lane.items():
+        queued = [e for e in events if e["type"] == "response.queued"]
+        assert len(queued) == 1  # the lane's second create waited behind its first
+        done = [e["response"]["id"] for e in events if e["type"] == "response.completed"]
+        assert len(done) == 2 and queued[0]["response"]["id"] == done[1]
+        starts = [i for i, e in enumerate(events) if e["type"] == "response.created"]
+        ends = [i for i, e in enumerate(events) if e["type"] == "response.completed"]
+        assert starts[0] < ends[0] < starts[1] < ends[1]  # FIFO within the lane
+    # ... and the lanes ran at the same time: b's first response started before a's first ended
+    order = [(e.get("stream_id"), e["type"]) for e in p.all]
+    assert order.index(("b", "response.created")) < order.index(("a", "response.completed"))
+    await p.session.shutdown()
+
+
+async def test_lane_limits_and_bad_stream_ids(tokenizer):
+    from cluster.core.ws_session import MAX_ACTIVE, MAX_LANES
+
+    stack = InProcessStack(tokenizer, tokens_per_second=200)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "x", "stream_id": "bad id!"})
+    for n in range(MAX_LANES + 1):
+        await p.frame({"type": "response.create", "input": f"q{n}", "stream_id": f"lane{n}", "store": False})
+    await p.idle()
+    errors = [e for e in p.sent if e["type"] == "error"]
+    assert errors[0]["error"]["code"] == "invalid_stream_id"
+    assert [e["error"]["code"] for e in errors[1:]] == ["websocket_stream_limit_reached"]
+    assert errors[1]["stream_id"] == f"lane{MAX_LANES}"
+    # 32 lanes, at most 16 responses at once: the rest were announced as queued
+    assert len(p.queued) == MAX_LANES - MAX_ACTIVE
+    assert len([e for e in p.sent if e["type"] == "response.completed"]) == MAX_LANES
     await p.session.shutdown()
