@@ -191,6 +191,11 @@ class EventAssembler:
         events.append(self._ev(kind, response=self._snapshot()))
         return events
 
+    def discard_output(self) -> None:
+        """`response.interrupt` with `discard_partial_items`: the response ends with no output."""
+        self.response["output"] = []
+        self._open = self._open_kind = None
+
     def fail(self, error: ApiError, usage: Optional[dict[str, Any]] = None) -> list[Event]:
         """An `error` event, then `response.failed` (PROTOCOL §4)."""
         events = self._close_open(status="incomplete")

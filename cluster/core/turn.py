@@ -10,6 +10,7 @@ production, fakes in unit tests).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
@@ -140,6 +141,7 @@ class TurnDriver:
         trace_parent: Optional[Any] = None,
         transport: str = "http",
         include_timing: bool = False,
+        interrupt: Optional[asyncio.Event] = None,
     ) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
 
@@ -162,7 +164,7 @@ class TurnDriver:
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
-                                      timing, root, tctx, include_timing):
+                                      timing, root, tctx, include_timing, interrupt):
                 if ev["type"] in _TERMINAL:
                     status = ev["response"]["status"]
                 yield ev
@@ -177,7 +179,7 @@ class TurnDriver:
             root.end()
 
     async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
-                   root, tctx, include_timing=False) -> AsyncIterator[Event]:
+                   root, tctx, include_timing=False, interrupt=None) -> AsyncIterator[Event]:
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -238,7 +240,8 @@ class TurnDriver:
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
-                    timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing)
+                    timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing,
+                    interrupt=interrupt)
         stream = TurnStream(turn, asm, safety, self.services)
         streaming = self.tracer.start_span("stream_events", context=tctx)
         try:

@@ -80,6 +80,35 @@ class TurnTiming:
         return {k: v for k, v in self.__dict__.items() if k != "started"}
 
 
+async def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Event]) -> AsyncIterator[EngineChunk]:
+    """The engine's chunks until `stop` is set. A read still pending when it stops (or when this
+    generator is closed or cancelled) is cancelled and awaited, so the caller's aclose of `chunks`
+    (which aborts the generation) never meets a running generator."""
+    if stop is None:
+        async for chunk in chunks:
+            yield chunk
+        return
+    stopper = asyncio.ensure_future(stop.wait())
+    step: Optional[asyncio.Future] = None
+    try:
+        while not stop.is_set():
+            step = asyncio.ensure_future(chunks.__anext__())
+            await asyncio.wait({step, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                return
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield chunk
+    finally:
+        stopper.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+
+
 def cache_salt(tenant: Optional[str]) -> str:
     """The engine's prefix-cache namespace for a tenant (a hash: tenant names stay in this process)."""
     return hashlib.sha256(f"loopserve-tenant:{tenant or 'default'}".encode()).hexdigest()[:32]
@@ -115,6 +144,7 @@ class Turn:
     on_state: Optional[Callable[[ResponseState], None]] = None
     trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
     include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
+    interrupt: Optional[asyncio.Event] = None  # set by `response.interrupt`: stop, discard the partial output
     # What it produced
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -307,7 +337,7 @@ class TurnStream:
         call_limit = tool_call_limit(req)
         chunks = self._engine_chunks()
         try:
-            async for chunk in chunks:
+            async for chunk in _until(chunks, turn.interrupt):
                 for piece in chunk:
                     if isinstance(piece, TokenProgress):
                         turn.output_tokens += piece.n
@@ -359,6 +389,10 @@ class TurnStream:
         finally:
             await chunks.aclose()
         timing.engine = time.perf_counter() - engine_start
+        if turn.interrupt is not None and turn.interrupt.is_set() and not flag:
+            for ev in self._interrupted(done):
+                yield ev
+            return
         if done is not None:
             turn.cached_tokens = done.cached_tokens
             turn.output_tokens = done.output_tokens
@@ -388,6 +422,21 @@ class TurnStream:
             yield timing_event(turn.timing, stream_id=asm.stream_id)  # after finish_timing above
         for ev in terminal:
             yield ev
+
+    def _interrupted(self, done: Optional[EngineDone]) -> list[Event]:
+        """`response.interrupt` (Codex, mode discard_partial_items): the generation was stopped;
+        the response ends `incomplete` (reason `interrupted`) with no output, and its state (the
+        context, no output) stays continuable. That terminal event is the acknowledgement."""
+        turn = self.turn
+        if done is not None:
+            turn.cached_tokens = done.cached_tokens
+        self.asm.discard_output()
+        turn.commit([], self.asm.response, done.replica if done else "", engine_ran=True)
+        self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
+        turn.status = "incomplete"
+        events = self.asm.finish(self._usage(), incomplete_reason="interrupted")
+        self.schedule_post_work()
+        return events
 
     def _late_flag(self, flag: dict[str, Any]) -> None:
         if self.turn.state is not None:

@@ -45,6 +45,7 @@ class _Create:
     stream_id: Optional[str]
     response_id: Optional[str] = None  # given when `response.queued` announced it
     announced: asyncio.Event = field(default_factory=asyncio.Event)  # its `response.queued` (if any) is out
+    interrupt: asyncio.Event = field(default_factory=asyncio.Event)  # `response.interrupt` named it
 
 
 @dataclass
@@ -113,6 +114,7 @@ class WebSocketSession:
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self._lanes: dict[str, _Lane] = {}  # "" = the default lane
+        self._active: dict[str, asyncio.Event] = {}  # running response id -> its interrupt
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.expired = False
         self.draining = False
@@ -157,10 +159,11 @@ class WebSocketSession:
     async def shutdown(self) -> None:
         """The client went away: cancel the in-flight turns, drop the queues."""
         self.closed = True
-        for task in (self._timer, self._worker, *(lane.task for lane in self._lanes.values())):
+        tasks = [self._timer, self._worker, *(lane.task for lane in self._lanes.values())]
+        for task in tasks:
             if task is not None and not task.done():
                 task.cancel()
-        for task in (self._timer, self._worker):
+        for task in tasks:  # each turn's cleanup (engine abort, post-work) runs before this returns
             if task is not None:
                 try:
                     await task
@@ -357,6 +360,9 @@ class WebSocketSession:
         kind = event["type"]
         if kind in IGNORED_TYPES:
             return
+        if kind == "response.interrupt":
+            self._interrupt(event)
+            return
         if kind != "response.create":
             self._defer_error(
                 ApiError(400, f"Invalid event type '{kind}'. Supported: 'response.create'.", param="type", code="invalid_value")
@@ -368,8 +374,27 @@ class WebSocketSession:
             body = {**body.pop("response"), **body}
         await self._enqueue(body, received_at)
 
+    def _interrupt(self, event: dict[str, Any]) -> None:
+        """Codex's `response.interrupt` (never queued: it acts on the response in flight). The
+        interrupted response's `response.incomplete` (reason `interrupted`) is the acknowledgement;
+        an interrupt for a response that already ended is ignored (an error event here would be
+        read as the next turn's first event)."""
+        response_id, mode = event.get("response_id"), event.get("mode", "discard_partial_items")
+        if not isinstance(response_id, str) or not response_id:
+            self._defer_error(ApiError(400, "response.interrupt needs a 'response_id'.", param="response_id",
+                                       code="missing_required_parameter"))
+            return
+        if mode != "discard_partial_items":
+            self._defer_error(ApiError(400, f"Unsupported interrupt mode '{mode}'; supported: 'discard_partial_items'.",
+                                       param="mode", code="invalid_value"))
+            return
+        stop = self._active.get(response_id)
+        if stop is not None:
+            stop.set()
+
     async def _turn(self, create: _Create) -> None:
         body, received_at = create.body, create.received_at
+        rid: Optional[str] = None
         try:
             if self._admit is not None:
                 self._admit()
@@ -392,11 +417,18 @@ class WebSocketSession:
                 transport="websocket",
                 include_timing=self._timing_metrics,
                 response_id=create.response_id,
+                interrupt=create.interrupt,
             ):
+                if ev["type"] == "response.created":
+                    rid = ev["response"]["id"]
+                    self._active[rid] = create.interrupt
                 await self._send(ev)
             self.responses += 1
         except ApiError as err:
             await self._send_error(err, stream_id=body.get("stream_id") if isinstance(body.get("stream_id"), str) else None)
+        finally:
+            if rid is not None:
+                self._active.pop(rid, None)
 
     async def _send_error(self, err: ApiError, stream_id: Optional[str] = None) -> None:
         ev = err.ws_event()

@@ -226,3 +226,33 @@ async def test_stream_id_lanes_run_concurrently(scripted_url):
         assert ids[0] == ids[-1] or ids.count(ids[0]) == 2  # the queued one is the lane's second response
     order = [(e["stream_id"], e["type"]) for e in events]
     assert order.index(("right", "response.created")) < order.index(("left", "response.completed"))
+
+
+async def test_codex_interrupt_over_a_real_socket(scripted_url):
+    """Codex's `response.interrupt`: the response in flight stops and ends `incomplete`
+    (reason `interrupted`, no output); the chain continues from it; a late interrupt is ignored."""
+    from .conftest import LONG_ONE
+
+    async with connect(ws_url(scripted_url), open_timeout=20) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                  "input": f"please give the {LONG_ONE}"}))
+        rid = None
+        while True:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            if ev["type"] == "response.created":
+                rid = ev["response"]["id"]
+            if ev["type"] == "response.output_text.delta":
+                break
+        await ws.send(json.dumps({"type": "response.interrupt", "response_id": rid, "mode": "discard_partial_items"}))
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL + ("error",):
+            pass
+        assert ev["type"] == "response.incomplete", ev
+        assert ev["response"]["incomplete_details"]["reason"] == "interrupted" and ev["response"]["output"] == []
+        await ws.send(json.dumps({"type": "response.interrupt", "response_id": rid, "mode": "discard_partial_items"}))
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                  "previous_response_id": rid, "input": "short answer now"}))
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL + ("error",):
+            assert ev["type"] != "error", ev
+        # (the context still asks for the long one: the scripted engine answers it at length)
+        assert ev["type"] in ("response.completed", "response.incomplete"), ev
+        assert ev["response"]["previous_response_id"] == rid and ev["response"]["output"]

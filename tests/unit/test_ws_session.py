@@ -279,3 +279,32 @@ async def test_lane_limits_and_bad_stream_ids(tokenizer):
     assert len(p.queued) == MAX_LANES - MAX_ACTIVE
     assert len([e for e in p.sent if e["type"] == "response.completed"]) == MAX_LANES
     await p.session.shutdown()
+
+
+async def test_interrupt_stops_the_response_discards_its_items_and_the_chain_continues(tokenizer):
+    """Codex's `response.interrupt` (mode discard_partial_items) acts on the response in flight:
+    it ends `incomplete` (reason `interrupted`) with no output — the acknowledgement Codex waits
+    for — and can be continued; a late interrupt is ignored without disturbing the next turn."""
+    stack = InProcessStack(tokenizer, tokens_per_second=50)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "tell me a long story", "store": False})
+    for _ in range(200):
+        if any(e["type"] == "response.output_text.delta" for e in p.sent):
+            break
+        await asyncio.sleep(0.02)
+    rid = next(e["response"]["id"] for e in p.sent if e["type"] == "response.created")
+    await p.frame({"type": "response.interrupt", "response_id": rid, "mode": "discard_partial_items"})
+    await p.idle()
+    end = p.sent[-1]
+    assert end["type"] == "response.incomplete" and end["response"]["incomplete_details"] == {"reason": "interrupted"}
+    assert end["response"]["output"] == [] and end["response"]["id"] == rid
+    assert stack.engine.stats.aborted == 1  # the generation was stopped, not run to its end
+    await p.frame({"type": "response.interrupt", "response_id": rid, "mode": "discard_partial_items"})  # late
+    await p.frame({"type": "response.create", "input": "go on", "previous_response_id": rid, "store": False})
+    await p.idle()
+    assert p.sent[-1]["type"] == "response.completed" and p.sent[-1]["response"]["previous_response_id"] == rid
+    assert not [e for e in p.sent if e["type"] == "error"]
+    await p.frame({"type": "response.interrupt", "response_id": rid, "mode": "keep_partial_items"})
+    await p.idle()
+    assert p.sent[-1]["type"] == "error" and p.sent[-1]["error"]["param"] == "mode"
+    await p.session.shutdown()
