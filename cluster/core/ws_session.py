@@ -43,6 +43,7 @@ class _Create:
     body: dict[str, Any]
     received_at: Optional[float]
     stream_id: Optional[str]
+    nbytes: int = 0  # the frame's size: counted against `max_queued_bytes` until the create starts
     response_id: Optional[str] = None  # given when `response.queued` announced it
     announced: asyncio.Event = field(default_factory=asyncio.Event)  # its `response.queued` (if any) is out
     interrupt: asyncio.Event = field(default_factory=asyncio.Event)  # `response.interrupt` named it
@@ -110,7 +111,8 @@ class WebSocketSession:
         self._timing_metrics = timing_metrics
         # Frames waiting for the connection's FIFO: (frame, or the error it earned; arrival time).
         self._queue: asyncio.Queue[tuple[Union[str, bytes, ApiError], float]] = asyncio.Queue()
-        self._queued_bytes = 0
+        self._queued_bytes = 0  # frames waiting to be read, and creates waiting on their lanes
+        self._waiting_creates = 0  # creates waiting on their lanes (not yet started)
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self._lanes: dict[str, _Lane] = {}  # "" = the default lane
@@ -131,7 +133,7 @@ class WebSocketSession:
         if self.closed:
             return
         cfg = self.config
-        if self._queue.qsize() >= cfg.max_queued_creates:
+        if self._queue.qsize() + self._waiting_creates >= cfg.max_queued_creates:
             await self._send_error(
                 ApiError(429, "Too many queued requests on this connection.", code="rate_limit_exceeded")
             )
@@ -171,7 +173,7 @@ class WebSocketSession:
                     pass
         while not self._queue.empty():
             self._queue.get_nowait()
-        self._queued_bytes = 0
+        self._queued_bytes = self._waiting_creates = 0
         self.cache.clear()  # `store: false` states die with their socket; the replica bound gets them back
 
     async def drain(self) -> None:
@@ -231,7 +233,7 @@ class WebSocketSession:
         while True:
             data, received_at = await self._queue.get()
             if not isinstance(data, ApiError):
-                self._queued_bytes -= len(data)
+                self._queued_bytes -= len(data)  # a create counts again while it waits on its lane
             try:
                 if self.expired:
                     await self._wait_lanes()
@@ -258,7 +260,7 @@ class WebSocketSession:
                 return  # closed: what is left on the lanes will not run
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _enqueue(self, body: dict[str, Any], received_at: Optional[float]) -> None:
+    async def _enqueue(self, body: dict[str, Any], received_at: Optional[float], nbytes: int = 0) -> None:
         """Put a create on its lane; announce `response.queued` when it has to wait."""
         stream_id = body.get("stream_id")
         if stream_id is not None and not (isinstance(stream_id, str) and _STREAM_ID.match(stream_id)):
@@ -274,7 +276,9 @@ class WebSocketSession:
                     param="stream_id", code="websocket_stream_limit_reached"), stream_id=stream_id)
                 return
             lane = self._lane(key)
-        create = _Create(body, received_at, stream_id)
+        create = _Create(body, received_at, stream_id, nbytes=nbytes)
+        self._queued_bytes += nbytes
+        self._waiting_creates += 1
         # Each busy lane holds (or waits for) one of the MAX_ACTIVE slots.
         waits = lane.has_creates or sum(1 for other in self._lanes.values() if other.has_creates) >= MAX_ACTIVE
         # On the lane before any await (its task may be ending); it starts only once announced.
@@ -322,6 +326,8 @@ class WebSocketSession:
                 if not isinstance(create, _Create):  # a deferred frame error
                     await self._send_error(*create)
                     continue
+                self._queued_bytes -= create.nbytes
+                self._waiting_creates -= 1
                 lane.running = True
                 try:
                     await create.announced.wait()
@@ -372,7 +378,7 @@ class WebSocketSession:
         if isinstance(body.get("response"), dict) and "input" not in body:
             # Tolerate the nested form some clients send: {"type", "response": {...}}.
             body = {**body.pop("response"), **body}
-        await self._enqueue(body, received_at)
+        await self._enqueue(body, received_at, len(data))
 
     def _interrupt(self, event: dict[str, Any]) -> None:
         """Codex's `response.interrupt` (never queued: it acts on the response in flight). The

@@ -308,3 +308,21 @@ async def test_interrupt_stops_the_response_discards_its_items_and_the_chain_con
     await p.idle()
     assert p.sent[-1]["type"] == "error" and p.sent[-1]["error"]["param"] == "mode"
     await p.session.shutdown()
+
+
+async def test_creates_waiting_on_lanes_stay_bounded(tokenizer):
+    """Creates handed to lanes still count against max_queued_creates / max_queued_bytes until
+    they start: a client cannot grow the server's memory by spreading creates over lanes."""
+    stack = InProcessStack(tokenizer, tokens_per_second=100)
+    p = Peer(stack, max_queued_creates=10, max_queued_bytes=64 * 1024)
+    peak = 0
+    for n in range(60):
+        await p.frame({"type": "response.create", "input": f"q{n}", "stream_id": f"lane{n % 3}", "store": False})
+        peak = max(peak, p.session._waiting_creates)
+        await asyncio.sleep(0)
+    assert peak <= 10
+    refused = [e for e in p.sent if e["type"] == "error" and e["error"]["code"] == "rate_limit_exceeded"]
+    assert refused  # the rest were refused at once, not held
+    await p.idle()
+    assert p.session._waiting_creates == 0 and p.session._queued_bytes == 0
+    await p.session.shutdown()
