@@ -81,32 +81,37 @@ class TurnTiming:
 
 
 async def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Event]) -> AsyncIterator[EngineChunk]:
-    """The engine's chunks until `stop` is set. A read still pending when it stops (or when this
-    generator is closed or cancelled) is cancelled and awaited, so the caller's aclose of `chunks`
-    (which aborts the generation) never meets a running generator."""
+    """The engine's chunks until `stop` is set. One reader task per turn feeds a queue that the
+    stop also ends (no task per chunk on the hot path); closing this generator cancels and awaits
+    the reader, so the caller's aclose of `chunks` (which aborts the generation) never meets a
+    running generator. Close it before `chunks`."""
     if stop is None:
         async for chunk in chunks:
             yield chunk
         return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def read() -> None:
+        try:
+            async for chunk in chunks:
+                queue.put_nowait(chunk)
+        except Exception as exc:  # noqa: BLE001 - re-raised on the consumer side
+            queue.put_nowait(exc)
+        queue.put_nowait(end)
+
+    reader = asyncio.ensure_future(read())
     stopper = asyncio.ensure_future(stop.wait())
-    step: Optional[asyncio.Future] = None
+    stopper.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(end))
     try:
-        while not stop.is_set():
-            step = asyncio.ensure_future(chunks.__anext__())
-            await asyncio.wait({step, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                return
-            try:
-                chunk = step.result()
-            except StopAsyncIteration:
-                return
-            step = None
-            yield chunk
+        while (item := await queue.get()) is not end and not stop.is_set():
+            if isinstance(item, Exception):
+                raise item
+            yield item
     finally:
         stopper.cancel()
-        if step is not None and not step.done():
-            step.cancel()
-            await asyncio.gather(step, return_exceptions=True)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 def cache_salt(tenant: Optional[str]) -> str:
@@ -336,8 +341,9 @@ class TurnStream:
         tool_calls = 0
         call_limit = tool_call_limit(req)
         chunks = self._engine_chunks()
+        until = _until(chunks, turn.interrupt)
         try:
-            async for chunk in _until(chunks, turn.interrupt):
+            async for chunk in until:
                 for piece in chunk:
                     if isinstance(piece, TokenProgress):
                         turn.output_tokens += piece.n
@@ -387,6 +393,7 @@ class TurnStream:
                 yield ev
             return
         finally:
+            await until.aclose()  # first: it may be reading `chunks`
             await chunks.aclose()
         timing.engine = time.perf_counter() - engine_start
         if turn.interrupt is not None and turn.interrupt.is_set() and not flag:
