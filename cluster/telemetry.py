@@ -175,6 +175,7 @@ class Metrics:
         self._meter = m
         # In-process counters (stats route), kept by the same calls as the instruments.
         self.turn_status: Counter[str] = Counter()  # how turns ended (cancelled = the client went away)
+        self.turn_transport: Counter[str] = Counter()  # websocket | http
         self.blocked_turns = 0
         # Continuations whose engine replica differed from their parent's (replica died,
         # or backpressure fallback): each one re-prefilled.
@@ -187,6 +188,7 @@ class Metrics:
 
     def turn_ended(self, transport: str, status: str) -> None:
         self.turn_status[status] += 1
+        self.turn_transport[transport] += 1
         self.turns.add(1, {"transport": transport, "status": status})
 
     def cache_lookup(self, result: str) -> None:

@@ -159,5 +159,6 @@ class ConnectionServices:
             "session_moves": m.session_moves,
             "prompt_resends": m.prompt_resends,
             "turn_status": dict(m.turn_status),
+            "turn_transport": dict(m.turn_transport),
             "turns": m.recent_turns(last),
         }

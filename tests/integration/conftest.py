@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 # A prompt holding LONG_ONE gets a long answer (a response still running when cancelled).
@@ -218,3 +220,53 @@ def otel_url(serve_instance, otlp_receiver):
         "safety": {"placement": "actor", "deployment": {"num_cpus": 0.05}},
     }
     return _deploy("otel", "/otel", args, serve_instance, 240)
+
+
+CLIENTS_DIR = Path(__file__).resolve().parents[1] / "clients"
+
+
+@pytest.fixture(scope="session")
+def node_clients() -> Path:
+    """tests/clients/node_modules: Codex CLI and the openai Node SDK at the versions
+    tests/clients/package-lock.json pins, installed from the npm registry on first use."""
+    import shutil
+    import subprocess
+
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not installed on this machine")
+    if not (CLIENTS_DIR / "node_modules" / ".bin" / "codex").exists():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=CLIENTS_DIR, check=True, timeout=600,
+                       capture_output=True)
+    return CLIENTS_DIR
+
+
+# What the scripted engine answers Codex (a named fake model: rules on the prompt's text).
+# A task asks for a marker file; the engine calls Codex's exec_command tool, and answers once
+# the command's output (only there: the command computes it) is in the prompt.
+CODEX_MARK, CODEX_SECOND = "LOOPSERVE_MARK_42", "LOOPSERVE_SECOND_7"
+
+
+def _exec_call(cmd: str) -> str:
+    import json
+
+    return "<tool_call>\n" + json.dumps({"name": "exec_command", "arguments": {"cmd": cmd}}) + "\n</tool_call>"
+
+
+CODEX_RULES = [
+    {"contains": CODEX_SECOND, "text": "The file still holds the marker. All done."},
+    {"contains": "now read it back", "text": _exec_call("cat marker.txt; echo LOOPSERVE_SECOND_$((3+4))")},
+    {"contains": CODEX_MARK, "text": "I wrote the marker file. Done."},
+    {"contains": "write the marker", "text": _exec_call("echo LOOPSERVE_MARK_$((6*7)) > marker.txt && cat marker.txt")},
+]
+
+
+@pytest.fixture(scope="session")
+def codex_url(serve_instance):
+    """The scripted engine scripted for a Codex task (CODEX_RULES), as Codex would reach it."""
+    args = {
+        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000, "max_output_tokens": 512,
+                                                       "answer_rules": CODEX_RULES}},
+        "store": {"backend": "none"},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+    }
+    return _deploy("codex", "/codex", args, serve_instance, 240)
