@@ -10,7 +10,6 @@ production, fakes in unit tests).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
@@ -29,7 +28,7 @@ from .post_work import PostWorkQueue
 from .safety import SafetyPort, TurnSafety, turn_input_texts
 from .session_cache import SessionCache
 from .state import RenderKey, ResponseState, items_nbytes
-from .turn_stream import EnginePort, Rendered, Turn, TurnServices, TurnStream, TurnTiming
+from .turn_stream import EnginePort, Rendered, Stop, Turn, TurnServices, TurnStream, TurnTiming
 
 
 _TERMINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -141,7 +140,7 @@ class TurnDriver:
         trace_parent: Optional[Any] = None,
         transport: str = "http",
         include_timing: bool = False,
-        interrupt: Optional[asyncio.Event] = None,
+        stop: Optional[Stop] = None,
     ) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
 
@@ -164,7 +163,7 @@ class TurnDriver:
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
-                                      timing, root, tctx, include_timing, interrupt):
+                                      timing, root, tctx, include_timing, stop):
                 if ev["type"] in _TERMINAL:
                     status = ev["response"]["status"]
                 yield ev
@@ -179,7 +178,7 @@ class TurnDriver:
             root.end()
 
     async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
-                   root, tctx, include_timing=False, interrupt=None) -> AsyncIterator[Event]:
+                   root, tctx, include_timing=False, stop=None) -> AsyncIterator[Event]:
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -241,7 +240,7 @@ class TurnDriver:
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
                     timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing,
-                    interrupt=interrupt)
+                    stop=stop)
         stream = TurnStream(turn, asm, safety, self.services)
         streaming = self.tracer.start_span("stream_events", context=tctx)
         try:

@@ -80,6 +80,23 @@ class TurnTiming:
         return {k: v for k, v in self.__dict__.items() if k != "started"}
 
 
+class Stop:
+    """Stops a running response from outside it (WebSocket mode): `response.interrupt` ends it
+    without its partial output ("interrupted"), `response.steer` with it ("steered")."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason: Optional[str] = None
+
+    def set(self, reason: str) -> None:
+        if not self.event.is_set():  # the first reason wins
+            self.reason = reason
+            self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
 async def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Event]) -> AsyncIterator[EngineChunk]:
     """The engine's chunks until `stop` is set. One reader task per turn feeds a queue that the
     stop also ends (no task per chunk on the hot path); closing this generator cancels and awaits
@@ -149,7 +166,7 @@ class Turn:
     on_state: Optional[Callable[[ResponseState], None]] = None
     trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
     include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
-    interrupt: Optional[asyncio.Event] = None  # set by `response.interrupt`: stop, discard the partial output
+    stop: Optional[Stop] = None  # set by `response.interrupt` / `response.steer` (WebSocket mode)
     # What it produced
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -341,7 +358,8 @@ class TurnStream:
         tool_calls = 0
         call_limit = tool_call_limit(req)
         chunks = self._engine_chunks()
-        until = _until(chunks, turn.interrupt)
+        stop = turn.stop
+        until = _until(chunks, stop.event if stop is not None else None)
         try:
             async for chunk in until:
                 for piece in chunk:
@@ -353,6 +371,8 @@ class TurnStream:
                         continue
                     if isinstance(piece, EngineFailure):
                         raise piece.error()
+                    if stop is not None and stop.is_set():
+                        break  # nothing more goes out once stopped (a steer keeps what went out)
                     # An output piece: released only after the input verdict,
                     # and only while no output chunk has been flagged.
                     flag = await safety.gate() or safety.check_output()
@@ -396,8 +416,8 @@ class TurnStream:
             await until.aclose()  # first: it may be reading `chunks`
             await chunks.aclose()
         timing.engine = time.perf_counter() - engine_start
-        if turn.interrupt is not None and turn.interrupt.is_set() and not flag:
-            for ev in self._interrupted(done):
+        if stop is not None and stop.is_set() and not flag:
+            for ev in self._stopped(done, discard=stop.reason == "interrupted"):
                 yield ev
             return
         if done is not None:
@@ -430,18 +450,20 @@ class TurnStream:
         for ev in terminal:
             yield ev
 
-    def _interrupted(self, done: Optional[EngineDone]) -> list[Event]:
-        """`response.interrupt` (Codex, mode discard_partial_items): the generation was stopped;
-        the response ends `incomplete` (reason `interrupted`) with no output, and its state (the
-        context, no output) stays continuable. That terminal event is the acknowledgement."""
+    def _stopped(self, done: Optional[EngineDone], *, discard: bool) -> list[Event]:
+        """Stopped from outside. `response.interrupt` (Codex, mode discard_partial_items): the
+        response ends `incomplete` (reason `interrupted`) with no output; that terminal event is
+        the acknowledgement. `response.steer`: it ends `incomplete` (reason `steered`) with the
+        output that went out (closed where it stopped). Either way its state stays continuable."""
         turn = self.turn
         if done is not None:
             turn.cached_tokens = done.cached_tokens
-        self.asm.discard_output()
-        turn.commit([], self.asm.response, done.replica if done else "", engine_ran=True)
+        if discard:
+            self.asm.discard_output()
+        turn.commit(self.asm.response["output"], self.asm.response, done.replica if done else "", engine_ran=True)
         self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
         turn.status = "incomplete"
-        events = self.asm.finish(self._usage(), incomplete_reason="interrupted")
+        events = self.asm.finish(self._usage(), incomplete_reason="interrupted" if discard else "steered")
         self.schedule_post_work()
         return events
 

@@ -25,10 +25,13 @@ from typing import Any, Awaitable, Callable, Optional, Union
 from ..config import WebSocketConfig
 from ..protocol.errors import ApiError, server_error
 from ..protocol.requests import parse_request
+from . import steering
 from .events import build_response
 from .ids import new_id
 from .session_cache import SessionCache
+from .steering import Steer
 from .turn import Lookup, TurnDriver
+from .turn_stream import Stop
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,11 @@ class _Create:
     nbytes: int = 0  # the frame's size: counted against `max_queued_bytes` until the create starts
     response_id: Optional[str] = None  # given when `response.queued` announced it
     announced: asyncio.Event = field(default_factory=asyncio.Event)  # its `response.queued` (if any) is out
-    interrupt: asyncio.Event = field(default_factory=asyncio.Event)  # `response.interrupt` named it
+    stop: Stop = field(default_factory=Stop)  # `response.interrupt` or `response.steer` named it
+    commits: list[Steer] = field(default_factory=list)  # steering input its `response.created` commits
+    steers: list[Steer] = field(default_factory=list)  # accepted steers for its response while it runs
+    calls: int = 0  # client-owned tool calls its response emitted
+    steerable: bool = False
 
 
 @dataclass
@@ -62,7 +69,8 @@ class _Lane:
     @property
     def has_creates(self) -> bool:
         return self.running or any(isinstance(item, _Create) for item in self.pending)
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Event = dict[str, Any]
+Send = Callable[[Event], Awaitable[None]]
 Close = Callable[[int, str], Awaitable[None]]
 
 
@@ -116,7 +124,9 @@ class WebSocketSession:
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self._lanes: dict[str, _Lane] = {}  # "" = the default lane
-        self._active: dict[str, asyncio.Event] = {}  # running response id -> its interrupt
+        self._active: dict[str, _Create] = {}  # running response id -> its create
+        # Responses that stopped for tool output with accepted steers: id -> (steers, lane, stubs).
+        self._pending_steers: dict[str, tuple[list[Steer], Optional[str], list[dict[str, Any]]]] = {}
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.expired = False
         self.draining = False
@@ -332,7 +342,8 @@ class WebSocketSession:
                 try:
                     await create.announced.wait()
                     async with self._slots:
-                        await self._turn(create)
+                        while create is not None:  # a steered response's successor runs next, in its slot
+                            create = await self._turn(create)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # never let one response kill the connection
@@ -369,9 +380,13 @@ class WebSocketSession:
         if kind == "response.interrupt":
             self._interrupt(event)
             return
+        if kind == "response.steer":
+            await self._steer(event)
+            return
         if kind != "response.create":
             self._defer_error(
-                ApiError(400, f"Invalid event type '{kind}'. Supported: 'response.create'.", param="type", code="invalid_value")
+                ApiError(400, f"Invalid event type '{kind}'. Supported: 'response.create', 'response.steer', "
+                          "'response.interrupt'.", param="type", code="invalid_value")
             )
             return
         body = {k: v for k, v in event.items() if k != "type"}
@@ -394,17 +409,84 @@ class WebSocketSession:
             self._defer_error(ApiError(400, f"Unsupported interrupt mode '{mode}'; supported: 'discard_partial_items'.",
                                        param="mode", code="invalid_value"))
             return
-        stop = self._active.get(response_id)
-        if stop is not None:
-            stop.set()
+        create = self._active.get(response_id)
+        if create is not None:
+            create.stop.set("interrupted")
 
-    async def _turn(self, create: _Create) -> None:
+    async def _steer(self, event: dict[str, Any]) -> None:
+        """`response.steer`: answered at once (accepted, failed, or pending when its response
+        already waits for tool output); applied when the response stops (see steering.py)."""
+        try:
+            steer = steering.parse_steer(event)
+        except steering.SteerRejected as rej:
+            await self._send_quietly(steering.failed(rej.code, rej.message, input=event.get("input"),
+                                                     previous_response_id=event.get("previous_response_id")))
+            return
+        target = steer.previous_response_id
+        create, waiting = self._active.get(target), self._pending_steers.get(target)
+        if create is not None or waiting is not None:
+            steers, stream_id = (create.steers, create.stream_id) if create is not None else waiting[:2]
+            if create is not None and not create.steerable:
+                refusal = ("steering_not_supported", "This response cannot be steered (a warm-up, or bound to a "
+                                                     "conversation or automatic compaction).")
+            elif len(steers) >= steering.MAX_STEERS_PER_RESPONSE:
+                refusal = ("too_many_pending_steers",
+                           f"This response already has {steering.MAX_STEERS_PER_RESPONSE} steering inputs queued.")
+            else:
+                steers.append(steer)
+                await self._send_quietly(steering.accepted(steer, stream_id))
+                if create is None:  # it already stopped for tool output
+                    await self._send_quietly(steering.pending(steer, waiting[2], stream_id))
+                elif not create.calls:  # stop at once: no tool call is owed
+                    create.stop.set("steered")
+                return
+            await self._send_quietly(steering.failed_steer(steer, *refusal, stream_id))
+            return
+        if target in self.cache:
+            refusal = ("response_already_completed", "That response has finished; send a response.create instead.")
+        elif any(isinstance(c, _Create) and c.response_id == target
+                 for lane in self._lanes.values() for c in lane.pending):
+            refusal = ("response_not_active", "That response has not started yet.")
+        else:
+            refusal = ("response_not_found", f"No response with id '{target}' is active on this connection.")
+        await self._send_quietly(steering.failed(*refusal, previous_response_id=target, input=steer.input))
+
+    def _after_steered(self, create: _Create, final: Optional[dict[str, Any]]) -> tuple[Optional[_Create], list[Event]]:
+        """What a response that had steers queued leads to: its successor (the next create on its
+        lane), `response.steer.pending` events, or the steers returned as failed."""
+        steers, stream_id = create.steers, create.stream_id
+        status = final["status"] if final is not None else "cancelled"
+        reason = ((final or {}).get("incomplete_details") or {}).get("reason")
+        required = steering.required_input(final["output"]) if status == "completed" else []
+        if required:
+            if len(self._pending_steers) >= steering.MAX_PENDING_PARENTS:
+                return None, [steering.failed_steer(s, "too_many_pending_steers", "Too many responses on this "
+                                                    "connection wait for tool output with steering input.", stream_id)
+                              for s in steers]
+            self._pending_steers[final["id"]] = (steers, stream_id, required)
+            return None, [steering.pending(s, required, stream_id) for s in steers]
+        if status == "completed" or reason == "steered":
+            body = steering.successor_body(create.body, final["id"], steers)
+            return _Create(body, time.perf_counter(), stream_id, commits=steers), []
+        return None, [steering.failed_steer(s, "response_not_active", f"The response ended {status} before the "
+                                            "steering input could be committed.", stream_id) for s in steers]
+
+    async def _turn(self, create: _Create) -> Optional[_Create]:
+        """Run one create; returns the successor a steer asked for (or None)."""
         body, received_at = create.body, create.received_at
+        parent = body.get("previous_response_id")
+        if not create.commits and isinstance(parent, str) and parent in self._pending_steers:
+            # The explicit continuation of a response that stopped for tool output: the
+            # steering input queued for it goes first.
+            create.commits = self._pending_steers.pop(parent)[0]
+            body = steering.with_queued_input(body, create.commits)
         rid: Optional[str] = None
+        final: Optional[dict[str, Any]] = None
         try:
             if self._admit is not None:
                 self._admit()
             req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
+            create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
             parsed_at = time.perf_counter()
             if req.background:
                 raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")
@@ -423,24 +505,45 @@ class WebSocketSession:
                 transport="websocket",
                 include_timing=self._timing_metrics,
                 response_id=create.response_id,
-                interrupt=create.interrupt,
+                stop=create.stop,
             ):
-                if ev["type"] == "response.created":
-                    rid = ev["response"]["id"]
-                    self._active[rid] = create.interrupt
+                kind = ev["type"]
+                if kind == "response.created":
+                    rid = create.response_id = ev["response"]["id"]
+                    self._active[rid] = create
+                elif kind == "response.output_item.added" and ev["item"]["type"] in ("function_call", "custom_tool_call"):
+                    create.calls += 1
+                elif kind in ("response.completed", "response.incomplete", "response.failed"):
+                    final = ev["response"]
                 await self._send(ev)
             self.responses += 1
         except ApiError as err:
-            await self._send_error(err, stream_id=body.get("stream_id") if isinstance(body.get("stream_id"), str) else None)
+            stream_id = body.get("stream_id") if isinstance(body.get("stream_id"), str) else None
+            if rid is None and create.commits:  # the steering input was never committed: return it
+                for steer in create.commits:
+                    await self._send_quietly(steering.failed_steer(
+                        steer, "successor_creation_failed", f"The successor response could not be created: "
+                                                            f"{err.message}", stream_id))
+            else:
+                await self._send_error(err, stream_id=stream_id)
         finally:
             if rid is not None:
                 self._active.pop(rid, None)
+        if not create.steers:
+            return None
+        successor, events = self._after_steered(create, final)
+        for ev in events:
+            await self._send_quietly(ev)
+        return successor
+
+    async def _send_quietly(self, ev: Event) -> None:
+        try:
+            await self._send(ev)
+        except Exception:  # the socket may be gone already
+            pass
 
     async def _send_error(self, err: ApiError, stream_id: Optional[str] = None) -> None:
         ev = err.ws_event()
         if stream_id:
             ev["stream_id"] = stream_id
-        try:
-            await self._send(ev)
-        except Exception:  # the socket may be gone already
-            pass
+        await self._send_quietly(ev)

@@ -2,10 +2,13 @@
 
 import asyncio
 import json
+import time
 
 import pytest
 from websockets.asyncio.client import connect
 from cluster.bench.local import stats as server_stats
+
+from .conftest import SCRIPTED_ANSWER
 
 pytestmark = pytest.mark.integration
 
@@ -256,3 +259,48 @@ async def test_codex_interrupt_over_a_real_socket(scripted_url):
         # (the context still asks for the long one: the scripted engine answers it at length)
         assert ev["type"] in ("response.completed", "response.incomplete"), ev
         assert ev["response"]["previous_response_id"] == rid and ev["response"]["output"]
+
+
+def test_sdk_steer_stops_the_response_and_a_successor_commits_the_input(scripted_url, client_for):
+    """`conn.response.steer(...)` from the openai SDK while a response streams: accepted, the
+    response ends incomplete (steered) with what it said so far, and the automatic successor
+    continues it with the steering input (stored: its input items show the steer)."""
+    client = client_for(scripted_url)
+    with client.responses.connect() as conn:
+        conn.response.create(model="loopserve-tiny", input="Explain the change", store=True, max_output_tokens=128)
+        events, rid, steered = [], None, False
+        for event in conn:
+            events.append(event)
+            if event.type == "response.created" and rid is None:
+                rid = event.response.id
+            if event.type == "response.output_text.delta" and not steered:
+                conn.response.steer(previous_response_id=rid, input="Only list the files you changed.")
+                steered = True
+            if event.type == "response.completed":
+                break
+            assert event.type != "error", event
+        kinds = [e.type for e in events]
+        assert kinds.count("response.steer.accepted") == 1 and kinds.count("response.created") == 2
+        accepted = events[kinds.index("response.steer.accepted")]
+        assert accepted.steer.previous_response_id == rid
+        incomplete = events[kinds.index("response.incomplete")].response
+        assert incomplete.id == rid and incomplete.incomplete_details.reason == "steered"
+        assert 0 < len(incomplete.output[0].content[0].text) < len(SCRIPTED_ANSWER)
+        successor = events[-1].response
+        assert successor.previous_response_id == rid and successor.status == "completed"
+        # A steer for a response that has ended fails and returns its input; the socket carries on.
+        conn.response.steer(previous_response_id=successor.id, input="too late")
+        failed = next(iter(conn))
+        assert failed.type == "response.steer.failed" and failed.error.code == "response_already_completed"
+        assert failed.steer.input == "too late"
+        assert run_turn(conn, model="loopserve-tiny", input="thanks", previous_response_id=successor.id,
+                        store=False)[-1].type == "response.completed"
+    # The successor's input is the steering message (it went through the store like any input).
+    for _ in range(100):
+        try:
+            items = client.responses.input_items.list(successor.id)
+            break
+        except Exception:  # noqa: BLE001 - persisted after the terminal event
+            time.sleep(0.1)
+    texts = [c.text for item in items.data if getattr(item, "role", None) == "user" for c in item.content]
+    assert texts == ["Only list the files you changed."]
