@@ -52,7 +52,7 @@ def build_response(
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "text": text,
         "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
-        "tools": list(request.tools or []),
+        "tools": echo_tools(request.tools),
         "top_logprobs": 0,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "presence_penalty": 0.0,
@@ -62,6 +62,20 @@ def build_response(
         "user": request.user,
         "metadata": dict(request.metadata or {}),
     }
+
+
+def echo_tools(tools: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The request's tools as the Response object lists them: a function tool always carries
+    `description`, `parameters` and `strict` (null when the request left them out), as the
+    openai types and the Open Responses schema expect."""
+    echoed = []
+    for tool in tools or []:
+        if tool.get("type") == "function":
+            strict = tool.get("strict")
+            tool = {**tool, "description": tool.get("description"), "parameters": tool.get("parameters"),
+                    "strict": strict if isinstance(strict, bool) else None}
+        echoed.append(tool)
+    return echoed
 
 
 def usage_object(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:

@@ -319,16 +319,29 @@ TERMINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")
 
 
 def _listed(item: dict[str, Any]) -> dict[str, Any]:
-    """An input item as the API lists it: typed, with a status and content parts."""
+    """An input item as the API lists it (input items, compaction output): typed, with an id, a
+    status and content parts, as the Response item schemas require."""
     out = {"type": item.get("type", "message"), **item}
-    if out["type"] == "message":
-        if isinstance(out.get("content"), str):
-            kind = "output_text" if out.get("role") == "assistant" else "input_text"
-            part: dict[str, Any] = {"type": kind, "text": out["content"]}
-            if kind == "output_text":
-                part["annotations"] = []
-            out["content"] = [part]
+    kind = out["type"]
+    if kind in ID_PREFIX and not out.get("id"):
+        out["id"] = new_id(ID_PREFIX[kind])
+    if kind == "message":
+        content = out.get("content")
+        if isinstance(content, str):
+            part_type = "output_text" if out.get("role") == "assistant" else "input_text"
+            content = [{"type": part_type, "text": content}]
+        out["content"] = [_listed_part(p) if isinstance(p, dict) else p for p in content or []]
         out.setdefault("status", "completed")
-    elif out["type"] in ("function_call", "function_call_output"):
+    elif kind in ("function_call", "function_call_output"):
         out.setdefault("status", "completed")
+    elif kind == "reasoning":
+        out.setdefault("summary", [])
     return out
+
+
+def _listed_part(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") == "output_text":
+        return {"annotations": [], **part}
+    if part.get("type") == "input_image":
+        return {"detail": "auto", **part}
+    return part
