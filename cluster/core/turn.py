@@ -141,6 +141,7 @@ class TurnDriver:
         transport: str = "http",
         include_timing: bool = False,
         stop: Optional[Stop] = None,
+        keep_parent: bool = False,
     ) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
 
@@ -163,7 +164,7 @@ class TurnDriver:
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
-                                      timing, root, tctx, include_timing, stop):
+                                      timing, root, tctx, include_timing, stop, keep_parent):
                 if ev["type"] in _TERMINAL:
                     status = ev["response"]["status"]
                 yield ev
@@ -178,7 +179,7 @@ class TurnDriver:
             root.end()
 
     async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
-                   root, tctx, include_timing=False, stop=None) -> AsyncIterator[Event]:
+                   root, tctx, include_timing=False, stop=None, keep_parent=False) -> AsyncIterator[Event]:
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -208,11 +209,11 @@ class TurnDriver:
         try:
             prep = await self._prepare(req, parent, timing, tctx, owner)
         except ApiError:
-            if prev_id:
+            if prev_id and not keep_parent:
                 cache.evict(prev_id)
             raise
         except Exception as exc:
-            if prev_id:
+            if prev_id and not keep_parent:
                 cache.evict(prev_id)
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the render's own error
             if isinstance(cause, ApiError):
@@ -240,7 +241,7 @@ class TurnDriver:
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
                     timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing,
-                    stop=stop)
+                    stop=stop, keep_parent=keep_parent)
         stream = TurnStream(turn, asm, safety, self.services)
         streaming = self.tracer.start_span("stream_events", context=tctx)
         try:

@@ -167,6 +167,7 @@ class Turn:
     trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
     include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
     stop: Optional[Stop] = None  # set by `response.interrupt` / `response.steer` (WebSocket mode)
+    keep_parent: bool = False  # a fork from another WebSocket lane: its failure leaves the parent cached
     # What it produced
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -206,7 +207,7 @@ class Turn:
 
     def evict_parent(self) -> None:
         """A failed turn: the next try starts from a fresh lookup of its parent."""
-        if self.request.previous_response_id:
+        if self.request.previous_response_id and not self.keep_parent:
             self.cache.evict(self.request.previous_response_id)
 
     def commit(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",

@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
 MAX_ACTIVE = 16  # responses running at once on one connection
 MAX_LANES = 32  # named lanes (stream_id) at once on one connection
+MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 
@@ -53,6 +54,7 @@ class _Create:
     commits: list[Steer] = field(default_factory=list)  # steering input its `response.created` commits
     steers: list[Steer] = field(default_factory=list)  # accepted steers for its response while it runs
     calls: int = 0  # client-owned tool calls its response emitted
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # it ran (a fork on another lane waits for it)
     steerable: bool = False
 
 
@@ -126,6 +128,7 @@ class WebSocketSession:
         self._lanes: dict[str, _Lane] = {}  # "" = the default lane
         self._active: dict[str, _Create] = {}  # running response id -> its create
         # Responses that stopped for tool output with accepted steers: id -> (steers, lane, stubs).
+        self._lane_of: OrderedDict[str, str] = OrderedDict()  # recent response id -> the lane that made it
         self._pending_steers: dict[str, tuple[list[Steer], Optional[str], list[dict[str, Any]]]] = {}
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.expired = False
@@ -341,6 +344,9 @@ class WebSocketSession:
                 lane.running = True
                 try:
                     await create.announced.wait()
+                    source = self._fork_source(create)
+                    if source is not None:  # it continues a response another lane has not finished yet
+                        await source.done.wait()
                     async with self._slots:
                         while create is not None:  # a steered response's successor runs next, in its slot
                             create = await self._turn(create)
@@ -471,8 +477,30 @@ class WebSocketSession:
         return None, [steering.failed_steer(s, "response_not_active", f"The response ended {status} before the "
                                             "steering input could be committed.", stream_id) for s in steers]
 
+    def _fork_source(self, create: _Create) -> Optional[_Create]:
+        """The create on another lane, queued or running, whose response this create continues."""
+        parent = create.body.get("previous_response_id")
+        if not isinstance(parent, str):
+            return None
+        source = self._active.get(parent) or next(
+            (c for lane in self._lanes.values() for c in lane.pending if isinstance(c, _Create) and c.response_id == parent),
+            None)
+        if source is None or source is create or (source.stream_id or "") == (create.stream_id or ""):
+            return None
+        return source
+
+    def _from_other_lane(self, parent: Any, stream_id: Optional[str]) -> bool:
+        lane = self._lane_of.get(parent) if isinstance(parent, str) else None
+        return lane is not None and lane != (stream_id or "")
+
     async def _turn(self, create: _Create) -> Optional[_Create]:
         """Run one create; returns the successor a steer asked for (or None)."""
+        try:
+            return await self._run_create(create)
+        finally:
+            create.done.set()
+
+    async def _run_create(self, create: _Create) -> Optional[_Create]:
         body, received_at = create.body, create.received_at
         parent = body.get("previous_response_id")
         if not create.commits and isinstance(parent, str) and parent in self._pending_steers:
@@ -506,11 +534,16 @@ class WebSocketSession:
                 include_timing=self._timing_metrics,
                 response_id=create.response_id,
                 stop=create.stop,
+                # A fork from another lane that fails leaves that lane's response in the cache.
+                keep_parent=self._from_other_lane(parent, stream_id),
             ):
                 kind = ev["type"]
                 if kind == "response.created":
                     rid = create.response_id = ev["response"]["id"]
                     self._active[rid] = create
+                    self._lane_of[rid] = stream_id or ""
+                    if len(self._lane_of) > MAX_REMEMBERED_LANES:
+                        self._lane_of.popitem(last=False)
                 elif kind == "response.output_item.added" and ev["item"]["type"] in ("function_call", "custom_tool_call"):
                     create.calls += 1
                 elif kind in ("response.completed", "response.incomplete", "response.failed"):

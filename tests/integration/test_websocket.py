@@ -304,3 +304,35 @@ def test_sdk_steer_stops_the_response_and_a_successor_commits_the_input(scripted
             time.sleep(0.1)
     texts = [c.text for item in items.data if getattr(item, "role", None) == "user" for c in item.content]
     assert texts == ["Only list the files you changed."]
+
+
+async def test_a_store_false_fork_across_lanes(scripted_url):
+    """A lane that continues another lane's `store: false` response, sent while that response
+    is only announced (`response.queued`): it waits for it and continues it; a fork that fails
+    leaves the source response continuable on its own lane."""
+    async with connect(ws_url(scripted_url), open_timeout=20) as ws:
+        async def create(**body):
+            await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False, **body}))
+
+        await create(input="first", stream_id="main")
+        await create(input="second", stream_id="main")
+        events = []
+        while not any(e["type"] == "response.queued" for e in events):
+            events.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+        source = next(e for e in events if e["type"] == "response.queued")["response"]["id"]
+        await create(input="fork", stream_id="side", previous_response_id=source)
+        while len([e for e in events if e["type"] in TERMINAL]) < 3:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            assert ev["type"] != "error", ev
+            events.append(ev)
+        fork = next(e for e in events if e["type"] in TERMINAL and e["stream_id"] == "side")["response"]
+        assert fork["status"] == "completed" and fork["previous_response_id"] == source
+        # A fork that fails (bad input for that parent) keeps the source response for its own lane.
+        await create(stream_id="side", previous_response_id=source,
+                     input=[{"type": "function_call_output", "call_id": "call_unknown", "output": "x"}])
+        ev = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        assert ev["type"] == "error" and ev["stream_id"] == "side", ev
+        await create(stream_id="main", previous_response_id=source, input="go on")
+        while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL + ("error",):
+            pass
+        assert ev["type"] == "response.completed" and ev["response"]["previous_response_id"] == source, ev

@@ -326,3 +326,43 @@ async def test_creates_waiting_on_lanes_stay_bounded(tokenizer):
     await p.idle()
     assert p.session._waiting_creates == 0 and p.session._queued_bytes == 0
     await p.session.shutdown()
+
+
+async def test_a_fork_from_another_lane_waits_for_its_source_and_a_failed_fork_keeps_the_parent(tokenizer):
+    """`store: false` forks across lanes: a create on lane B that continues a response lane A has
+    not finished (running, or only announced by `response.queued`) waits for it instead of
+    failing; a fork that fails leaves lane A's response continuable (a failed continuation on
+    its own lane still evicts its parent)."""
+    stack = InProcessStack(tokenizer, tokens_per_second=200)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "first", "stream_id": "a", "store": False})
+    await p.frame({"type": "response.create", "input": "second", "stream_id": "a", "store": False})
+    for _ in range(200):
+        if p.queued and any(e["type"] == "response.created" for e in p.sent):
+            break
+        await asyncio.sleep(0.01)
+    running = next(e["response"]["id"] for e in p.sent if e["type"] == "response.created")
+    queued = p.queued[0]["response"]["id"]
+    await p.frame({"type": "response.create", "input": "fork 1", "stream_id": "b", "store": False,
+                   "previous_response_id": running})
+    await p.frame({"type": "response.create", "input": "fork 2", "stream_id": "c", "store": False,
+                   "previous_response_id": queued})
+    await p.idle()
+    assert not [e for e in p.sent if e["type"] == "error"], p.sent
+    done = {r["previous_response_id"]: r for r in p.terminals()}
+    assert done[running]["status"] == "completed" and done[queued]["status"] == "completed"
+    # A fork's failure (a tool call left without output) keeps the source lane's response.
+    await p.frame({"type": "response.create", "input": "read it", "tools": TOOLS, "stream_id": "a", "store": False})
+    await p.idle()
+    parent = p.terminals()[-1]["id"]
+    await p.frame({"type": "response.create", "input": "no output", "stream_id": "b", "store": False,
+                   "previous_response_id": parent})
+    await p.idle()
+    assert p.sent[-1]["type"] == "error" and "No tool output found" in p.sent[-1]["error"]["message"]
+    assert parent in p.session.cache
+    # The same failure on the parent's own lane evicts it (the rule for a chain's own next turn).
+    await p.frame({"type": "response.create", "input": "no output", "stream_id": "a", "store": False,
+                   "previous_response_id": parent})
+    await p.idle()
+    assert parent not in p.session.cache
+    await p.session.shutdown()
