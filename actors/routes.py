@@ -22,6 +22,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from actors.http import app, error_response, json_body, rss_bytes, sse
 from cluster import telemetry
+from cluster.core.agent import reject_over_http as reject_multi_agent_over_http
 from cluster.core.session_cache import SessionCache
 from cluster.core.ws_session import WebSocketSession
 from cluster.protocol.errors import ApiError, server_error
@@ -167,6 +168,7 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
         conn.auth.admit_request(p)
         req = parse_request(await json_body(request, conn.config.limits.max_request_bytes),
                             max_input_items=conn.config.limits.max_input_items)
+        reject_multi_agent_over_http(req)
         parsed_at = time.perf_counter()
         session_key = (request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id
                        or uuid.uuid4().hex)
@@ -261,6 +263,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         admit=lambda: conn.auth.admit_request(p),
         trace_parent=telemetry.extract_headers(ws.headers),
         timing_metrics=ws.headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
+        betas=frozenset(b.strip() for b in ws.headers.get("openai-beta", "").split(",") if b.strip()),
     )
     session.start()
     conn.ws_sessions.add(session)

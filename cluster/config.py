@@ -161,6 +161,9 @@ class WebSocketConfig(_Strict):
     max_queued_creates: int = 64
     # Bytes of frames waiting behind the response in flight on one socket.
     max_queued_bytes: int = 32 * 1024 * 1024
+    # A multi-agent response (beta) waits this long for `response.inject` to answer its tool
+    # calls; then it ends as it stands (completed, the calls left for a normal continuation).
+    agent_wait_seconds: float = Field(300.0, gt=0)
 
 
 class OpsConfig(_Strict):

@@ -209,7 +209,7 @@ class Metrics:
 
     def turn_timed(self, timing: Any, output_tokens: int = 0) -> None:
         """A finished turn's `TurnTiming` (server overhead, TTFT, decode rate)."""
-        self.overhead.record((timing.total - timing.engine) * 1000)
+        self.overhead.record((timing.total - timing.engine - timing.tool_wait) * 1000)
         if timing.first_token:
             self.ttft.record(timing.first_token * 1000)
         if output_tokens:

@@ -205,6 +205,17 @@ class EventAssembler:
         events.append(self._ev(kind, response=self._snapshot()))
         return events
 
+    def add_items(self, items: list[dict[str, Any]]) -> list[Event]:
+        """Whole items that were not generated (a multi-agent response's injected tool outputs)."""
+        events = self._close_open()
+        for item in items:
+            item = {"id": new_id("fco"), **item, "status": "completed"}
+            self.response["output"].append(item)
+            idx = self.output_index
+            events.append(self._ev("response.output_item.added", output_index=idx, item=dict(item)))
+            events.append(self._ev("response.output_item.done", output_index=idx, item=dict(item)))
+        return events
+
     def discard_output(self) -> None:
         """`response.interrupt` with `discard_partial_items`: the response ends with no output."""
         self.response["output"] = []
@@ -346,7 +357,7 @@ def timing_event(t: Any, stream_id: Optional[str] = None) -> Event:
     ms = lambda s: max(0, round(s * 1000))  # noqa: E731
     iapi_ttft = t.engine_first_token + t.engine_dispatch
     ev: Event = {"type": "responsesapi.websocket_timing", "timing_metrics": {
-        "responses_duration_excl_engine_and_client_tool_time_ms": ms(t.total - t.engine),
+        "responses_duration_excl_engine_and_client_tool_time_ms": ms(t.total - t.engine - t.tool_wait),
         "engine_service_total_ms": ms(t.engine_inner),
         "engine_iapi_ttft_total_ms": ms(iapi_ttft),
         "engine_service_ttft_total_ms": ms(t.engine_first_token),

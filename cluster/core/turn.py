@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 from .. import telemetry
 from ..protocol.errors import ApiError, previous_response_not_found, server_error
 from ..engines.parsers import tool_format
-from ..protocol.requests import ResponsesRequest
+from ..protocol.requests import ResponsesRequest, parse_request
 from .context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
 from .controls import check_output_controls
 from .events import Event, EventAssembler, build_response
@@ -142,6 +142,7 @@ class TurnDriver:
         include_timing: bool = False,
         stop: Optional[Stop] = None,
         keep_parent: bool = False,
+        agent: Optional[Any] = None,
     ) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
 
@@ -164,7 +165,7 @@ class TurnDriver:
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
-                                      timing, root, tctx, include_timing, stop, keep_parent):
+                                      timing, root, tctx, include_timing, stop, keep_parent, agent):
                 if ev["type"] in _TERMINAL:
                     status = ev["response"]["status"]
                 yield ev
@@ -179,7 +180,8 @@ class TurnDriver:
             root.end()
 
     async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
-                   root, tctx, include_timing=False, stop=None, keep_parent=False) -> AsyncIterator[Event]:
+                   root, tctx, include_timing=False, stop=None, keep_parent=False,
+                   agent=None) -> AsyncIterator[Event]:
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -241,7 +243,20 @@ class TurnDriver:
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
                     timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing,
-                    stop=stop, keep_parent=keep_parent)
+                    stop=stop, keep_parent=keep_parent, agent=agent)
+        if agent is not None:
+            async def next_step(state: ResponseState, injected: list[dict[str, Any]]):
+                # The next engine call of a multi-agent response: a continuation of `state`
+                # (this response after its last step) with the injected tool outputs.
+                step_req = req.model_copy(update={"input": parse_request({"input": injected}).input,
+                                                  "previous_response_id": response_id})
+                step_ctx, step_rendered, _, _ = await self._prepare(step_req, state, TurnTiming(), tctx, owner)
+                # max_output_tokens bounds the whole response; the context bounds each call.
+                budget = (req.max_output_tokens or st.default_max_tokens) - turn.used[2] - turn.output_tokens
+                turn.max_tokens = max(1, min(budget, st.max_model_len - len(step_rendered.prompt_token_ids)))
+                return step_ctx, step_rendered
+
+            turn.next_step = next_step
         stream = TurnStream(turn, asm, safety, self.services)
         streaming = self.tracer.start_span("stream_events", context=tctx)
         try:

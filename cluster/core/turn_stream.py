@@ -15,7 +15,7 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from .. import telemetry
 from ..protocol.errors import ApiError, server_error
@@ -58,6 +58,7 @@ class TurnTiming:
     first_token: float = 0.0
     engine: float = 0.0
     total: float = 0.0
+    tool_wait: float = 0.0  # a multi-agent response waiting for injected tool outputs (client time)
     full_render: bool = False
     new_items: int = 0
     context_items: int = 0
@@ -168,6 +169,14 @@ class Turn:
     include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
     stop: Optional[Stop] = None  # set by `response.interrupt` / `response.steer` (WebSocket mode)
     keep_parent: bool = False  # a fork from another WebSocket lane: its failure leaves the parent cached
+    # Multi-agent responses (agent.py): the inbox of injected tool outputs, and how the driver
+    # prepares the next engine call once a step's calls are answered.
+    agent: Optional[Any] = None
+    next_step: Optional[Callable[[ResponseState, list], Awaitable[tuple[ResolvedContext, Rendered]]]] = None
+    step: int = 0  # engine calls before the current one
+    step_output_start: int = 0  # where the current step's output begins in the response's output
+    first_span: tuple[int, int] = (0, 0)  # (input_start, output_start) of the first step's context
+    used: tuple[int, int, int] = (0, 0, 0)  # input, cached and output tokens of the earlier steps
     # What it produced
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -178,6 +187,11 @@ class Turn:
     def prompt_len(self) -> int:
         return len(self.rendered.prompt_token_ids)
 
+    @property
+    def engine_id(self) -> str:
+        """The engine request id of the current step (each engine call needs its own)."""
+        return self.response_id if not self.step else f"{self.response_id}.{self.step}"
+
     def engine_request(self, *, whole: bool = False) -> EngineRequest:
         """The engine call; a continuation whose prompt extends its parent's sends only the tail."""
         req = self.request
@@ -187,7 +201,7 @@ class Turn:
         base_len = len(base.token_ids) if base is not None else 0
         tail = not whole and base_id is not None and self.rendered.extends_parent and base_len < len(prompt)
         return EngineRequest(
-            request_id=self.response_id,
+            request_id=self.engine_id,
             session_key=self.session_key,
             prompt_token_ids=prompt[base_len:] if tail else prompt,
             max_tokens=self.max_tokens,
@@ -212,22 +226,34 @@ class Turn:
 
     def commit(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
                engine_ran: bool = False, done: Optional[EngineDone] = None) -> ResponseState:
-        """The next turn's state, in the cache before the terminal event leaves."""
+        """The next turn's state, in the cache before the terminal event leaves. `output` is the
+        current step's (the whole response's output is in `response`)."""
+        state = self.state = self.snapshot(output, response, replica, engine_ran, done)
+        self.cache.put(state)
+        if self.on_state:
+            self.on_state(state)
+        return state
+
+    def snapshot(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
+                 engine_ran: bool = False, done: Optional[EngineDone] = None) -> ResponseState:
+        """The state after the current step's `output` (the next step's parent)."""
         req, ctx, rendered = self.request, self.context, self.rendered
         out_items = output_as_context(output)
         calls = output_call_ids(output)
         inherited = ctx.parent.context_bytes if ctx.parent is not None else 0
         # The engine replica keeps this turn's prompt: the next one sends only its tail.
-        engine_request_id = self.response_id if engine_ran and rendered.prompt_extends_prefix else None
+        engine_request_id = self.engine_id if engine_ran and rendered.prompt_extends_prefix else None
         prior = None
         if done is not None and done.output_ids and rendered.prompt_extends_prefix:
             prior = PriorOutput(rendered.prompt_token_ids[len(rendered.prefix_token_ids):], done.output_token_ids,
                                 done.output_text)
-        state = ResponseState(
+        # A multi-step response's own input and output start where its first step's did.
+        input_start, output_start = self.first_span if self.step else (ctx.new_start, len(ctx.items))
+        return ResponseState(
             response_id=self.response_id,
             model=self.model,
             items=ctx.items + out_items,
-            output_start=len(ctx.items),
+            output_start=output_start,
             instructions=req.instructions,
             tools=list(req.tools or []),
             rendered=RenderedPrefix(self.render_key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start,
@@ -236,17 +262,12 @@ class Turn:
             pending_call_ids=ctx.pending_call_ids + tuple(calls),
             store=req.store is not False,
             owner=self.owner,
-            input_start=ctx.new_start,
+            input_start=input_start,
             affinity_key=self.session_key,
             context_bytes=inherited + items_nbytes(ctx.items[ctx.new_start:]) + items_nbytes(out_items),
             engine_replica=replica,
             response=response,
         )
-        self.state = state
-        self.cache.put(state)
-        if self.on_state:
-            self.on_state(state)
-        return state
 
     def finish_timing(self) -> TurnTiming:
         t = self.timing
@@ -256,16 +277,25 @@ class Turn:
         return t
 
 
+@dataclass
+class _Step:
+    done: Optional[EngineDone] = None
+    ended: bool = False
+
+
 class TurnStream:
     """The streaming part of one turn (after `response.created`)."""
 
     def __init__(self, turn: Turn, asm: EventAssembler, safety: TurnSafety, services: TurnServices) -> None:
         self.turn, self.asm, self.safety, self.services = turn, asm, safety, services
         self.posted = False
+        self.tool_calls = 0  # over the whole response (max_tool_calls)
 
     def _usage(self, reasoning_tokens: int = 0) -> dict[str, Any]:
         t = self.turn
-        return usage_object(t.prompt_len, t.cached_tokens, t.output_tokens, reasoning_tokens)
+        inputs, cached, outputs = t.used  # earlier steps of a multi-agent response
+        return usage_object(inputs + t.prompt_len, cached + t.cached_tokens, outputs + t.output_tokens,
+                            reasoning_tokens)
 
     def _blocked(self, flag: dict[str, Any]) -> list[Event]:
         # Content filter: end `incomplete`, cache nothing (no continuation of it).
@@ -351,12 +381,83 @@ class TurnStream:
             span.end()
 
     async def generate(self) -> AsyncIterator[Event]:
+        turn, asm, timing = self.turn, self.asm, self.turn.timing
+        while True:
+            step = _Step()
+            async for ev in self._generate_step(step):
+                yield ev
+            if step.ended:
+                return
+            done = step.done
+            waited = time.perf_counter()
+            injected = await self._injected_outputs(done)
+            timing.tool_wait += time.perf_counter() - waited
+            if turn.stop is not None and turn.stop.is_set():
+                for ev in self._stopped(done, discard=turn.stop.reason == "interrupted"):
+                    yield ev
+                return
+            if not injected:
+                break
+            for ev in asm.add_items(injected):
+                yield ev
+            try:
+                await self._next_step(done, injected)
+            except ApiError as err:
+                for ev in self._failed(err):
+                    yield ev
+                return
+        timing.engine_replica = done.replica
+        parent = turn.parent
+        if parent is not None and parent.engine_replica and done.replica and done.replica != parent.engine_replica:
+            timing.session_moved = True
+            self.services.metrics.session_moved()
+        incomplete = "max_output_tokens" if done.finish_reason == "length" else None
+        turn.commit(asm.response["output"][turn.step_output_start:], asm.response, done.replica, engine_ran=True,
+                    done=done)
+        self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
+        turn.status = "incomplete" if incomplete else "completed"
+        terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)
+        self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
+        if turn.include_timing:
+            yield timing_event(turn.timing, stream_id=asm.stream_id)  # after finish_timing above
+        for ev in terminal:
+            yield ev
+
+    async def _injected_outputs(self, done: EngineDone) -> Optional[list[dict[str, Any]]]:
+        """A multi-agent response whose step called client tools: their injected outputs."""
+        turn = self.turn
+        if turn.agent is None or done.finish_reason == "length":
+            return None
+        calls = [item["call_id"] for item in self.asm.response["output"][turn.step_output_start:]
+                 if item.get("type") == "function_call"]
+        if not calls:
+            return None
+        return await turn.agent.collect(calls, stop=turn.stop.event if turn.stop is not None else None)
+
+    async def _next_step(self, done: EngineDone, injected: list[dict[str, Any]]) -> None:
+        """The next engine call of a multi-agent response: its context gains this step's output
+        and the injected tool outputs (rendered as a continuation: only those new items)."""
+        turn, asm = self.turn, self.asm
+        parent = turn.snapshot(asm.response["output"][turn.step_output_start:len(asm.response["output"]) - len(injected)],
+                               asm.response, done.replica, engine_ran=True, done=done)
+        context, rendered = await turn.next_step(parent, injected)
+        if not turn.step:
+            turn.first_span = (turn.context.new_start, len(turn.context.items))
+        inputs, cached, outputs = turn.used
+        turn.used = (inputs + turn.prompt_len, cached + turn.cached_tokens, outputs + turn.output_tokens)
+        turn.parent, turn.context, turn.rendered = parent, context, rendered
+        turn.step += 1
+        turn.step_output_start = len(asm.response["output"])
+        turn.cached_tokens = turn.output_tokens = 0
+
+    async def _generate_step(self, step: "_Step") -> AsyncIterator[Event]:
+        """One engine call's output as events. Ending the response on the way (failed, blocked,
+        stopped) sets `step.ended`; else `step.done` is the engine's result."""
         turn, asm, safety, timing = self.turn, self.asm, self.safety, self.turn.timing
         req = turn.request
         done: Optional[EngineDone] = None
         flag: Optional[dict[str, Any]] = None
         engine_start = time.perf_counter()
-        tool_calls = 0
         call_limit = tool_call_limit(req)
         chunks = self._engine_chunks()
         stop = turn.stop
@@ -388,9 +489,9 @@ class TurnStream:
                         events = asm.reasoning(piece.text)
                         safety.on_output(piece.text)
                     elif isinstance(piece, ToolCallPiece):
-                        if call_limit is not None and tool_calls >= call_limit:
+                        if call_limit is not None and self.tool_calls >= call_limit:
                             continue
-                        tool_calls += 1
+                        self.tool_calls += 1
                         events = asm.tool_call(piece.name, piece.arguments)
                         # Arguments are generated text too (a command, a file's new contents).
                         safety.on_output(f"{piece.name}({piece.arguments})\n")
@@ -403,6 +504,7 @@ class TurnStream:
             if not flag:
                 flag = await safety.finish()
         except ApiError as err:
+            step.ended = True
             for ev in self._failed(err):
                 yield ev
             return
@@ -410,13 +512,15 @@ class TurnStream:
             raise
         except Exception:
             log.warning("engine stream failed for %s", turn.response_id, exc_info=True)
+            step.ended = True
             for ev in self._failed(server_error("The engine failed while generating this response.")):
                 yield ev
             return
         finally:
             await until.aclose()  # first: it may be reading `chunks`
             await chunks.aclose()
-        timing.engine = time.perf_counter() - engine_start
+        timing.engine += time.perf_counter() - engine_start
+        step.ended = True  # unless it ends with a result below
         if stop is not None and stop.is_set() and not flag:
             for ev in self._stopped(done, discard=stop.reason == "interrupted"):
                 yield ev
@@ -435,21 +539,7 @@ class TurnStream:
             for ev in self._failed(server_error("The engine stream ended without a result.")):
                 yield ev
             return
-        timing.engine_replica = done.replica
-        parent = turn.parent
-        if parent is not None and parent.engine_replica and done.replica and done.replica != parent.engine_replica:
-            timing.session_moved = True
-            self.services.metrics.session_moved()
-        incomplete = "max_output_tokens" if done.finish_reason == "length" else None
-        turn.commit(asm.response["output"], asm.response, done.replica, engine_ran=True, done=done)
-        self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
-        turn.status = "incomplete" if incomplete else "completed"
-        terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)
-        self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
-        if turn.include_timing:
-            yield timing_event(turn.timing, stream_id=asm.stream_id)  # after finish_timing above
-        for ev in terminal:
-            yield ev
+        step.ended, step.done = False, done
 
     def _stopped(self, done: Optional[EngineDone], *, discard: bool) -> list[Event]:
         """Stopped from outside. `response.interrupt` (Codex, mode discard_partial_items): the
@@ -461,7 +551,8 @@ class TurnStream:
             turn.cached_tokens = done.cached_tokens
         if discard:
             self.asm.discard_output()
-        turn.commit(self.asm.response["output"], self.asm.response, done.replica if done else "", engine_ran=True)
+        turn.commit(self.asm.response["output"][turn.step_output_start:], self.asm.response,
+                    done.replica if done else "", engine_ran=True)
         self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
         turn.status = "incomplete"
         events = self.asm.finish(self._usage(), incomplete_reason="interrupted" if discard else "steered")

@@ -25,7 +25,8 @@ from typing import Any, Awaitable, Callable, Optional, Union
 from ..config import WebSocketConfig
 from ..protocol.errors import ApiError, server_error
 from ..protocol.requests import parse_request
-from . import steering
+from . import agent, steering
+from .agent import AgentInbox
 from .events import build_response
 from .ids import new_id
 from .session_cache import SessionCache
@@ -56,6 +57,7 @@ class _Create:
     calls: int = 0  # client-owned tool calls its response emitted
     done: asyncio.Event = field(default_factory=asyncio.Event)  # it ran (a fork on another lane waits for it)
     steerable: bool = False
+    inbox: Optional[AgentInbox] = None  # a multi-agent response: its injected tool outputs
 
 
 @dataclass
@@ -105,6 +107,7 @@ class WebSocketSession:
         admit: Optional[Callable[[], None]] = None,
         trace_parent: Any = None,
         timing_metrics: bool = False,
+        betas: frozenset[str] = frozenset(),
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -119,6 +122,7 @@ class WebSocketSession:
         self._trace_parent = trace_parent  # a `traceparent` sent on the upgrade: every turn joins that trace
         # `x-responsesapi-include-timing-metrics` on the upgrade: each turn sends Codex's timing event.
         self._timing_metrics = timing_metrics
+        self._betas = betas  # `OpenAI-Beta` values on the upgrade (multi-agent responses need theirs)
         # Frames waiting for the connection's FIFO: (frame, or the error it earned; arrival time).
         self._queue: asyncio.Queue[tuple[Union[str, bytes, ApiError], float]] = asyncio.Queue()
         self._queued_bytes = 0  # frames waiting to be read, and creates waiting on their lanes
@@ -389,10 +393,13 @@ class WebSocketSession:
         if kind == "response.steer":
             await self._steer(event)
             return
+        if kind == "response.inject":
+            await self._inject(event)
+            return
         if kind != "response.create":
             self._defer_error(
                 ApiError(400, f"Invalid event type '{kind}'. Supported: 'response.create', 'response.steer', "
-                          "'response.interrupt'.", param="type", code="invalid_value")
+                          "'response.interrupt', 'response.inject'.", param="type", code="invalid_value")
             )
             return
         body = {k: v for k, v in event.items() if k != "type"}
@@ -457,6 +464,32 @@ class WebSocketSession:
             refusal = ("response_not_found", f"No response with id '{target}' is active on this connection.")
         await self._send_quietly(steering.failed(*refusal, previous_response_id=target, input=steer.input))
 
+    async def _inject(self, event: dict[str, Any]) -> None:
+        """`response.inject` (beta): tool outputs for a multi-agent response in flight, committed
+        all or none; answered at once."""
+        response_id, items = event.get("response_id"), event.get("input")
+        if not isinstance(response_id, str) or not response_id:
+            self._defer_error(ApiError(400, "response.inject needs a 'response_id'.", param="response_id",
+                                       code="missing_required_parameter"))
+            return
+        create = self._active.get(response_id)
+        if create is None:
+            code, message = (("response_already_completed", "That response has finished; send the outputs with "
+                                                            "response.create.") if response_id in self.cache
+                             else ("response_not_found", f"No response with id '{response_id}' is active on this "
+                                                         "connection."))
+            await self._send_quietly(agent.inject_failed(response_id, items, code, message, None))
+            return
+        try:
+            if create.inbox is None:
+                raise ApiError(400, "response.inject applies to responses created with multi_agent.enabled.",
+                               param="response_id", code="invalid_value")
+            create.inbox.offer(items)
+        except ApiError as err:
+            await self._send_error(err, stream_id=create.stream_id)
+            return
+        await self._send_quietly(agent.inject_created(response_id, create.stream_id))
+
     def _after_steered(self, create: _Create, final: Optional[dict[str, Any]]) -> tuple[Optional[_Create], list[Event]]:
         """What a response that had steers queued leads to: its successor (the next create on its
         lane), `response.steer.pending` events, or the steers returned as failed."""
@@ -515,6 +548,11 @@ class WebSocketSession:
                 self._admit()
             req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
             create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
+            if agent.multi_agent_enabled(body):
+                if agent.BETA not in self._betas:
+                    raise ApiError(400, f"multi_agent needs the 'OpenAI-Beta: {agent.BETA}' header on the WebSocket "
+                                        "upgrade.", param="multi_agent", code="invalid_value")
+                create.inbox = AgentInbox(self.config.agent_wait_seconds)
             parsed_at = time.perf_counter()
             if req.background:
                 raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")
@@ -536,6 +574,7 @@ class WebSocketSession:
                 stop=create.stop,
                 # A fork from another lane that fails leaves that lane's response in the cache.
                 keep_parent=self._from_other_lane(parent, stream_id),
+                agent=create.inbox,
             ):
                 kind = ev["type"]
                 if kind == "response.created":
@@ -546,6 +585,8 @@ class WebSocketSession:
                         self._lane_of.popitem(last=False)
                 elif kind == "response.output_item.added" and ev["item"]["type"] in ("function_call", "custom_tool_call"):
                     create.calls += 1
+                    if create.inbox is not None:
+                        create.inbox.called(ev["item"]["call_id"], ev["item"].get("name", ""))
                 elif kind in ("response.completed", "response.incomplete", "response.failed"):
                     final = ev["response"]
                 await self._send(ev)

@@ -4,6 +4,7 @@ import asyncio
 import json
 import time
 
+import openai
 import pytest
 from websockets.asyncio.client import connect
 from cluster.bench.local import stats as server_stats
@@ -336,3 +337,33 @@ async def test_a_store_false_fork_across_lanes(scripted_url):
         while (ev := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] not in TERMINAL + ("error",):
             pass
         assert ev["type"] == "response.completed" and ev["response"]["previous_response_id"] == source, ev
+
+
+def test_sdk_beta_multi_agent_response_takes_injected_tool_outputs(scripted_url, client_for):
+    """The SDK's beta connection (`OpenAI-Beta: responses_multi_agent=v1`): a multi-agent response
+    calls a tool and waits; `conn.response.inject(...)` commits the output
+    (`response.inject.created`) and the same response goes on to its answer."""
+    client = client_for(scripted_url)
+    with client.beta.responses.connect(extra_headers={"OpenAI-Beta": "responses_multi_agent=v1"}) as conn:
+        conn.response.create(model="loopserve-tiny", input="Read the config", tools=TOOLS, store=False,
+                             multi_agent={"enabled": True})
+        kinds, rid, final = [], None, None
+        for event in conn:
+            kinds.append(event.type)
+            assert event.type != "error", event
+            if event.type == "response.created":
+                rid = event.response.id
+            if event.type == "response.output_item.done" and event.item.type == "function_call":
+                conn.response.inject(response_id=rid, input=[
+                    {"type": "function_call_output", "call_id": event.item.call_id, "output": "debug = true"}])
+            if event.type == "response.completed":
+                final = event.response
+                break
+        assert "response.inject.created" in kinds and kinds.count("response.created") == 1
+        assert final.id == rid and [o.type for o in final.output] == ["function_call", "function_call_output",
+                                                                       "message"]
+        assert final.output[2].content[0].text == SCRIPTED_ANSWER
+    # Over HTTP nothing could inject the outputs: refused in the API's error shape.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="loopserve-tiny", input="hi", extra_body={"multi_agent": {"enabled": True}})
+    assert e.value.body["param"] == "multi_agent" and e.value.body["code"] == "unsupported_value"

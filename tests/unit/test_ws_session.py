@@ -19,14 +19,14 @@ class Peer:
     """A client on a WebSocketSession. `sent` holds what it received except `response.queued`
     announcements (kept in `queued`: they precede their response, whatever else interleaves)."""
 
-    def __init__(self, stack, **cfg):
+    def __init__(self, stack, betas=frozenset(), **cfg):
         self.sent = []
         self.queued = []
         self.all = []
         self.closed = None
         self.session = WebSocketSession(
             stack.driver, SessionCache(), session_key="conn", config=WebSocketConfig(**cfg),
-            send=self.send, close=self.close,
+            send=self.send, close=self.close, betas=frozenset(betas),
         )
         self.session.start()
 
