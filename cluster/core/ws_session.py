@@ -18,7 +18,7 @@ import json
 import logging
 import re
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
@@ -30,34 +30,15 @@ from .agent import AgentInbox
 from .events import build_response
 from .ids import new_id
 from .session_cache import SessionCache
-from .steering import Steer
 from .turn import Lookup, TurnDriver
-from .turn_stream import Stop
+from .ws_inflight import InFlight, WsCreate
 
 log = logging.getLogger(__name__)
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
 MAX_ACTIVE = 16  # responses running at once on one connection
 MAX_LANES = 32  # named lanes (stream_id) at once on one connection
-MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
-
-
-@dataclass
-class _Create:
-    body: dict[str, Any]
-    received_at: Optional[float]
-    stream_id: Optional[str]
-    nbytes: int = 0  # the frame's size: counted against `max_queued_bytes` until the create starts
-    response_id: Optional[str] = None  # given when `response.queued` announced it
-    announced: asyncio.Event = field(default_factory=asyncio.Event)  # its `response.queued` (if any) is out
-    stop: Stop = field(default_factory=Stop)  # `response.interrupt` or `response.steer` named it
-    commits: list[Steer] = field(default_factory=list)  # steering input its `response.created` commits
-    steers: list[Steer] = field(default_factory=list)  # accepted steers for its response while it runs
-    calls: int = 0  # client-owned tool calls its response emitted
-    done: asyncio.Event = field(default_factory=asyncio.Event)  # it ran (a fork on another lane waits for it)
-    steerable: bool = False
-    inbox: Optional[AgentInbox] = None  # a multi-agent response: its injected tool outputs
 
 
 @dataclass
@@ -72,7 +53,7 @@ class _Lane:
 
     @property
     def has_creates(self) -> bool:
-        return self.running or any(isinstance(item, _Create) for item in self.pending)
+        return self.running or any(isinstance(item, WsCreate) for item in self.pending)
 Event = dict[str, Any]
 Send = Callable[[Event], Awaitable[None]]
 Close = Callable[[int, str], Awaitable[None]]
@@ -130,10 +111,7 @@ class WebSocketSession:
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self._lanes: dict[str, _Lane] = {}  # "" = the default lane
-        self._active: dict[str, _Create] = {}  # running response id -> its create
-        # Responses that stopped for tool output with accepted steers: id -> (steers, lane, stubs).
-        self._lane_of: OrderedDict[str, str] = OrderedDict()  # recent response id -> the lane that made it
-        self._pending_steers: dict[str, tuple[list[Steer], Optional[str], list[dict[str, Any]]]] = {}
+        self._inflight = InFlight()  # running responses; interrupt, steer, inject, forks (ws_inflight.py)
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.expired = False
         self.draining = False
@@ -293,7 +271,7 @@ class WebSocketSession:
                     param="stream_id", code="websocket_stream_limit_reached"), stream_id=stream_id)
                 return
             lane = self._lane(key)
-        create = _Create(body, received_at, stream_id, nbytes=nbytes)
+        create = WsCreate(body, received_at, stream_id, nbytes=nbytes)
         self._queued_bytes += nbytes
         self._waiting_creates += 1
         # Each busy lane holds (or waits for) one of the MAX_ACTIVE slots.
@@ -322,7 +300,7 @@ class WebSocketSession:
         if lane.task is None or lane.task.done():
             lane.task = asyncio.create_task(self._run_lane(key, lane), name=f"ws-lane-{self.session_key}-{key}")
 
-    async def _announce_queued(self, create: _Create) -> None:
+    async def _announce_queued(self, create: WsCreate) -> None:
         try:
             req = parse_request(create.body, max_input_items=self.driver.settings.max_input_items)
         except ApiError:
@@ -340,7 +318,7 @@ class WebSocketSession:
         try:
             while lane.pending and not self.closed:
                 create = lane.pending.popleft()
-                if not isinstance(create, _Create):  # a deferred frame error
+                if not isinstance(create, WsCreate):  # a deferred frame error
                     await self._send_error(*create)
                     continue
                 self._queued_bytes -= create.nbytes
@@ -348,7 +326,7 @@ class WebSocketSession:
                 lane.running = True
                 try:
                     await create.announced.wait()
-                    source = self._fork_source(create)
+                    source = self._inflight.fork_source(create, self._queued())
                     if source is not None:  # it continues a response another lane has not finished yet
                         await source.done.wait()
                     async with self._slots:
@@ -387,14 +365,21 @@ class WebSocketSession:
         kind = event["type"]
         if kind in IGNORED_TYPES:
             return
+        # Events acting on a response in flight: answered at once, never queued behind it.
         if kind == "response.interrupt":
-            self._interrupt(event)
+            err = self._inflight.interrupt(event)
+            if err is not None:
+                self._defer_error(err)
             return
-        if kind == "response.steer":
-            await self._steer(event)
-            return
-        if kind == "response.inject":
-            await self._inject(event)
+        if kind in ("response.steer", "response.inject"):
+            try:
+                events = (self._inflight.steer(event, self.cache, self._queued()) if kind == "response.steer"
+                          else self._inflight.inject(event, self.cache))
+            except ApiError as err:
+                self._defer_error(err)
+                return
+            for ev in events:
+                await self._send_quietly(ev)
             return
         if kind != "response.create":
             self._defer_error(
@@ -408,139 +393,23 @@ class WebSocketSession:
             body = {**body.pop("response"), **body}
         await self._enqueue(body, received_at, len(data))
 
-    def _interrupt(self, event: dict[str, Any]) -> None:
-        """Codex's `response.interrupt` (never queued: it acts on the response in flight). The
-        interrupted response's `response.incomplete` (reason `interrupted`) is the acknowledgement;
-        an interrupt for a response that already ended is ignored (an error event here would be
-        read as the next turn's first event)."""
-        response_id, mode = event.get("response_id"), event.get("mode", "discard_partial_items")
-        if not isinstance(response_id, str) or not response_id:
-            self._defer_error(ApiError(400, "response.interrupt needs a 'response_id'.", param="response_id",
-                                       code="missing_required_parameter"))
-            return
-        if mode != "discard_partial_items":
-            self._defer_error(ApiError(400, f"Unsupported interrupt mode '{mode}'; supported: 'discard_partial_items'.",
-                                       param="mode", code="invalid_value"))
-            return
-        create = self._active.get(response_id)
-        if create is not None:
-            create.stop.set("interrupted")
+    def _queued(self) -> list[WsCreate]:
+        return [c for lane in self._lanes.values() for c in lane.pending if isinstance(c, WsCreate)]
 
-    async def _steer(self, event: dict[str, Any]) -> None:
-        """`response.steer`: answered at once (accepted, failed, or pending when its response
-        already waits for tool output); applied when the response stops (see steering.py)."""
-        try:
-            steer = steering.parse_steer(event)
-        except steering.SteerRejected as rej:
-            await self._send_quietly(steering.failed(rej.code, rej.message, input=event.get("input"),
-                                                     previous_response_id=event.get("previous_response_id")))
-            return
-        target = steer.previous_response_id
-        create, waiting = self._active.get(target), self._pending_steers.get(target)
-        if create is not None or waiting is not None:
-            steers, stream_id = (create.steers, create.stream_id) if create is not None else waiting[:2]
-            if create is not None and not create.steerable:
-                refusal = ("steering_not_supported", "This response cannot be steered (a warm-up, or bound to a "
-                                                     "conversation or automatic compaction).")
-            elif len(steers) >= steering.MAX_STEERS_PER_RESPONSE:
-                refusal = ("too_many_pending_steers",
-                           f"This response already has {steering.MAX_STEERS_PER_RESPONSE} steering inputs queued.")
-            else:
-                steers.append(steer)
-                await self._send_quietly(steering.accepted(steer, stream_id))
-                if create is None:  # it already stopped for tool output
-                    await self._send_quietly(steering.pending(steer, waiting[2], stream_id))
-                elif not create.calls:  # stop at once: no tool call is owed
-                    create.stop.set("steered")
-                return
-            await self._send_quietly(steering.failed_steer(steer, *refusal, stream_id))
-            return
-        if target in self.cache:
-            refusal = ("response_already_completed", "That response has finished; send a response.create instead.")
-        elif any(isinstance(c, _Create) and c.response_id == target
-                 for lane in self._lanes.values() for c in lane.pending):
-            refusal = ("response_not_active", "That response has not started yet.")
-        else:
-            refusal = ("response_not_found", f"No response with id '{target}' is active on this connection.")
-        await self._send_quietly(steering.failed(*refusal, previous_response_id=target, input=steer.input))
-
-    async def _inject(self, event: dict[str, Any]) -> None:
-        """`response.inject` (beta): tool outputs for a multi-agent response in flight, committed
-        all or none; answered at once."""
-        response_id, items = event.get("response_id"), event.get("input")
-        if not isinstance(response_id, str) or not response_id:
-            self._defer_error(ApiError(400, "response.inject needs a 'response_id'.", param="response_id",
-                                       code="missing_required_parameter"))
-            return
-        create = self._active.get(response_id)
-        if create is None:
-            code, message = (("response_already_completed", "That response has finished; send the outputs with "
-                                                            "response.create.") if response_id in self.cache
-                             else ("response_not_found", f"No response with id '{response_id}' is active on this "
-                                                         "connection."))
-            await self._send_quietly(agent.inject_failed(response_id, items, code, message, None))
-            return
-        try:
-            if create.inbox is None:
-                raise ApiError(400, "response.inject applies to responses created with multi_agent.enabled.",
-                               param="response_id", code="invalid_value")
-            create.inbox.offer(items)
-        except ApiError as err:
-            await self._send_error(err, stream_id=create.stream_id)
-            return
-        await self._send_quietly(agent.inject_created(response_id, create.stream_id))
-
-    def _after_steered(self, create: _Create, final: Optional[dict[str, Any]]) -> tuple[Optional[_Create], list[Event]]:
-        """What a response that had steers queued leads to: its successor (the next create on its
-        lane), `response.steer.pending` events, or the steers returned as failed."""
-        steers, stream_id = create.steers, create.stream_id
-        status = final["status"] if final is not None else "cancelled"
-        reason = ((final or {}).get("incomplete_details") or {}).get("reason")
-        required = steering.required_input(final["output"]) if status == "completed" else []
-        if required:
-            if len(self._pending_steers) >= steering.MAX_PENDING_PARENTS:
-                return None, [steering.failed_steer(s, "too_many_pending_steers", "Too many responses on this "
-                                                    "connection wait for tool output with steering input.", stream_id)
-                              for s in steers]
-            self._pending_steers[final["id"]] = (steers, stream_id, required)
-            return None, [steering.pending(s, required, stream_id) for s in steers]
-        if status == "completed" or reason == "steered":
-            body = steering.successor_body(create.body, final["id"], steers)
-            return _Create(body, time.perf_counter(), stream_id, commits=steers), []
-        return None, [steering.failed_steer(s, "response_not_active", f"The response ended {status} before the "
-                                            "steering input could be committed.", stream_id) for s in steers]
-
-    def _fork_source(self, create: _Create) -> Optional[_Create]:
-        """The create on another lane, queued or running, whose response this create continues."""
-        parent = create.body.get("previous_response_id")
-        if not isinstance(parent, str):
-            return None
-        source = self._active.get(parent) or next(
-            (c for lane in self._lanes.values() for c in lane.pending if isinstance(c, _Create) and c.response_id == parent),
-            None)
-        if source is None or source is create or (source.stream_id or "") == (create.stream_id or ""):
-            return None
-        return source
-
-    def _from_other_lane(self, parent: Any, stream_id: Optional[str]) -> bool:
-        lane = self._lane_of.get(parent) if isinstance(parent, str) else None
-        return lane is not None and lane != (stream_id or "")
-
-    async def _turn(self, create: _Create) -> Optional[_Create]:
+    async def _turn(self, create: WsCreate) -> Optional[WsCreate]:
         """Run one create; returns the successor a steer asked for (or None)."""
         try:
             return await self._run_create(create)
         finally:
             create.done.set()
 
-    async def _run_create(self, create: _Create) -> Optional[_Create]:
+    async def _run_create(self, create: WsCreate) -> Optional[WsCreate]:
         body, received_at = create.body, create.received_at
         parent = body.get("previous_response_id")
-        if not create.commits and isinstance(parent, str) and parent in self._pending_steers:
-            # The explicit continuation of a response that stopped for tool output: the
-            # steering input queued for it goes first.
-            create.commits = self._pending_steers.pop(parent)[0]
-            body = steering.with_queued_input(body, create.commits)
+        if not create.commits:
+            create.commits = self._inflight.queued_steers_for(body)
+            if create.commits:  # steering input queued for the parent goes first
+                body = steering.with_queued_input(body, create.commits)
         rid: Optional[str] = None
         final: Optional[dict[str, Any]] = None
         try:
@@ -573,20 +442,15 @@ class WebSocketSession:
                 response_id=create.response_id,
                 stop=create.stop,
                 # A fork from another lane that fails leaves that lane's response in the cache.
-                keep_parent=self._from_other_lane(parent, stream_id),
+                keep_parent=self._inflight.from_other_lane(parent, stream_id),
                 agent=create.inbox,
             ):
                 kind = ev["type"]
                 if kind == "response.created":
-                    rid = create.response_id = ev["response"]["id"]
-                    self._active[rid] = create
-                    self._lane_of[rid] = stream_id or ""
-                    if len(self._lane_of) > MAX_REMEMBERED_LANES:
-                        self._lane_of.popitem(last=False)
-                elif kind == "response.output_item.added" and ev["item"]["type"] in ("function_call", "custom_tool_call"):
-                    create.calls += 1
-                    if create.inbox is not None:
-                        create.inbox.called(ev["item"]["call_id"], ev["item"].get("name", ""))
+                    rid = ev["response"]["id"]
+                    self._inflight.started(create, rid)
+                elif kind == "response.output_item.added":
+                    self._inflight.emitted(create, ev["item"])
                 elif kind in ("response.completed", "response.incomplete", "response.failed"):
                     final = ev["response"]
                 await self._send(ev)
@@ -601,11 +465,10 @@ class WebSocketSession:
             else:
                 await self._send_error(err, stream_id=stream_id)
         finally:
-            if rid is not None:
-                self._active.pop(rid, None)
+            self._inflight.ended(rid)
         if not create.steers:
             return None
-        successor, events = self._after_steered(create, final)
+        successor, events = self._inflight.after_steered(create, final)
         for ev in events:
             await self._send_quietly(ev)
         return successor
