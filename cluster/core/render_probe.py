@@ -107,6 +107,13 @@ SCENARIOS: dict[str, list[Turn]] = {
                    ([_user("Read it.")], [_call("call_e1")]),
                    ([_result("call_e1")], [_says("Read.")]),
                    ([_user("Thanks.")], [])],
+    # Codex: a warm-up holding its instructions as a developer message, then the first turn
+    # adds more developer and user messages to it.
+    "warm_up": [([_developer("You are a coding agent.")], []),
+                ([_developer("Skills: none."), _user("<environment_context>cwd=/repo</environment_context>"),
+                  _user("Fix main.py.")], [_call("call_f1")]),
+                ([_result("call_f1")], [_says("Fixed.")]),
+                ([_user("Thanks.")], [])],
     "developer_mid": [([_user("Hi.")], [_says("Hello.")]),
                       ([_developer("Answer in one word."), _user("Status?")], [_says("Green.")]),
                       ([_user("More?")], [_says("No.")]),

