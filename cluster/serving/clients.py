@@ -7,6 +7,7 @@ replacement; anything else is the caller's to handle.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Optional
@@ -91,6 +92,8 @@ class EngineClient:
         self.retry = retry
         self.pool = ChannelPool() if direct else None
         self.endpoints: OrderedDict[str, str] = OrderedDict()  # session key -> channel, LRU
+        self._placing: dict[str, asyncio.Future] = {}  # session key -> its placement call in flight
+        self._routing: dict[str, asyncio.Future] = {}  # session key -> its last handle stream, set once routed
         self.max_sessions = max_sessions
         self.direct_turns = self.handle_turns = self.channel_fallbacks = 0
 
@@ -126,6 +129,16 @@ class EngineClient:
         if endpoint is not None:
             self.endpoints.move_to_end(session_key)
             return endpoint
+        # One placement call per session at a time: concurrent first turns of a session (two
+        # WebSocket lanes) share it. Concurrent same-session requests can be left unrouted by
+        # Ray's ConsistentHashRouter (2.60): the second one hung until its client gave up.
+        placing = self._placing.get(session_key)
+        if placing is None:
+            placing = self._placing[session_key] = asyncio.ensure_future(self._place(session_key))
+            placing.add_done_callback(lambda _: self._placing.pop(session_key, None))
+        return await asyncio.shield(placing)
+
+    async def _place(self, session_key: str) -> str:
         try:
             handle = self.handle.options(stream=False, session_id=session_key)
             endpoint = await self.retry.call("engine placement", lambda: handle.channel_endpoint.remote(),
@@ -145,14 +158,29 @@ class EngineClient:
     async def _stream(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         # The session key rides on every engine call: the consistent-hash router
         # sends all turns of a session to the replica holding its prefix KV.
-        gen = self.handle.options(session_id=req.session_key).generate.remote(req)
+        # Routed one at a time per session (each waits for the one before it to be placed,
+        # i.e. to stream its first chunk): see `_endpoint` on same-session bursts.
+        key = req.session_key
+        before = self._routing.get(key)
+        routed = asyncio.get_running_loop().create_future()
+        self._routing[key] = routed
+        gen = None
         finished = False
         try:
+            if before is not None:
+                await asyncio.shield(before)
+            gen = self.handle.options(session_id=key).generate.remote(req)
             async for chunk in gen:
+                if not routed.done():
+                    routed.set_result(None)
                 yield chunk
             finished = True
         finally:
-            if not finished:
+            if not routed.done():
+                routed.set_result(None)
+            if self._routing.get(key) is routed:
+                del self._routing[key]
+            if gen is not None and not finished:
                 gen.cancel()  # abandoned or failed: cancel (and abort) on the engine
 
     def counters(self) -> dict[str, int]:

@@ -109,3 +109,45 @@ async def test_killing_a_replica_moves_its_sessions_and_their_next_turn_complete
         assert r4["usage"]["input_tokens_details"]["cached_tokens"] == 0
     stats = server_stats(affinity_url)
     assert stats["session_moves"] >= moves_before + 1
+
+
+async def concurrent_first_turns(url: str, rounds: int) -> None:
+    """Each round: a new socket (a new session) whose first two turns start together on two
+    lanes, then a second turn on each lane; every response must end."""
+    for n in range(rounds):
+        async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=20) as ws:
+            for k in range(2):
+                for lane in ("left", "right"):
+                    await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
+                                              "input": f"{lane} {n}.{k}", "stream_id": lane}))
+            ended = []
+            while len(ended) < 4:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if ev["type"] in TERMINAL:
+                    assert ev["type"] == "response.completed", ev
+                    ended.append(ev["stream_id"])
+            assert sorted(ended) == ["left", "left", "right", "right"]
+
+
+async def test_concurrent_first_turns_of_a_session_are_all_routed(scripted_url):
+    """Two lanes of a new socket start their first turns together, on the session-affine router:
+    one placement call per session (Ray's ConsistentHashRouter left a concurrent same-session
+    request unrouted: the second lane hung)."""
+    await concurrent_first_turns(scripted_url, 12)
+
+
+@pytest.fixture(scope="module")
+def handle_path_url(serve_instance):
+    """Session affinity with the direct engine channel off: every turn is a Serve handle stream."""
+    from .conftest import _module_app
+
+    args = {"engine": {"backend": "scripted", "direct_stream": False,
+                       "scripted": {"tokens_per_second": 100, "max_output_tokens": 128}},
+            "routing": {"policy": "session_affinity"}, "store": {"backend": "none"},
+            "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05}}
+    yield from _module_app("handlepath", "/handlepath", args, serve_instance, 240)
+
+
+async def test_concurrent_same_session_handle_streams_are_all_routed(handle_path_url):
+    await concurrent_first_turns(handle_path_url, 5)
+    assert server_stats(handle_path_url)["engine_calls"]["direct_turns"] == 0
