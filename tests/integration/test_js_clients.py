@@ -20,9 +20,9 @@ from .conftest import CODEX_MARK, CODEX_SECOND, SCRIPTED_ANSWER
 pytestmark = pytest.mark.integration
 
 
-def transports(url: str) -> dict[str, int]:
-    stats = httpx.get(url + "/loopserve/stats", headers={"authorization": f"Bearer {LOCAL_ADMIN_KEY}"}, timeout=30)
-    return stats.json()["turn_transport"]
+def server_stats(url: str) -> dict:
+    return httpx.get(url + "/loopserve/stats", headers={"authorization": f"Bearer {LOCAL_ADMIN_KEY}"},
+                     timeout=30).json()
 
 
 def codex(clients: Path, home: Path, work: Path, *args: str) -> tuple[list[dict], str]:
@@ -59,7 +59,7 @@ env_key = "LOOPSERVE_API_KEY"
 request_max_retries = 0
 stream_max_retries = 0
 """)
-    before = transports(codex_url)
+    before = server_stats(codex_url)["turn_transport"]
 
     # Turn 1: a tool call Codex runs in its sandbox, then the answer (same socket, chained).
     events, stderr = codex(node_clients, home, work, "Please write the marker file.")
@@ -81,10 +81,14 @@ stream_max_retries = 0
     assert CODEX_MARK in command["aggregated_output"] and CODEX_SECOND in command["aggregated_output"]
     assert [m["text"] for m in completed_items(events, "agent_message")] == ["The file still holds the marker. All done."]
 
-    after = transports(codex_url)
+    stats = server_stats(codex_url)
+    after = stats["turn_transport"]
     # Every response went over WebSocket mode: per run a warm-up and two sampling requests.
     assert after.get("websocket", 0) - before.get("websocket", 0) >= 6
     assert after.get("http", 0) == before.get("http", 0)
+    # Each continuation rendered only its new items, the first turn after Codex's warm-up
+    # (developer message after developer message) included: no fallback to a full render.
+    assert stats["render_inline"]["delta_renders"] >= 4 and stats["render_inline"]["fallbacks"] == {}
 
 
 def test_node_sdk_responses_ws_runs_a_tool_loop(scripted_url, node_clients):
