@@ -9,6 +9,7 @@ from collections import OrderedDict
 import logging
 import time
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any, AsyncIterator, Optional
 
 from ray import serve
@@ -18,12 +19,15 @@ from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
-from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest
+from cluster.core.messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineQueued,
+                                   EngineRequest, ToolCallPiece)
 from cluster.engines.channel import ChannelServer
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 
 from cluster.tokenizer import load_tokenizer, token_codec
+
+from .kv_gate import KvGate, pin_key
 
 log = logging.getLogger("loopserve.engine")
 
@@ -65,6 +69,10 @@ class EngineReplica:
             self.replica_id = "local"
         if config.engine.backend == "vllm":
             await self._warm_up()
+        budget = config.engine.kv_budget
+        capacity = budget.capacity_tokens or int(getattr(self.engine, "kv_capacity_tokens", 0) or 0)
+        # No known capacity (the scripted engine without a modelled cache): nothing to budget.
+        self.gate: Optional[KvGate] = KvGate(capacity, budget.policy()) if budget.enabled and capacity else None
         self.channel: Optional[ChannelServer] = None
         if config.engine.direct_stream:
             import ray
@@ -92,9 +100,7 @@ class EngineReplica:
                 yield [EngineFailure(409, "The prompt's base is not on this engine replica.", code=PROMPT_BASE_MISSING)]
                 return
             self.prompts.remember(resolved)
-            chunks = coalesce(stream_chunks(self.engine, resolved, self.extractor, self.format, replica=self.replica_id,
-                                            decode_raw=self._decode_raw), self.config.engine.stream_interval_ms / 1000)
-            async with aclosing(chunks):
+            async with aclosing(self._budgeted(resolved)) as chunks:
                 async for chunk in chunks:
                     if chunk and isinstance(chunk[-1], EngineDone):
                         done = chunk[-1]
@@ -106,6 +112,44 @@ class EngineReplica:
         finally:
             self.in_flight -= 1
             span.end()
+
+    async def _budgeted(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """The engine's chunks once the turn's tokens fit the KV budget (`kv_gate.py`): a turn
+        that waits says so first (`EngineQueued`); when it ends, its session keeps its prefix
+        if it is expected back (its socket is open, or it called tools)."""
+        gate = self.gate
+        ticket, admitted = None, False
+        held, expect_back = len(req.prompt_token_ids), req.expect_back
+        try:
+            if gate is not None:
+                key = pin_key(req.cache_salt, req.session_key)
+                ticket, wait = gate.request(key, len(req.prompt_token_ids) + req.max_tokens)
+                if wait is not None:
+                    yield [EngineQueued(gate.position(ticket), gate.budget.queued_tokens)]
+                    await wait
+                admitted = True
+                req = replace(req, kv_pin=key, kv_ttl_s=gate.ttl(key), kv_unpin=gate.take_unpins())
+            chunks = coalesce(stream_chunks(self.engine, req, self.extractor, self.format, replica=self.replica_id,
+                                            decode_raw=self._decode_raw), self.config.engine.stream_interval_ms / 1000)
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    for piece in chunk:
+                        if isinstance(piece, ToolCallPiece):
+                            expect_back = True
+                        elif isinstance(piece, EngineDone):
+                            held = piece.prompt_tokens + piece.output_tokens
+                    yield chunk
+        finally:
+            if ticket is not None:
+                if admitted:
+                    gate.finish(ticket, held, expect_back)
+                else:
+                    gate.cancel(ticket)
+
+    async def release_session(self, session_key: str, cache_salt: Optional[str] = None) -> None:
+        """The session will not be back (its socket closed, nothing stored): its KV goes now."""
+        if self.gate is not None:
+            self.gate.release(pin_key(cache_salt, session_key))
 
     def _engine_spans(self, span, req: EngineRequest, start_ns: int, done: EngineDone) -> None:
         """Queue wait, prefill and decode as child spans, from the engine's own clock."""
@@ -134,7 +178,10 @@ class EngineReplica:
     async def stats(self) -> dict[str, Any]:
         import ray
 
-        return {**self.engine.stats.as_dict(), "replica": self.replica_id,
+        kv = self.gate.snapshot() if self.gate is not None else {}
+        model = self.engine.kv.stats() if getattr(self.engine, "kv", None) is not None else {}
+        kv = {**kv, **model, "preemptions": self._preemptions()}
+        return {**self.engine.stats.as_dict(), "replica": self.replica_id, "kv": kv,
                 "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens,
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests),
@@ -160,9 +207,19 @@ class EngineReplica:
         streams its turns from it (cluster/serving/clients.py)."""
         return self.channel.endpoint if self.channel is not None and not self.channel.closing else ""
 
+    def _preemptions(self) -> int:
+        counter = getattr(self.engine, "preemptions", 0)
+        return int(getattr(counter, "preemptions", counter) or 0)
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """What this replica runs, handle and direct-channel requests alike (cluster/autoscaling.py)."""
-        return {"in_flight": float(self.in_flight)}
+        """What this replica runs, handle and direct-channel requests alike, and its KV demand
+        (running + retained + queued tokens over capacity) and queue wait (cluster/autoscaling.py)."""
+        stats = {"in_flight": float(self.in_flight)}
+        if self.gate is not None:
+            snap = self.gate.snapshot()
+            stats["kv_demand"] = float(self.gate.budget.demand())
+            stats["kv_head_wait_s"] = float(snap["head_wait_s"])
+        return stats
 
     async def check_health(self) -> None:
         llm = getattr(self.engine, "llm", None)

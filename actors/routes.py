@@ -24,6 +24,7 @@ from actors.http import app, error_response, json_body, rss_bytes, sse
 from cluster import telemetry
 from cluster.core.agent import reject_over_http as reject_multi_agent_over_http
 from cluster.core.session_cache import SessionCache
+from cluster.core.turn_stream import cache_salt
 from cluster.core.ws_session import WebSocketSession
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request
@@ -250,6 +251,13 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         async with lock:
             await ws.close(code=code, reason=reason)
 
+    stored = False  # a closed socket whose responses were all `store: false` frees its engine KV at once
+
+    def remember(state) -> None:
+        nonlocal stored
+        stored = stored or state.store
+        conn.responses.remember(state)
+
     session = WebSocketSession(
         conn.driver,
         conn.memory.socket_cache(),
@@ -258,7 +266,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         send=send,
         close=close,
         lookup=conn.responses.lookup_for(p.tenant),
-        on_state=conn.responses.remember,
+        on_state=remember,
         owner=p.tenant,
         admit=lambda: conn.auth.admit_request(p),
         trace_parent=telemetry.extract_headers(ws.headers),
@@ -285,3 +293,5 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         conn.ws_sessions.discard(session)
         conn.auth.close_connection(p)
         await session.shutdown()
+        if not stored:
+            await conn.engine.release(session.session_key, cache_salt(p.tenant))

@@ -72,6 +72,12 @@ class ScriptedEngineConfig(_Strict):
     # the first offered tool, after a tool result it answers.
     turn_marker: str = "<|im_start|>"
     tool_result_marker: str = "<tool_response>"
+    # A modelled KV cache (engines/kv_model.py, a stand-in for vLLM's block pool): tokens of
+    # KV this engine holds, in blocks; evicts least recently freed blocks and preempts running
+    # requests that do not fit, as vLLM does. None: no model (every session's last prompt is
+    # remembered, bounded only by MAX_CACHED_TOKENS).
+    kv_capacity_tokens: Optional[int] = Field(None, ge=1)
+    kv_block_size: int = Field(32, ge=1)
 
 
 class VLLMEngineConfig(_Strict):
@@ -90,6 +96,33 @@ class VLLMEngineConfig(_Strict):
     cpu_threads: Optional[int] = None
     max_num_seqs: int = 64
     default_max_tokens: int = 256
+    # Load the retaining scheduler (engines/vllm_retention.py): sessions the KV budget
+    # retains keep their blocks while other sessions run. Inert without pins.
+    session_pins: bool = True
+
+
+class KvBudgetConfig(_Strict):
+    """The engine replica's KV budget (engines/kv_budget.py): turns start when their tokens
+    fit beside what runs and what is retained; sessions expected back keep their prefix."""
+
+    enabled: bool = Field(True, description="Admit turns by KV tokens (else: everything goes to the engine at once).")
+    capacity_tokens: Optional[int] = Field(
+        None, ge=1, description="Override of the engine's KV capacity in tokens (default: what the engine reports).")
+    retention: bool = Field(True, description="Keep the prefix of sessions expected back through their pauses.")
+    ttl_initial_s: float = Field(10.0, gt=0, description="Retention of a session whose pauses are not known yet.")
+    ttl_min_s: float = Field(1.0, gt=0, description="Shortest retention.")
+    ttl_max_s: float = Field(60.0, gt=0, description="Longest retention, however long the session's pauses.")
+    ttl_pause_multiple: float = Field(
+        2.0, gt=0, description="Retention = this x the moving average of the session's own pauses (clamped).")
+    max_queue_wait_s: float = Field(
+        20.0, gt=0, description="A turn that waited this long may end idle sessions' retention to start.")
+
+    def policy(self):
+        from .engines.kv_budget import BudgetPolicy
+
+        return BudgetPolicy(retention=self.retention, ttl_initial_s=self.ttl_initial_s, ttl_min_s=self.ttl_min_s,
+                            ttl_max_s=self.ttl_max_s, ttl_pause_multiple=self.ttl_pause_multiple,
+                            max_queue_wait_s=self.max_queue_wait_s)
 
 
 class EngineConfig(_Strict):
@@ -103,6 +136,7 @@ class EngineConfig(_Strict):
     # After a session's first turn (placed by Serve's router), stream its turns from the
     # same engine replica over a direct channel instead of a handle call per turn.
     direct_stream: bool = True
+    kv_budget: KvBudgetConfig = Field(default_factory=KvBudgetConfig)
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
 

@@ -127,6 +127,18 @@ class EventAssembler:
             self._ev("response.in_progress", response=self._snapshot()),
         ]
 
+    def queued(self) -> list[Event]:
+        """The response waits for room on its engine replica (KV budget): `response.queued`
+        with the status `queued`; `resumed` sends `response.in_progress` when it starts."""
+        self.response["status"] = "queued"
+        return [self._ev("response.queued", response=self._snapshot())]
+
+    def resumed(self) -> list[Event]:
+        if self.response.get("status") != "queued":
+            return []
+        self.response["status"] = "in_progress"
+        return [self._ev("response.in_progress", response=self._snapshot())]
+
     def text(self, delta: str, *, item_id: Optional[str] = None) -> list[Event]:
         return self._delta("message", "response.output_text.delta", delta, item_id, logprobs=[])
 

@@ -92,6 +92,15 @@ class EngineRequest:
     base_len: int = 0
     trace: Optional[TraceCarrier] = None
     sent_at_ns: int = 0  # wall clock when sent: the replica reports the dispatch time from it
+    # The session will very likely send another turn soon (its WebSocket is open): the engine
+    # replica keeps its prefix in the KV budget through the pause (`engines/kv_budget.py`).
+    expect_back: bool = False
+    # Set by the engine replica for its engine (never sent by a connection): keep this
+    # request's KV blocks pinned under `kv_pin` for `kv_ttl_s` after it ends, and unpin
+    # the sessions in `kv_unpin` (their retention ended) before it is scheduled.
+    kv_pin: str = ""
+    kv_ttl_s: float = 0.0
+    kv_unpin: tuple[str, ...] = ()
 
     @property
     def is_tail(self) -> bool:
@@ -99,6 +108,14 @@ class EngineRequest:
 
     def with_prompt(self, prompt: array) -> "EngineRequest":
         return replace(self, prompt_token_ids=prompt, base_request_id=None, base_len=0)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineQueued:
+    """The turn waits for room in the engine replica's KV budget (sent once, before it starts)."""
+
+    position: int  # turns ahead of it in the replica's queue, plus one
+    queued_tokens: int  # tokens waiting in that queue, its own included
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,9 +170,9 @@ class EngineFailure:
         return ApiError(self.status, self.message, code=self.code, param=self.param)
 
 
-EnginePiece = Union[TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure]
+EnginePiece = Union[TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure, EngineQueued]
 EngineChunk = list[EnginePiece]  # what one item of an engine replica's stream carries
 
 __all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
-           "EngineFailure", "EnginePiece", "EngineChunk", "PROMPT_BASE_MISSING", "TextPiece", "ReasoningPiece",
+           "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "PROMPT_BASE_MISSING", "TextPiece", "ReasoningPiece",
            "ToolCallPiece"]

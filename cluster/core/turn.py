@@ -165,7 +165,8 @@ class TurnDriver:
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
-                                      timing, root, tctx, include_timing, stop, keep_parent, agent):
+                                      timing, root, tctx, include_timing, stop, keep_parent, agent,
+                                      transport == "websocket"):
                 if ev["type"] in _TERMINAL:
                     status = ev["response"]["status"]
                 yield ev
@@ -181,7 +182,7 @@ class TurnDriver:
 
     async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
                    root, tctx, include_timing=False, stop=None, keep_parent=False,
-                   agent=None) -> AsyncIterator[Event]:
+                   agent=None, expect_back=False) -> AsyncIterator[Event]:
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -243,7 +244,7 @@ class TurnDriver:
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
                     timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing,
-                    stop=stop, keep_parent=keep_parent, agent=agent)
+                    stop=stop, keep_parent=keep_parent, agent=agent, expect_back=expect_back)
         if agent is not None:
             async def next_step(state: ResponseState, injected: list[dict[str, Any]]):
                 # The next engine call of a multi-agent response: a continuation of `state`

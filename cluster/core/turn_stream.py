@@ -24,7 +24,7 @@ from .context import ResolvedContext, output_as_context, output_call_ids
 from .controls import tool_call_limit
 from .events import Event, EventAssembler, timing_event, usage_object
 from .messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, PriorOutput,
-                       ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, ToolSpec)
+                       ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, ToolSpec, EngineQueued)
 from .post_work import PostWorkQueue, TurnRecord
 from .safety import TurnSafety
 from .session_cache import SessionCache
@@ -169,6 +169,7 @@ class Turn:
     include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
     stop: Optional[Stop] = None  # set by `response.interrupt` / `response.steer` (WebSocket mode)
     keep_parent: bool = False  # a fork from another WebSocket lane: its failure leaves the parent cached
+    expect_back: bool = False  # its socket stays open: the engine keeps the session's prefix through the pause
     # Multi-agent responses (agent.py): the inbox of injected tool outputs, and how the driver
     # prepares the next engine call once a step's calls are answered.
     agent: Optional[Any] = None
@@ -217,6 +218,7 @@ class Turn:
             cache_salt=cache_salt(self.owner),
             base_request_id=base_id if tail else None,
             base_len=base_len if tail else 0,
+            expect_back=self.expect_back,
         )
 
     def evict_parent(self) -> None:
@@ -465,6 +467,12 @@ class TurnStream:
         try:
             async for chunk in until:
                 for piece in chunk:
+                    if isinstance(piece, EngineQueued):  # waiting for room in the engine's KV budget
+                        for ev in asm.queued():
+                            yield ev
+                        continue
+                    for ev in asm.resumed():
+                        yield ev
                     if isinstance(piece, TokenProgress):
                         turn.output_tokens += piece.n
                         continue

@@ -26,8 +26,8 @@ from typing import AsyncIterator, Callable, Optional
 
 import msgpack
 
-from ..core.messages import (EngineChunk, EngineDone, EngineFailure, EngineRequest, ReasoningPiece, TextPiece,
-                             TokenProgress, ToolCallPiece)
+from ..core.messages import (EngineChunk, EngineDone, EngineFailure, EngineQueued, EngineRequest, ReasoningPiece,
+                             TextPiece, TokenProgress, ToolCallPiece)
 
 log = logging.getLogger("loopserve.channel")
 
@@ -36,6 +36,7 @@ MAX_FRAME = 256 * 1024 * 1024
 _LEN = struct.Struct(">I")
 _REQUEST_FIELDS = [f.name for f in fields(EngineRequest)]
 _PROMPT = _REQUEST_FIELDS.index("prompt_token_ids")
+_UNPIN = _REQUEST_FIELDS.index("kv_unpin")
 
 
 class ChannelError(Exception):
@@ -57,10 +58,11 @@ def decode_request(values: list) -> EngineRequest:
     prompt = array("i")
     prompt.frombytes(values[_PROMPT])
     values[_PROMPT] = prompt
+    values[_UNPIN] = tuple(values[_UNPIN])
     return EngineRequest(*values)
 
 
-_PIECES = (TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure)
+_PIECES = (TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure, EngineQueued)
 
 
 def encode_chunk(chunk: EngineChunk) -> list:

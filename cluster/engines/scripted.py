@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from ..config import ModelConfig, ScriptedEngineConfig
 from .base import EngineDelta, EngineRequest, EngineStats
+from .kv_model import KvBlockPool
 
 
 def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +101,11 @@ class ScriptedEngine:
         self._by_head: dict[tuple, tuple] = {}
         self._aborted: set[str] = set()
         self.stats = EngineStats()
+        # The modelled KV cache (a stand-in for vLLM's block pool), when configured.
+        self.kv: Optional[KvBlockPool] = (KvBlockPool(config.kv_capacity_tokens, config.kv_block_size)
+                                          if config.kv_capacity_tokens else None)
+        self.kv_capacity_tokens = self.kv.capacity_tokens if self.kv is not None else 0
+        self._kv_freed = asyncio.Condition()
 
     async def start(self) -> None:
         return None
@@ -150,7 +156,15 @@ class ScriptedEngine:
                 return "user" if message.startswith(("user", "system", "developer")) else "other"
             n *= 4
 
+    @property
+    def preemptions(self) -> int:
+        return self.kv.preemptions if self.kv is not None else 0
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if self.kv is not None:
+            async for delta in self._generate_modelled(request):
+                yield delta
+            return
         stats = self.stats
         stats.requests += 1
         stats.sessions.add(request.session_key)
@@ -216,3 +230,88 @@ class ScriptedEngine:
             head = _head(dropped_key[0], dropped)
             if self._by_head.get(head) == dropped_key:
                 del self._by_head[head]
+
+    # -- with the modelled KV cache ------------------------------------------------------
+
+    async def _admit(self, request_id: str, salt: Optional[str], tokens: array) -> int:
+        """Wait (like vLLM's waiting queue) until the request's blocks fit; its cached tokens."""
+        async with self._kv_freed:
+            while True:
+                cached = self.kv.allocate(request_id, salt, tokens)
+                if cached is not None:
+                    return min(cached, max(len(tokens) - 1, 0))
+                await self._kv_freed.wait()
+
+    async def _freed(self) -> None:
+        async with self._kv_freed:
+            self._kv_freed.notify_all()
+
+    async def _generate_modelled(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        stats, kv, rid = self.stats, self.kv, request.request_id
+        stats.requests += 1
+        stats.sessions.add(request.session_key)
+        for pin in request.kv_unpin:
+            kv.unpin(pin)
+        prompt = request.prompt_token_ids
+        script = self._encode(self.script(request))
+        out_ids = script[: min(request.max_tokens, self.config.max_output_tokens)]
+        finish = "stop" if len(out_ids) == len(script) else "length"
+        per_token = 1.0 / self.config.tokens_per_second
+        emitted: list[int] = []
+        reported: Optional[int] = None  # the first scheduling's hit is what the request reports
+        try:
+            while True:
+                tokens = prompt + array("i", emitted)
+                cached = await self._admit(rid, request.cache_salt, tokens)
+                if reported is None:
+                    reported = cached
+                    stats.prompt_tokens += len(prompt)
+                    stats.cached_tokens += cached
+                prefill = (len(tokens) - cached) / self.config.prefill_tokens_per_second
+                if prefill > 0:
+                    await asyncio.sleep(prefill)
+                preempted = False
+                start = time.perf_counter()
+                for i in range(len(emitted), len(out_ids)):
+                    if rid in self._aborted:
+                        stats.aborted += 1
+                        yield EngineDelta(finished=True, finish_reason="abort", prompt_tokens=len(prompt),
+                                          cached_tokens=reported)
+                        return
+                    if not kv.is_running(rid):  # preempted by another request's growth
+                        preempted = True
+                        break
+                    while not kv.grow(rid, len(prompt) + i + 1):
+                        victim = kv.preempt_newest()
+                        if victim == rid or victim is None:
+                            preempted = True
+                            break
+                        await self._freed()
+                    if preempted:
+                        break
+                    lag = start + (i - len(emitted) + 1) * per_token - time.perf_counter()
+                    if lag > 0.001:
+                        await asyncio.sleep(lag)
+                    prev = self._decode(emitted)
+                    emitted.append(out_ids[i])
+                    stats.output_tokens += 1
+                    last = i == len(out_ids) - 1
+                    yield EngineDelta(text=self._decode(emitted)[len(prev):], new_tokens=1, finished=last,
+                                      finish_reason=finish if last else None, prompt_tokens=len(prompt),
+                                      cached_tokens=reported, token_ids=[out_ids[i]])
+                if preempted:
+                    await self._freed()
+                    continue  # recomputed: back to the waiting queue
+                if not out_ids:
+                    yield EngineDelta(finished=True, finish_reason="length", prompt_tokens=len(prompt),
+                                      cached_tokens=reported)
+                return
+        except (asyncio.CancelledError, GeneratorExit):
+            stats.aborted += 1
+            raise
+        finally:
+            self._aborted.discard(rid)
+            if kv.is_running(rid):
+                kv.finish(rid, prompt + array("i", emitted), pin=request.kv_pin if request.kv_ttl_s > 0 else "")
+            # Blocks went back to the pool: requests waiting for room may fit now.
+            asyncio.get_running_loop().create_task(self._freed())

@@ -26,6 +26,34 @@ def _on_cpu() -> bool:
         return True
 
 
+HINT = "loopserve_kv"  # vllm_retention.HINT (that module imports vLLM's scheduler)
+
+
+class PreemptionCounter:
+    """vLLM's preemptions, from its own iteration stats (a stat logger it calls per step)."""
+
+    def __init__(self) -> None:
+        self.preemptions = 0
+
+    def factory(self, vllm_config: object, engine_index: int = 0) -> object:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counter = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, *_: object, **__: object) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if iteration_stats is not None:
+                    counter.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger()
+
+
 class VLLMEngine:
     def __init__(self, model: ModelConfig, config: VLLMEngineConfig, **_: object) -> None:
         self.model = model
@@ -33,6 +61,9 @@ class VLLMEngine:
         self.max_model_len = model.max_model_len
         self.stats = EngineStats()
         self.llm = None
+        self.kv_capacity_tokens = 0  # the engine's KV pool in tokens (known once started)
+        self.block_size = 16
+        self.preemptions = PreemptionCounter()
         # The model's own sampling defaults (its generation_config.json), for requests
         # that leave temperature/top_p unset, as vLLM's server does.
         self.sampling_defaults: dict[str, float] = {}
@@ -49,7 +80,9 @@ class VLLMEngine:
         kwargs = dict(
             model=self.model.resolved_path(),
             served_model_name=self.model.name,
-            dtype=cfg.dtype if not (_on_cpu() and cfg.dtype == "auto") else "float32",
+            # "auto" is vLLM's own choice: bfloat16 on CPUs with AVX512-BF16/AMX (twice the KV
+            # tokens of float32 in the same memory, and the faster kernels), else the model's.
+            dtype=cfg.dtype,
             enforce_eager=cfg.enforce_eager or _on_cpu(),
             max_model_len=self.model.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -66,7 +99,21 @@ class VLLMEngine:
         if cfg.tensor_parallel_size > 1:
             # TP workers as Ray actors in the replica's placement group.
             kwargs["distributed_executor_backend"] = "ray"
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
+        if cfg.session_pins and cfg.enable_prefix_caching:
+            from .vllm_retention import retaining_scheduler_for
+
+            sched = vllm_config.scheduler_config
+            sched.scheduler_cls = retaining_scheduler_for(bool(getattr(sched, "async_scheduling", False)))
+        self.preemptions = PreemptionCounter()
+        self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self.preemptions.factory],
+                                             disable_log_stats=True)
+        cache = self.llm.vllm_config.cache_config
+        self.block_size = int(cache.block_size or 16)
+        self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self.block_size
+        logging.getLogger("ray.serve").info("KV cache: %d tokens (%d blocks of %d, dtype %s) on this engine replica",
+                    self.kv_capacity_tokens, cache.num_gpu_blocks or 0, self.block_size,
+                    self.llm.model_config.dtype)
         diff = self.llm.model_config.get_diff_sampling_param()
         self.sampling_defaults = {k: v for k, v in diff.items()
                                   if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
@@ -93,6 +140,10 @@ class VLLMEngine:
             sampling["top_p"] = request.top_p
         from .constraints import structured_outputs
 
+        if request.kv_pin or request.kv_unpin:
+            # Read by the retaining scheduler (vllm_retention.py) in the engine core.
+            sampling["extra_args"] = {HINT: {"pin": request.kv_pin, "ttl": request.kv_ttl_s,
+                                             "unpin": list(request.kv_unpin)}}
         params = SamplingParams(max_tokens=request.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling,
                                 structured_outputs=structured_outputs(request.tools, request.tool_choice,
                                                                       request.parallel_tool_calls, request.text_format,

@@ -183,6 +183,15 @@ class EngineClient:
             if gen is not None and not finished:
                 gen.cancel()  # abandoned or failed: cancel (and abort) on the engine
 
+    async def release(self, session_key: str, cache_salt: Optional[str]) -> None:
+        """The session will not be back: its engine replica frees the KV it retained for it
+        (routed like its turns, by the session key). Best effort: retention also expires."""
+        try:
+            handle = self.handle.options(stream=False, session_id=session_key)
+            await asyncio.wait_for(handle.release_session.remote(session_key, cache_salt), timeout=10)
+        except Exception:  # noqa: BLE001 - a gone replica holds nothing
+            log.debug("engine release failed for a session", exc_info=True)
+
     def counters(self) -> dict[str, int]:
         return {"direct_turns": self.direct_turns, "handle_turns": self.handle_turns,
                 "channel_fallbacks": self.channel_fallbacks, "sessions_with_channel": len(self.endpoints)}

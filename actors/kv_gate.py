@@ -1,0 +1,90 @@
+"""The engine replica's KV budget on its event loop: waiting turns as futures, one timer.
+
+The rules are `cluster.engines.kv_budget.KvBudget` (plain logic); this adapter owns what
+waits: a future per queued turn, the timer for the next retention expiry or queue-wait
+bound, and the set of sessions whose pins the engine should drop with its next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Callable, Optional
+
+from cluster.engines.kv_budget import BudgetPolicy, KvBudget
+
+
+def pin_key(cache_salt: Optional[str], session_key: str) -> str:
+    """A session's name in the budget and in the engine's pins (a digest: bounded size)."""
+    return hashlib.sha256(f"{cache_salt or ''}\x00{session_key}".encode()).hexdigest()[:24]
+
+
+class KvGate:
+    def __init__(self, capacity: int, policy: BudgetPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget = KvBudget(capacity, policy)
+        self.clock = clock
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._unpins: set[str] = set()
+
+    def request(self, session: str, need: int) -> tuple[int, Optional[asyncio.Future]]:
+        """A turn's ticket, and a future to await when it has to wait (None: start now)."""
+        ticket, admitted = self.budget.request(session, need, self.clock())
+        self._unpins.discard(session)  # it is back: its blocks are what this turn reuses
+        if admitted:
+            self._changed([])
+            return ticket, None
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[ticket] = fut
+        self._changed([])
+        return ticket, fut
+
+    def position(self, ticket: int) -> int:
+        for i, t in enumerate(self.budget.queue):
+            if t == ticket:
+                return i + 1
+        return 0
+
+    def ttl(self, session: str) -> float:
+        """How long the engine should keep this session's blocks after its turn (0: retention off)."""
+        if not self.budget.policy.retention:
+            return 0.0
+        hold = self.budget.sessions.get(session)
+        return self.budget.ttl(hold) if hold is not None else self.budget.policy.ttl_initial_s
+
+    def take_unpins(self) -> tuple[str, ...]:
+        unpins, self._unpins = tuple(self._unpins), set()
+        return unpins
+
+    def finish(self, ticket: int, held: int, expect_back: bool) -> None:
+        self._waiting.pop(ticket, None)
+        self._changed(self.budget.finish(ticket, held, expect_back, self.clock()))
+
+    def cancel(self, ticket: int) -> None:
+        self._waiting.pop(ticket, None)
+        self._changed(self.budget.cancel(ticket, self.clock()))
+
+    def release(self, session: str) -> None:
+        self._changed(self.budget.release(session, self.clock()))
+
+    def snapshot(self) -> dict[str, float | int]:
+        return self.budget.snapshot(self.clock())
+
+    def _changed(self, admitted: list[int]) -> None:
+        for ticket in admitted:
+            fut = self._waiting.pop(ticket, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        self._unpins.update(self.budget.take_dropped())
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.budget.next_deadline()
+        if deadline is not None:
+            delay = max(0.0, deadline - self.clock()) + 0.001
+            self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._changed(self.budget.tick(self.clock()))
