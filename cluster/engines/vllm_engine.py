@@ -29,6 +29,26 @@ def _on_cpu() -> bool:
 HINT = "loopserve_kv"  # vllm_retention.HINT (that module imports vLLM's scheduler)
 
 
+def cpu_has_native_bf16() -> bool:
+    """x86 with AVX512-BF16 or AMX-BF16, or Arm with BF16: where vLLM's bfloat16 kernels are native.
+    Elsewhere (AVX2-only CPUs) bfloat16 runs emulated: measured ~3x slower than float32 here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))),
+                             []))
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(dtype: str, on_cpu: bool) -> str:
+    """`auto` is vLLM's own choice (bfloat16 for most models on GPUs and on CPUs with native
+    bf16), except on a CPU without native bf16, where float32 is the fast one."""
+    if dtype == "auto" and on_cpu and not cpu_has_native_bf16():
+        return "float32"
+    return dtype
+
+
 class PreemptionCounter:
     """vLLM's preemptions, from its own iteration stats (a stat logger it calls per step)."""
 
@@ -80,9 +100,7 @@ class VLLMEngine:
         kwargs = dict(
             model=self.model.resolved_path(),
             served_model_name=self.model.name,
-            # "auto" is vLLM's own choice: bfloat16 on CPUs with AVX512-BF16/AMX (twice the KV
-            # tokens of float32 in the same memory, and the faster kernels), else the model's.
-            dtype=cfg.dtype,
+            dtype=resolve_dtype(cfg.dtype, _on_cpu()),
             enforce_eager=cfg.enforce_eager or _on_cpu(),
             max_model_len=self.model.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -96,6 +114,8 @@ class VLLMEngine:
             kwargs["tokenizer_mode"] = "mistral"
         if cfg.block_size:
             kwargs["block_size"] = cfg.block_size
+        if cfg.num_gpu_blocks_override:
+            kwargs["num_gpu_blocks_override"] = cfg.num_gpu_blocks_override
         if cfg.tensor_parallel_size > 1:
             # TP workers as Ray actors in the replica's placement group.
             kwargs["distributed_executor_backend"] = "ray"

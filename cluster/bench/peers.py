@@ -1,0 +1,121 @@
+"""Peers for side-by-side benchmarks: vLLM's own OpenAI server and vLLM's agentic-api gateway.
+
+Both on the same model, KV size, block size and CPU threads as loopserve's engine
+(`VLLM_CPU_OMP_THREADS_BIND` set to every core: by default vLLM's server keeps one core
+for its API process and computes on the rest, which would measure thread counts).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from .local import free_port
+
+# vLLM's own server (its process and its children get the torch-extension guard through
+# `expand_startup_env`; the `vllm` console script looks up a distribution vllm-cpu lacks).
+_PEER_MAIN = ("import sys, runpy; sys.argv[0] = 'vllm-api-server'; "
+              "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)")
+
+
+def _wait(url: str, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited during start-up (code {proc.returncode})")
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not answer in {timeout:.0f}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@contextmanager
+def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: int = 32, kv_gib: int = 1,
+                dtype: str = "auto", log_path: Optional[str] = None) -> Iterator[str]:
+    """vLLM's own server (`/v1/responses` with its store on); yields its base URL."""
+    from ..torch_extras import expand_startup_env
+
+    port = free_port()
+    threads = f"0-{(os.cpu_count() or 1) - 1}"
+    env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+                              "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": threads})
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
+         "--served-model-name", served_name, "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_len),
+         "--enable-prefix-caching", "--block-size", str(block_size), "--seed", "0"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url + "/health", proc, "vLLM's server")
+        yield url
+    finally:
+        _stop(proc)
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+
+@contextmanager
+def agentic_api(vllm_url: str, log_path: Optional[str] = None) -> Iterator[str]:
+    """vLLM's agentic-api gateway (Responses API, HTTP and WebSocket mode) in front of `vllm_url`."""
+    exe = shutil.which("agentic-api") or os.path.join(os.path.dirname(sys.executable), "agentic-api")
+    if not os.path.exists(exe):
+        raise RuntimeError("agentic-api is not installed (pip install agentic-api==0.9.0)")
+    home = tempfile.mkdtemp(prefix="agentic-api-")
+    port = free_port()
+    env = {**os.environ, "AGENTIC_API_HOME": home, "DATABASE_URL": f"sqlite://{home}/store.db?mode=rwc",
+           "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "sk-local")}
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen([exe, "serve", "--vllm-base-url", vllm_url + "/v1", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url + "/health", proc, "agentic-api")
+        yield url
+    finally:
+        _stop(proc)
+        shutil.rmtree(home, ignore_errors=True)
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+
+_METRIC = re.compile(r"^(vllm:[a-z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+def vllm_metrics(url: str) -> dict[str, float]:
+    """vLLM's Prometheus counters summed over labels (preemptions, queue time, prefix-cache hits)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        m = _METRIC.match(line.strip())
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out

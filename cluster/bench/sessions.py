@@ -1,0 +1,328 @@
+"""Many agent sessions at once: hit, prefill, preemptions, queue wait and latency against N.
+
+    python -m cluster.bench.sessions                       # N = 1, 8, 16 on serve_configs/local.yaml,
+                                                           # beside vLLM's server and agentic-api
+    python -m cluster.bench.sessions --sessions 8 --systems loopserve,vllm
+    python -m cluster.bench.sessions --engine scripted --sessions 1000 --replicas 4 --oversubscribe 2
+    python -m cluster.bench.sessions --preset agentx       # the shape of published agent traces, scaled
+
+Each session opens with a message, then sends `--turns` turns; each turn adds a tool
+result of `--turn-chars` characters (unique text per session and run) after a pause
+drawn from `--pause` (the client running its tool) and asks for `--output-tokens`.
+Per run it reports, from the client's side of every system:
+- hit = cached_tokens / (previous turn's input + output tokens), overall and for late
+  turns (the second half);
+- tokens prefilled (input - cached) against tokens necessary (input - previous input
+  and output);
+- preemptions (the engine's own counter) and queue wait (the server's: loopserve's
+  KV budget, vLLM's request queue time);
+- turn latency p50/p99 (the client's clock, send to terminal event) and the time
+  until every session is done.
+Systems: `loopserve` (WebSocket mode, `store: false`, the config as shipped),
+`vllm` (vLLM's own server, `/v1/responses` chained with previous_response_id),
+`agentic` (vLLM's agentic-api gateway over WebSocket, in front of that server), all on
+the same model, KV size and CPU threads, one after the other in one run. With
+`--engine scripted` the engine is the scripted stand-in with its modelled KV cache
+(engines/kv_model.py), and the comparison is loopserve with its KV budget against
+loopserve without it (hash-only placement, no retention): `loopserve-nobudget`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from .agent_loop import progress_bar
+from .local import add_ingress_argument
+from .session_report import plot_svg, summarize, table
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
+@dataclass
+class Workload:
+    turns: int = 10
+    turn_chars: int = 2000
+    output_tokens: int = 16
+    pause: tuple[float, float] = (0.5, 3.0)
+    # "agentx": turn sizes and pauses drawn from heavy-tailed distributions around these
+    # medians (published agent traces: many turns, most small, a few large tool outputs).
+    shape: str = "uniform"
+    seed: int = 0
+
+    def turn_size(self, rng: random.Random) -> int:
+        if self.shape == "agentx":
+            return int(min(4 * self.turn_chars, max(200, rng.lognormvariate(0, 0.8) * self.turn_chars)))
+        return self.turn_chars
+
+    def pause_s(self, rng: random.Random) -> float:
+        lo, hi = self.pause
+        if self.shape == "agentx":
+            return min(4 * hi, max(lo, rng.lognormvariate(0, 0.7) * (lo + hi) / 2))
+        return rng.uniform(lo, hi)
+
+
+PRESETS = {"agentx": Workload(turns=20, turn_chars=1200, output_tokens=24, pause=(0.5, 3.0), shape="agentx")}
+
+
+def tool_output(session: str, turn: int, chars: int) -> str:
+    line = f"[{session}] $ pytest tests/test_mod_{turn}.py -q  # {turn}: collected items, 3 failed, see trace. "
+    return (line * (chars // len(line) + 1))[:chars]
+
+
+@dataclass
+class Row:
+    system: str
+    sessions: int
+    session: int
+    turn: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    latency_s: float
+    queued_s: float
+    status: str
+
+
+async def _read_terminal(ws) -> tuple[dict, float]:
+    queued_at, queued = None, 0.0
+    while True:
+        ev = json.loads(await ws.recv())
+        kind = ev.get("type")
+        if kind == "response.queued":
+            queued_at = time.perf_counter()
+        elif queued_at is not None:
+            queued += time.perf_counter() - queued_at
+            queued_at = None
+        if kind in TERMINAL:
+            return ev, queued
+
+
+async def ws_session(system: str, url: str, model: str, index: int, n: int, w: Workload, store: bool,
+                     tick) -> list[Row]:
+    from websockets.asyncio.client import connect
+
+    rng = random.Random(w.seed * 100_003 + index)
+    tag = secrets.token_hex(6)
+    rows: list[Row] = []
+    async with connect(url.replace("http://", "ws://") + "/v1/responses", max_size=None, compression=None,
+                       open_timeout=120, ping_timeout=None) as ws:
+        prev = None
+        for turn in range(w.turns + 1):
+            if turn:
+                await asyncio.sleep(w.pause_s(rng))
+            text = f"Session {tag}: start the task." if not turn else tool_output(tag, turn, w.turn_size(rng))
+            body = {"type": "response.create", "model": model, "input": text, "max_output_tokens": w.output_tokens,
+                    "temperature": 0, "store": store}
+            if prev:
+                body["previous_response_id"] = prev
+            t0 = time.perf_counter()
+            await ws.send(json.dumps(body))
+            ev, queued = await _read_terminal(ws)
+            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, queued))
+            tick()
+            if ev.get("type") == "error" or ev["response"]["status"] == "failed":
+                break
+            prev = ev["response"]["id"]
+    return rows
+
+
+async def http_session(system: str, url: str, model: str, index: int, n: int, w: Workload, tick) -> list[Row]:
+    import httpx
+
+    rng = random.Random(w.seed * 100_003 + index)
+    tag = secrets.token_hex(6)
+    rows: list[Row] = []
+    async with httpx.AsyncClient(timeout=1200) as client:
+        prev = None
+        for turn in range(w.turns + 1):
+            if turn:
+                await asyncio.sleep(w.pause_s(rng))
+            text = f"Session {tag}: start the task." if not turn else tool_output(tag, turn, w.turn_size(rng))
+            body: dict[str, Any] = {"model": model, "input": text, "max_output_tokens": w.output_tokens,
+                                    "temperature": 0, "store": True}
+            if prev:
+                body["previous_response_id"] = prev
+            t0 = time.perf_counter()
+            r = await client.post(url + "/v1/responses", json=body)
+            ev = {"type": "response.completed", "response": r.json()} if r.status_code == 200 else \
+                {"type": "error", "error": r.text[:300]}
+            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, 0.0))
+            tick()
+            if r.status_code != 200:
+                break
+            prev = ev["response"]["id"]
+    return rows
+
+
+def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: float) -> Row:
+    if ev.get("type") == "error" or "response" not in ev:
+        print(f"\n{system}: session {index} turn {turn} failed: {str(ev)[:300]}", file=sys.stderr)
+        return Row(system, n, index, turn, 0, 0, 0, latency, queued, "error")
+    resp = ev["response"]
+    usage = resp.get("usage") or {}
+    cached = ((usage.get("input_tokens_details") or {}).get("cached_tokens")) or 0
+    return Row(system, n, index, turn, usage.get("input_tokens") or 0, cached, usage.get("output_tokens") or 0,
+               latency, queued, resp.get("status", "?"))
+
+
+async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, transport: str,
+                       store: bool = False) -> tuple[list[Row], float]:
+    total, done = n * (w.turns + 1), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        progress_bar(f"{system} N={n}", done, total)
+
+    t0 = time.perf_counter()
+    if transport == "http":
+        jobs = [http_session(system, url, model, i, n, w, tick) for i in range(n)]
+    else:
+        jobs = [ws_session(system, url, model, i, n, w, store, tick) for i in range(n)]
+    results = await asyncio.gather(*jobs)
+    return [r for rows in results for r in rows], time.perf_counter() - t0
+
+
+# -- systems ---------------------------------------------------------------------------------
+
+
+def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
+                   rates: tuple[float, float]) -> dict[str, Any]:
+    import yaml
+
+    args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
+    args.setdefault("engine", {})
+    args["engine"]["kv_budget"] = {**args["engine"].get("kv_budget", {}), "enabled": budget}
+    args["store"] = {"backend": "none"}  # store: false sessions; the bench measures the engine path
+    args.setdefault("engine_deployment", {})["num_replicas"] = replicas
+    if engine == "scripted":
+        args["engine"]["backend"] = "scripted"
+        args["engine"]["scripted"] = {"kv_capacity_tokens": kv_tokens or 46_592, "kv_block_size": 32,
+                                      "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
+                                      "max_output_tokens": 64}
+        args["engine_deployment"]["num_cpus"] = 0.1
+    return args
+
+
+@contextmanager
+def loopserve(args: dict[str, Any], ingress: str) -> Iterator[str]:
+    from .local import deploy, start_local_serve, stop_local_serve
+
+    url = deploy(start_local_serve(ingress=ingress), "sessions", "/", args, timeout=900)
+    try:
+        yield url
+    finally:
+        stop_local_serve()
+
+
+def loopserve_engine_stats(url: str, probes: int = 32) -> list[dict[str, Any]]:
+    """Every engine replica's `kv` figures (stats routed by session key: probe a few keys)."""
+    from .local import stats
+
+    seen: dict[str, dict[str, Any]] = {}
+    for i in range(probes):
+        engine = stats(url, session=f"probe-{i}")["engine"]
+        seen[engine.get("replica", str(i))] = {**engine.get("kv", {}), "prompt_tokens": engine["prompt_tokens"],
+                                               "cached_tokens": engine["cached_tokens"]}
+    return list(seen.values())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cluster.bench.sessions", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", default="1,8,16", help="comma-separated N values")
+    ap.add_argument("--systems", default=None, help="loopserve,vllm,agentic (real) | loopserve,loopserve-nobudget")
+    ap.add_argument("--engine", choices=["vllm", "scripted"], default="vllm")
+    ap.add_argument("--config", default="serve_configs/local.yaml")
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--turn-chars", type=int, default=2000)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--pause", default="0.5,3", help="min,max seconds between turns")
+    ap.add_argument("--replicas", type=int, default=1, help="engine replicas (loopserve)")
+    ap.add_argument("--kv-tokens", type=int, default=None, help="scripted engine: modelled KV per replica")
+    ap.add_argument("--oversubscribe", type=float, default=None,
+                    help="scripted engine: size the KV so the sessions' final histories are this x the total")
+    ap.add_argument("--rates", default="1500,60", help="scripted engine: prefill,decode tokens/s (this CPU's vLLM)")
+    ap.add_argument("--out", default="bench_out")
+    add_ingress_argument(ap)
+    ns = ap.parse_args(argv)
+    w = PRESETS[ns.preset] if ns.preset else Workload(ns.turns, ns.turn_chars, ns.output_tokens,
+                                                     tuple(float(x) for x in ns.pause.split(",")))
+    ns_values = [int(x) for x in ns.sessions.split(",")]
+    systems = (ns.systems or ("loopserve,vllm,agentic" if ns.engine == "vllm" else "loopserve,loopserve-nobudget")
+               ).split(",")
+    kv_tokens = ns.kv_tokens
+    if ns.engine == "scripted" and ns.oversubscribe:
+        final = 200 + w.turns * (w.turn_chars // 3.6 + w.output_tokens + 12)  # tokens of one session at its end
+        kv_tokens = int(max(ns_values) * final / ns.oversubscribe / ns.replicas)
+    rates = tuple(float(x) for x in ns.rates.split(","))
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    all_rows: list[Row] = []
+
+    def record(system: str, n: int, rows: list[Row], elapsed: float, server: dict[str, Any]) -> None:
+        all_rows.extend(rows)
+        results.append({"system": system, "sessions": n, **summarize(rows, w.turns, elapsed), **server})
+        print("\n" + table(results[-1:]), flush=True)
+
+    for system in systems:
+        with ExitStack() as stack:
+            if system.startswith("loopserve"):
+                args = loopserve_args(ns.config, ns.engine, ns.replicas, kv_tokens, system == "loopserve", rates)
+                url = stack.enter_context(loopserve(args, ns.ingress))
+                model = args["model"]["name"]
+                for n in ns_values:
+                    before = loopserve_engine_stats(url)
+                    rows, elapsed = asyncio.run(run_sessions(system, url, model, n, w, "websocket"))
+                    after = loopserve_engine_stats(url)
+                    pre = sum(s.get("preemptions", 0) for s in after) - sum(s.get("preemptions", 0) for s in before)
+                    wait = max((s.get("max_queue_wait_s", 0.0) for s in after), default=0.0)
+                    record(system, n, rows, elapsed, {"preemptions": pre, "server_max_queue_wait_s": wait,
+                                                      "engine_replicas": len(after), "kv_tokens": kv_tokens})
+            else:
+                from ..builtin_models import ensure_builtin
+                from ..engines.vllm_engine import _on_cpu, resolve_dtype
+                from .peers import agentic_api, vllm_metrics, vllm_server
+
+                args = loopserve_args(ns.config, "vllm", 1, None, True, rates)
+                model_cfg, vcfg = args["model"], args["engine"].get("vllm", {})
+                model_dir = str(ensure_builtin(model_cfg.get("builtin", "loopserve-tiny")))
+                vurl = stack.enter_context(vllm_server(
+                    model_dir, served_name=model_cfg["name"], max_len=model_cfg.get("max_model_len", 8192),
+                    block_size=vcfg.get("block_size") or 32, kv_gib=vcfg.get("cpu_kvcache_space_gib", 1),
+                    # loopserve's engine's dtype: the same kernels and the same KV tokens side by side
+                    dtype=resolve_dtype(vcfg.get("dtype", "auto"), _on_cpu()),
+                    log_path=str(out / f"{system}-vllm.log")))
+                url = stack.enter_context(agentic_api(vurl, str(out / "agentic.log"))) if system == "agentic" else vurl
+                for n in ns_values:
+                    before = vllm_metrics(vurl)
+                    rows, elapsed = asyncio.run(run_sessions(system, url, model_cfg["name"], n, w,
+                                                             "http" if system == "vllm" else "websocket", store=True))
+                    after = vllm_metrics(vurl)
+                    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                    qn = delta.get("vllm:request_queue_time_seconds_count", 0) or 1
+                    record(system, n, rows, elapsed, {
+                        "preemptions": int(delta.get("vllm:num_preemptions_total", 0)),
+                        "server_mean_queue_wait_s": round(delta.get("vllm:request_queue_time_seconds_sum", 0) / qn, 3)})
+    print("\n" + table(results))
+    (out / "sessions.json").write_text(json.dumps({"workload": asdict(w), "args": vars(ns), "results": results,
+                                                   "rows": [asdict(r) for r in all_rows]}, indent=1))
+    svg = plot_svg(results, out / "sessions.svg")
+    print(f"\nresults: {out / 'sessions.json'}; plot: {svg}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
