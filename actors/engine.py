@@ -19,13 +19,15 @@ from cluster.config import LoopserveConfig
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
-from cluster.core.messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineQueued,
-                                   EngineRequest, ToolCallPiece)
+from cluster.core.messages import (KV_MOVE, PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure,
+                                   EngineQueued, EngineRequest, ToolCallPiece)
 from cluster.engines.channel import ChannelServer
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 
 from cluster.tokenizer import load_tokenizer, token_codec
+
+from cluster.engines.kv_budget import KV_METRICS
 
 from .kv_gate import KvGate, pin_key
 
@@ -39,6 +41,7 @@ class EngineReplica:
         telemetry.setup(config.telemetry, "engine")
         self.tracer = telemetry.tracer()
         self.in_flight = 0
+        self.migrations = 0  # sessions this replica sent elsewhere (no room here for too long)
         # sha256 of the last prompts this replica was given, by request (= response) id:
         # lets a test compare what the production render path sent with a full render.
         self.prompt_digests: OrderedDict[str, str] = OrderedDict()
@@ -73,6 +76,10 @@ class EngineReplica:
         capacity = budget.capacity_tokens or int(getattr(self.engine, "kv_capacity_tokens", 0) or 0)
         # No known capacity (the scripted engine without a modelled cache): nothing to budget.
         self.gate: Optional[KvGate] = KvGate(capacity, budget.policy()) if budget.enabled and capacity else None
+        metrics = telemetry.Metrics()
+        for name, (key, description) in KV_METRICS.items():
+            metrics.observe(name, lambda key=key: [(self.kv_figures().get(key, 0), {"replica": self.replica_id})],
+                            description)
         self.channel: Optional[ChannelServer] = None
         if config.engine.direct_stream:
             import ray
@@ -126,7 +133,11 @@ class EngineReplica:
                 ticket, wait = gate.request(key, len(req.prompt_token_ids) + req.max_tokens)
                 if wait is not None:
                     yield [EngineQueued(gate.position(ticket), gate.budget.queued_tokens)]
-                    await wait
+                    if not await self._wait_or_move(wait, key, req):
+                        self.migrations += 1
+                        yield [EngineFailure(503, "No KV room for this session on its engine replica.",
+                                             code=KV_MOVE)]
+                        return
                 admitted = True
                 req = replace(req, kv_pin=key, kv_ttl_s=gate.ttl(key), kv_unpin=gate.take_unpins())
             chunks = coalesce(stream_chunks(self.engine, req, self.extractor, self.format, replica=self.replica_id,
@@ -145,6 +156,25 @@ class EngineReplica:
                     gate.finish(ticket, held, expect_back)
                 else:
                     gate.cancel(ticket)
+
+    async def _wait_or_move(self, wait: asyncio.Future, key: str, req: EngineRequest) -> bool:
+        """Wait for room; False when the session should move instead: several replicas, it was
+        not moved before, it holds nothing here, and it waited `move_after_s`."""
+        budget = self.config.engine.kv_budget
+        deployment = self.config.engine_deployment
+        replicas = deployment.autoscaling.max_replicas if deployment.autoscaling else deployment.num_replicas
+        if req.moved or replicas < 2:
+            await wait
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(wait), budget.move_after_s)
+            return True
+        except asyncio.TimeoutError:
+            hold = self.gate.budget.sessions.get(key)
+            if wait.done() or (hold is not None and (hold.retained or hold.turns)):
+                await wait
+                return True
+            return False
 
     async def release_session(self, session_key: str, cache_salt: Optional[str] = None) -> None:
         """The session will not be back (its socket closed, nothing stored): its KV goes now."""
@@ -175,12 +205,18 @@ class EngineReplica:
             while len(digests) > 512:
                 digests.popitem(last=False)
 
+    def kv_figures(self) -> dict[str, Any]:
+        """The KV budget's figures with the engine's own (preemptions, hit ratio, its modelled pool)."""
+        kv = self.gate.snapshot() if self.gate is not None else {}
+        model = self.engine.kv.stats() if getattr(self.engine, "kv", None) is not None else {}
+        s = self.engine.stats
+        return {**kv, **model, "preemptions": self._preemptions(), "migrations": self.migrations,
+                "hit_ratio": round(s.cached_tokens / s.prompt_tokens, 4) if s.prompt_tokens else 0.0}
+
     async def stats(self) -> dict[str, Any]:
         import ray
 
-        kv = self.gate.snapshot() if self.gate is not None else {}
-        model = self.engine.kv.stats() if getattr(self.engine, "kv", None) is not None else {}
-        kv = {**kv, **model, "preemptions": self._preemptions()}
+        kv = self.kv_figures()
         return {**self.engine.stats.as_dict(), "replica": self.replica_id, "kv": kv,
                 "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens,
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
@@ -206,6 +242,12 @@ class EngineReplica:
         """This replica's direct channel ("" when off or draining): a session placed here
         streams its turns from it (cluster/serving/clients.py)."""
         return self.channel.endpoint if self.channel is not None and not self.channel.closing else ""
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the KV placement router (cluster/kv_router.py) places new sessions by."""
+        if self.gate is None:
+            return {}
+        return {"kv_headroom": self.gate.budget.headroom(), "kv_capacity": self.gate.budget.capacity}
 
     def _preemptions(self) -> int:
         counter = getattr(self.engine, "preemptions", 0)

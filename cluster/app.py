@@ -13,6 +13,7 @@ from .torch_extras import startup_env
 
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+KV_PLACEMENT_ROUTER = "cluster.kv_router.KvPlacementRouter"
 
 def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None, fast_path: bool = True) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": res.num_cpus}
@@ -65,12 +66,16 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
     if routing.policy == "session_affinity":
         from ray.serve.config import RequestRouterConfig
 
+        # New sessions go to the replica with the most KV headroom (reported through Serve's
+        # routing stats), then stay there: cluster/kv_router.py.
         opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=CONSISTENT_HASH_ROUTER,
+            request_router_class=KV_PLACEMENT_ROUTER if config.engine.kv_budget.enabled else CONSISTENT_HASH_ROUTER,
             request_router_kwargs={
                 "num_virtual_nodes": routing.num_virtual_nodes,
                 "num_fallback_replicas": routing.num_fallback_replicas,
             },
+            request_routing_stats_period_s=1.0,
+            request_routing_stats_timeout_s=5.0,
         )
     tp = config.engine.vllm.tensor_parallel_size
     res = config.engine_deployment

@@ -122,6 +122,9 @@ class KvBudgetConfig(_Strict):
         2.0, gt=0, description="Retention = this x the moving average of the session's own pauses (clamped).")
     max_queue_wait_s: float = Field(
         20.0, gt=0, description="A turn that waited this long may end idle sessions' retention to start.")
+    move_after_s: float = Field(
+        8.0, gt=0, description="With several engine replicas, a session holding nothing on its replica whose turn "
+                               "waited this long for room is placed again (once), where there is more headroom.")
 
     def policy(self):
         from .engines.kv_budget import BudgetPolicy

@@ -53,7 +53,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: int = 32, kv_gib: int = 1,
-                dtype: str = "auto", log_path: Optional[str] = None) -> Iterator[str]:
+                dtype: str = "auto", kv_blocks: Optional[int] = None, log_path: Optional[str] = None) -> Iterator[str]:
     """vLLM's own server (`/v1/responses` with its store on); yields its base URL."""
     from ..torch_extras import expand_startup_env
 
@@ -65,7 +65,8 @@ def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: i
     proc = subprocess.Popen(
         [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
          "--served-model-name", served_name, "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_len),
-         "--enable-prefix-caching", "--block-size", str(block_size), "--seed", "0"],
+         "--enable-prefix-caching", "--block-size", str(block_size), "--seed", "0"]
+        + (["--num-gpu-blocks-override", str(kv_blocks)] if kv_blocks else []),
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -197,11 +197,13 @@ async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, t
 
 
 def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
-                   rates: tuple[float, float]) -> dict[str, Any]:
+                   rates: tuple[float, float], kv_blocks: Optional[int] = None) -> dict[str, Any]:
     import yaml
 
     args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
     args.setdefault("engine", {})
+    if kv_blocks:
+        args["engine"].setdefault("vllm", {})["num_gpu_blocks_override"] = kv_blocks
     args["engine"]["kv_budget"] = {**args["engine"].get("kv_budget", {}), "enabled": budget}
     args["store"] = {"backend": "none"}  # store: false sessions; the bench measures the engine path
     args.setdefault("engine_deployment", {})["num_replicas"] = replicas
@@ -251,6 +253,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pause", default="0.5,3", help="min,max seconds between turns")
     ap.add_argument("--replicas", type=int, default=1, help="engine replicas (loopserve)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="scripted engine: modelled KV per replica")
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="real engine: KV blocks of every system's engine (vLLM's num_gpu_blocks_override), to scale "
+                         "the workload's KV pressure to a slower machine with shorter turns")
     ap.add_argument("--oversubscribe", type=float, default=None,
                     help="scripted engine: size the KV so the sessions' final histories are this x the total")
     ap.add_argument("--rates", default="1500,60", help="scripted engine: prefill,decode tokens/s (this CPU's vLLM)")
@@ -280,7 +285,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for system in systems:
         with ExitStack() as stack:
             if system.startswith("loopserve"):
-                args = loopserve_args(ns.config, ns.engine, ns.replicas, kv_tokens, system == "loopserve", rates)
+                args = loopserve_args(ns.config, ns.engine, ns.replicas, kv_tokens, system == "loopserve", rates,
+                                      ns.kv_blocks)
                 url = stack.enter_context(loopserve(args, ns.ingress))
                 model = args["model"]["name"]
                 for n in ns_values:
@@ -296,14 +302,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 from ..engines.vllm_engine import _on_cpu, resolve_dtype
                 from .peers import agentic_api, vllm_metrics, vllm_server
 
-                args = loopserve_args(ns.config, "vllm", 1, None, True, rates)
+                args = loopserve_args(ns.config, "vllm", 1, None, True, rates, ns.kv_blocks)
                 model_cfg, vcfg = args["model"], args["engine"].get("vllm", {})
                 model_dir = str(ensure_builtin(model_cfg.get("builtin", "loopserve-tiny")))
                 vurl = stack.enter_context(vllm_server(
                     model_dir, served_name=model_cfg["name"], max_len=model_cfg.get("max_model_len", 8192),
                     block_size=vcfg.get("block_size") or 32, kv_gib=vcfg.get("cpu_kvcache_space_gib", 1),
                     # loopserve's engine's dtype: the same kernels and the same KV tokens side by side
-                    dtype=resolve_dtype(vcfg.get("dtype", "auto"), _on_cpu()),
+                    dtype=resolve_dtype(vcfg.get("dtype", "auto"), _on_cpu()), kv_blocks=ns.kv_blocks,
                     log_path=str(out / f"{system}-vllm.log")))
                 url = stack.enter_context(agentic_api(vurl, str(out / "agentic.log"))) if system == "agentic" else vurl
                 for n in ns_values:

@@ -95,6 +95,8 @@ class EngineRequest:
     # The session will very likely send another turn soon (its WebSocket is open): the engine
     # replica keeps its prefix in the KV budget through the pause (`engines/kv_budget.py`).
     expect_back: bool = False
+    # The session was moved once already for lack of KV room (it waits where it is now).
+    moved: bool = False
     # Set by the engine replica for its engine (never sent by a connection): keep this
     # request's KV blocks pinned under `kv_pin` for `kv_ttl_s` after it ends, and unpin
     # the sessions in `kv_unpin` (their retention ended) before it is scheduled.
@@ -155,6 +157,8 @@ class EngineDone:
 
 # The engine replica cannot resolve a tail prompt (its base is gone): send the whole prompt.
 PROMPT_BASE_MISSING = "prompt_base_missing"
+# The engine replica had no KV room for the session for too long: place it elsewhere (once).
+KV_MOVE = "kv_session_move"
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,5 +178,5 @@ EnginePiece = Union[TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, Eng
 EngineChunk = list[EnginePiece]  # what one item of an engine replica's stream carries
 
 __all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
-           "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "PROMPT_BASE_MISSING", "TextPiece", "ReasoningPiece",
+           "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
            "ToolCallPiece"]

@@ -33,6 +33,23 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+# The engine replica's KV figures as OpenTelemetry gauges (attribute `replica`), each read
+# from `snapshot()` (plus the engine's own counters): name -> (snapshot key, description).
+KV_METRICS = {
+    "loopserve.engine.kv.capacity": ("capacity_tokens", "KV capacity of the engine replica (tokens)"),
+    "loopserve.engine.kv.running": ("running_tokens", "tokens reserved by turns running on the replica"),
+    "loopserve.engine.kv.retained": ("retained_tokens", "tokens of sessions kept through their pauses"),
+    "loopserve.engine.kv.queued": ("queued_tokens", "tokens of turns waiting for room in the KV budget"),
+    "loopserve.engine.kv.queued_turns": ("queued_turns", "turns waiting for room in the KV budget"),
+    "loopserve.engine.kv.head_wait": ("head_wait_s", "seconds the oldest waiting turn has waited"),
+    "loopserve.engine.kv.max_queue_wait": ("max_queue_wait_s", "longest wait of an admitted turn (seconds)"),
+    "loopserve.engine.kv.hit_ratio": ("hit_ratio", "cached / prompt tokens of the replica's requests"),
+    "loopserve.engine.kv.preemptions": ("preemptions", "requests the engine preempted (total)"),
+    "loopserve.engine.kv.migrations": ("migrations", "sessions moved off the replica for lack of room (total)"),
+    "loopserve.engine.kv.reprefills": ("reprefills", "turns of sessions whose retention had ended (total)"),
+}
+
+
 @dataclass(frozen=True)
 class BudgetPolicy:
     """The knobs (from `engine.kv_budget` in the config)."""
@@ -141,7 +158,10 @@ class KvBudget:
         return self._drain(now)
 
     def cancel(self, ticket: int, now: float) -> list[int]:
-        """A waiting turn given up (its client left)."""
+        """A turn given up before it ran (its client left, it moved): out of the queue, or, if it
+        was admitted meanwhile, its reservation returned."""
+        if ticket in self._admitted:
+            return self.finish(ticket, 0, False, now)
         self.queue.pop(ticket, None)
         return self._drain(now)
 

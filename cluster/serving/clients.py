@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, AsyncIterator, Optional
 
 from opentelemetry import context as otel_context
@@ -18,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from .. import telemetry
 from ..config import LoopserveConfig
-from ..core.messages import EngineChunk, EngineDone, EngineRequest, RenderJob
+from ..core.messages import KV_MOVE, EngineChunk, EngineDone, EngineFailure, EngineRequest, RenderJob
 from ..core.render import IncrementalRenderer, RenderResult, render_job
 from ..core.retry import RetryPolicy
 from ..core.safety import SafetyService
@@ -95,9 +96,32 @@ class EngineClient:
         self._placing: dict[str, asyncio.Future] = {}  # session key -> its placement call in flight
         self._routing: dict[str, asyncio.Future] = {}  # session key -> its last handle stream, set once routed
         self.max_sessions = max_sessions
-        self.direct_turns = self.handle_turns = self.channel_fallbacks = 0
+        self.direct_turns = self.handle_turns = self.channel_fallbacks = self.migrations = 0
+        self._route: OrderedDict[str, str] = OrderedDict()  # session key -> routing key, for moved sessions
 
     async def __call__(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """The engine's chunks; a replica that had no KV room for the session for too long
+        sends it elsewhere once (`KV_MOVE`): it is placed again under a new routing key (the
+        placement router puts it where there is headroom) and the same request goes there
+        (a tail prompt is then resent whole by the caller: the new replica lacks its base)."""
+        if not req.moved and req.session_key in self._route:
+            req = replace(req, moved=True)  # moved once already: it waits where it is now
+        async for chunk in self._call(req):
+            if (not req.moved and chunk and isinstance(chunk[0], EngineFailure) and chunk[0].code == KV_MOVE):
+                self.migrations += 1
+                self._route[req.session_key] = f"{req.session_key}#moved"
+                while len(self._route) > self.max_sessions:
+                    self._route.popitem(last=False)
+                self.endpoints.pop(req.session_key, None)
+                async for moved in self._call(replace(req, moved=True)):
+                    yield moved
+                return
+            yield chunk
+
+    def _routing_key(self, session_key: str) -> str:
+        return self._route.get(session_key, session_key)
+
+    async def _call(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         endpoint = await self._endpoint(req.session_key) if self.pool is not None else None
         if endpoint:
             started = False
@@ -140,7 +164,7 @@ class EngineClient:
 
     async def _place(self, session_key: str) -> str:
         try:
-            handle = self.handle.options(stream=False, session_id=session_key)
+            handle = self.handle.options(stream=False, session_id=self._routing_key(session_key))
             endpoint = await self.retry.call("engine placement", lambda: handle.channel_endpoint.remote(),
                                              replica_gone)
         except Exception:  # noqa: BLE001 - no placement answer: the handle stream places the turn
@@ -169,7 +193,7 @@ class EngineClient:
         try:
             if before is not None:
                 await asyncio.shield(before)
-            gen = self.handle.options(session_id=key).generate.remote(req)
+            gen = self.handle.options(session_id=self._routing_key(key)).generate.remote(req)
             async for chunk in gen:
                 if not routed.done():
                     routed.set_result(None)
@@ -187,14 +211,15 @@ class EngineClient:
         """The session will not be back: its engine replica frees the KV it retained for it
         (routed like its turns, by the session key). Best effort: retention also expires."""
         try:
-            handle = self.handle.options(stream=False, session_id=session_key)
+            handle = self.handle.options(stream=False, session_id=self._routing_key(session_key))
             await asyncio.wait_for(handle.release_session.remote(session_key, cache_salt), timeout=10)
         except Exception:  # noqa: BLE001 - a gone replica holds nothing
             log.debug("engine release failed for a session", exc_info=True)
 
     def counters(self) -> dict[str, int]:
         return {"direct_turns": self.direct_turns, "handle_turns": self.handle_turns,
-                "channel_fallbacks": self.channel_fallbacks, "sessions_with_channel": len(self.endpoints)}
+                "channel_fallbacks": self.channel_fallbacks, "sessions_with_channel": len(self.endpoints),
+                "kv_migrations": self.migrations}
 
     async def stats(self, session: Optional[str] = None) -> dict[str, Any]:
         handle = self.handle.options(stream=False)

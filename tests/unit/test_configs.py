@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.app import CONSISTENT_HASH_ROUTER, engine_options
+from cluster.app import CONSISTENT_HASH_ROUTER, KV_PLACEMENT_ROUTER, engine_options
 from cluster.config import LoopserveConfig
 
 CONFIGS = sorted((Path(__file__).parents[2] / "serve_configs").glob("*.yaml"))
@@ -27,7 +27,10 @@ def test_typos_in_config_are_rejected():
 def test_engine_deployment_is_session_affine_by_default():
     opts = engine_options(LoopserveConfig())
     router = opts["request_router_config"]
-    assert router.request_router_class == CONSISTENT_HASH_ROUTER
+    assert router.request_router_class == KV_PLACEMENT_ROUTER  # consistent hash + KV headroom for new sessions
+    assert router.request_routing_stats_period_s == 1.0
+    assert engine_options(LoopserveConfig.model_validate({"engine": {"kv_budget": {"enabled": False}}})
+                          )["request_router_config"].request_router_class == CONSISTENT_HASH_ROUTER
     assert router.request_router_kwargs == {"num_virtual_nodes": 100, "num_fallback_replicas": 1}
     assert opts["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
@@ -63,10 +66,11 @@ def test_haproxy_ingress_drops_only_the_ingress_router(monkeypatch):
         return rc.request_router_class if rc is not None else None
 
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
-    assert router(connection_options(config)) == router(engine_options(config)) == CONSISTENT_HASH_ROUTER
+    assert router(connection_options(config)) == CONSISTENT_HASH_ROUTER
+    assert router(engine_options(config)) == KV_PLACEMENT_ROUTER
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     assert router(connection_options(config)) is None
-    assert router(engine_options(config)) == CONSISTENT_HASH_ROUTER
+    assert router(engine_options(config)) == KV_PLACEMENT_ROUTER
 
 
 def test_engines_autoscale_on_what_they_run_when_turns_bypass_the_handle():
@@ -93,6 +97,27 @@ def test_engines_autoscale_on_what_they_run_when_turns_bypass_the_handle():
     # 20 requests in the engines, only 2 of them seen by Serve: 5 replicas, not 0.5
     assert engine_in_flight_policy(ctx([12, 8], 2))[0] == 5
     assert engine_in_flight_policy(ctx([], 8))[0] == 2  # no reports yet: Serve's own count
+
+
+def test_engines_autoscale_on_kv_demand_and_on_turns_waiting_for_room():
+    from types import SimpleNamespace
+
+    from cluster.autoscaling import KV_TARGET, engine_in_flight_policy
+
+    def ctx(in_flight, demand, waits, replicas=2):
+        return SimpleNamespace(current_num_replicas=replicas, target_num_replicas=replicas,
+                               aggregated_metrics={"in_flight": dict(enumerate(in_flight)),
+                                                   "kv_demand": dict(enumerate(demand)),
+                                                   "kv_head_wait_s": dict(enumerate(waits))},
+                               total_num_requests=0, config=SimpleNamespace(get_target_ongoing_requests=lambda: 8))
+
+    # Few requests, but two replicas' KV over-full with running, retained and queued tokens: 3 replicas
+    desired = engine_in_flight_policy(ctx([2, 2], [1.3, 1.2], [0.0, 0.0]))[0]
+    assert desired == pytest.approx(2.5 / KV_TARGET, abs=0.01) and desired > 2
+    # Half-empty KV and a few requests: one replica is enough (Serve applies its delays and bounds)
+    assert engine_in_flight_policy(ctx([1, 1], [0.2, 0.2], [0.0, 0.0]))[0] < 1
+    # A turn waiting longer than the bound for room: at least one replica more
+    assert engine_in_flight_policy(ctx([1, 1], [0.5, 0.9], [0.0, 12.0]))[0] >= 3
 
 
 def test_the_built_in_real_model_says_how_to_get_it_when_its_package_is_missing(tmp_path, monkeypatch):

@@ -87,6 +87,7 @@ def _prometheus_names() -> set[str]:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from cluster import telemetry
+    from cluster.engines.kv_budget import KV_METRICS
 
     reader = InMemoryMetricReader()
     m = telemetry.Metrics(MeterProvider(metric_readers=[reader]).get_meter("t"))
@@ -96,6 +97,8 @@ def _prometheus_names() -> set[str]:
         inst.record(1.0)
     m.observe("loopserve.session_cache.bytes", lambda: [(1, {})], unit="By")
     m.observe("loopserve.engine.queue_depth", lambda: [(1, {})])
+    for name in KV_METRICS:
+        m.observe(name, lambda: [(1, {})])
     units = {"ms": "_milliseconds", "By": "_bytes", "1/s": "_per_second", "": ""}
     names = set()
     for rm in reader.get_metrics_data().resource_metrics:
