@@ -78,7 +78,7 @@ class EngineReplica:
         self.gate: Optional[KvGate] = KvGate(capacity, budget.policy()) if budget.enabled and capacity else None
         metrics = telemetry.Metrics()
         for name, (key, description) in KV_METRICS.items():
-            metrics.observe(name, lambda key=key: [(self.kv_figures().get(key, 0), {"replica": self.replica_id})],
+            metrics.observe(name, lambda key=key: [(self._exported_kv().get(key, 0), {"replica": self.replica_id})],
                             description)
         self.channel: Optional[ChannelServer] = None
         if config.engine.direct_stream:
@@ -204,6 +204,14 @@ class EngineReplica:
         for digests in (self.prompt_digests, self.prompt_text_digests):
             while len(digests) > 512:
                 digests.popitem(last=False)
+
+    def _exported_kv(self) -> dict[str, Any]:
+        # Read by the metrics exporter's thread while the replica's loop changes the budget:
+        # a read that races a change is skipped (the next export has it).
+        try:
+            return self.kv_figures()
+        except RuntimeError:
+            return {}
 
     def kv_figures(self) -> dict[str, Any]:
         """The KV budget's figures with the engine's own (preemptions, hit ratio, its modelled pool)."""

@@ -32,12 +32,10 @@ class KvGate:
         """A turn's ticket, and a future to await when it has to wait (None: start now)."""
         ticket, admitted = self.budget.request(session, need, self.clock())
         self._unpins.discard(session)  # it is back: its blocks are what this turn reuses
-        if admitted:
-            self._changed([])
-            return ticket, None
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[ticket] = fut
-        self._changed([])
+        fut = None
+        if ticket not in admitted:
+            fut = self._waiting[ticket] = asyncio.get_running_loop().create_future()
+        self._changed([t for t in admitted if t != ticket])  # others the queue let in meanwhile
         return ticket, fut
 
     def position(self, ticket: int) -> int:

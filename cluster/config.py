@@ -78,6 +78,9 @@ class ScriptedEngineConfig(_Strict):
     # remembered, bounded only by MAX_CACHED_TOKENS).
     kv_capacity_tokens: Optional[int] = Field(None, ge=1)
     kv_block_size: int = Field(32, ge=1)
+    # One compute unit for prefills (they run one at a time, as on a CPU engine whose cores
+    # every request shares), instead of each request prefilling at the full rate.
+    serial_prefill: bool = False
 
 
 class VLLMEngineConfig(_Strict):

@@ -52,6 +52,21 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
+def _served(cmd: list[str], env: dict[str, str], port: int, what: str, log_path: Optional[str]) -> Iterator[str]:
+    """A server process in its own session, answered on /health, stopped (and waited for) on exit."""
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url + "/health", proc, what)
+        yield url
+    finally:
+        _stop(proc)
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+
+@contextmanager
 def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: int = 32, kv_gib: int = 1,
                 dtype: str = "auto", kv_blocks: Optional[int] = None, log_path: Optional[str] = None) -> Iterator[str]:
     """vLLM's own server (`/v1/responses` with its store on); yields its base URL."""
@@ -61,21 +76,12 @@ def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: i
     threads = f"0-{(os.cpu_count() or 1) - 1}"
     env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
                               "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": threads})
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
-         "--served-model-name", served_name, "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_len),
-         "--enable-prefix-caching", "--block-size", str(block_size), "--seed", "0"]
-        + (["--num-gpu-blocks-override", str(kv_blocks)] if kv_blocks else []),
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url + "/health", proc, "vLLM's server")
+    cmd = [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
+           "--served-model-name", served_name, "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_len),
+           "--enable-prefix-caching", "--block-size", str(block_size), "--seed", "0"]
+    cmd += ["--num-gpu-blocks-override", str(kv_blocks)] if kv_blocks else []
+    with _served(cmd, env, port, "vLLM's server", log_path) as url:
         yield url
-    finally:
-        _stop(proc)
-        if log is not subprocess.DEVNULL:
-            log.close()
 
 
 @contextmanager
@@ -88,19 +94,12 @@ def agentic_api(vllm_url: str, log_path: Optional[str] = None) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "AGENTIC_API_HOME": home, "DATABASE_URL": f"sqlite://{home}/store.db?mode=rwc",
            "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "sk-local")}
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen([exe, "serve", "--vllm-base-url", vllm_url + "/v1", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    cmd = [exe, "serve", "--vllm-base-url", vllm_url + "/v1", "--host", "127.0.0.1", "--port", str(port)]
     try:
-        _wait(url + "/health", proc, "agentic-api")
-        yield url
+        with _served(cmd, env, port, "agentic-api", log_path) as url:
+            yield url
     finally:
-        _stop(proc)
         shutil.rmtree(home, ignore_errors=True)
-        if log is not subprocess.DEVNULL:
-            log.close()
 
 
 _METRIC = re.compile(r"^(vllm:[a-z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$")

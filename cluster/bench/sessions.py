@@ -74,9 +74,21 @@ class Workload:
 PRESETS = {"agentx": Workload(turns=20, turn_chars=1200, output_tokens=24, pause=(0.5, 3.0), shape="agentx")}
 
 
+_WORDS = ("the test", "failed", "because", "the value", "was not", "expected", "in module", "when the", "function",
+          "returned", "an error", "for input", "see line", "of the file", "and then", "passed", "after", "retry")
+
+
 def tool_output(session: str, turn: int, chars: int) -> str:
-    line = f"[{session}] $ pytest tests/test_mod_{turn}.py -q  # {turn}: collected items, 3 failed, see trace. "
-    return (line * (chars // len(line) + 1))[:chars]
+    """A tool result of `chars` characters, unique to the session and turn: English-like words
+    (~4 characters a token, like the issue's workload) after a header naming both."""
+    rng = random.Random(f"{session}:{turn}")
+    parts = [f"[{session}] $ pytest tests/test_mod_{turn}.py -q\n"]
+    size = len(parts[0])
+    while size < chars:
+        part = f"{rng.choice(_WORDS)} {rng.choice(_WORDS)} {rng.choice(_WORDS)}. "
+        parts.append(part)
+        size += len(part)
+    return "".join(parts)[:chars]
 
 
 @dataclass
@@ -211,7 +223,8 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
         args["engine"]["backend"] = "scripted"
         args["engine"]["scripted"] = {"kv_capacity_tokens": kv_tokens or 46_592, "kv_block_size": 32,
                                       "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
-                                      "max_output_tokens": 64}
+                                      "max_output_tokens": 64, "serial_prefill": True,
+                                      "answer_text": "I ran the tool and read its output; next I will fix the failing test. " * 3}
         args["engine_deployment"]["num_cpus"] = 0.1
     return args
 
@@ -269,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                ).split(",")
     kv_tokens = ns.kv_tokens
     if ns.engine == "scripted" and ns.oversubscribe:
-        final = 200 + w.turns * (w.turn_chars // 3.6 + w.output_tokens + 12)  # tokens of one session at its end
+        final = 60 + w.turns * (w.turn_chars / 4.5 + w.output_tokens + 12)  # one session at its end (~4.5 chars a token)
         kv_tokens = int(max(ns_values) * final / ns.oversubscribe / ns.replicas)
     rates = tuple(float(x) for x in ns.rates.split(","))
     out = Path(ns.out)

@@ -116,9 +116,10 @@ class KvBudget:
 
     # -- what the engine replica calls ---------------------------------------------------
 
-    def request(self, session: str, need: int, now: float) -> tuple[int, bool]:
-        """A turn of `session` that needs `need` tokens: (its ticket, admitted now?). A turn
-        not admitted waits until `admit`/`finish`/`release`/`tick` return its ticket."""
+    def request(self, session: str, need: int, now: float) -> tuple[int, list[int]]:
+        """A turn of `session` that needs `need` tokens: its ticket, and the tickets admitted by
+        this call (its own when it starts now; others that the queue let in meanwhile). A turn
+        not admitted waits until `finish`/`cancel`/`release`/`tick` return its ticket."""
         ticket = next(self._tickets)
         hold = self._hold(session)
         if hold.finished_at is not None and not hold.turns:
@@ -133,10 +134,10 @@ class KvBudget:
         self._expire(now)
         if not self.queue and self._fits(hold, need):
             self._start(ticket, session, need)
-            return ticket, True
+            return ticket, [ticket]
         self.queue[ticket] = Waiter(ticket, session, need, now)
         self.counters.queued += 1
-        return ticket, bool(self._drain(now) and ticket in self._admitted)
+        return ticket, self._drain(now)
 
     def finish(self, ticket: int, held: int, expect_back: bool, now: float) -> list[int]:
         """A turn ended; its session now holds `held` tokens of KV (prompt + output) and
@@ -290,14 +291,15 @@ class KvBudget:
         retention of idle sessions (least recently used first) until it fits."""
         self._expire(now)
         admitted: list[int] = []
-        head_blocked = False
+        head_blocked = urgent = False
         for ticket, w in list(self.queue.items()):
             hold = self._hold_no_touch(w.session)
             resident = hold.retained > 0 or hold.turns > 0
-            if head_blocked and not resident:
-                continue
+            if urgent or (head_blocked and not resident):
+                continue  # behind a head that waited too long, nobody passes
             if not self._fits(hold, w.need) and not head_blocked and now - w.since >= self.policy.max_queue_wait_s:
                 self._evict_for(w, hold)
+                urgent = not self._fits(hold, w.need)
             if self._fits(hold, w.need):
                 del self.queue[ticket]
                 wait = now - w.since
@@ -316,11 +318,12 @@ class KvBudget:
         return hold
 
     def _evict_for(self, waiter: Waiter, hold: SessionHold) -> None:
-        # Sessions with a turn waiting are left alone: they are back, and need only their growth.
+        # Idle sessions first (least recently used first); sessions with a turn waiting behind
+        # this one last: they are back, but they cannot pass a head that waited too long.
         queued = {w.session for w in self.queue.values()}
-        idle = [(h.finished_at or 0.0, k) for k, h in self.sessions.items()
-                if h.retained and not h.turns and k != waiter.session and k not in queued]
-        for _, key in sorted(idle):
+        idle = [(k in queued, h.finished_at or 0.0, k) for k, h in self.sessions.items()
+                if h.retained and not h.turns and k != waiter.session]
+        for _, _, key in sorted(idle):
             if self._fits(hold, waiter.need):
                 return
             victim = self.sessions[key]

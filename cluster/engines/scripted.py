@@ -106,6 +106,7 @@ class ScriptedEngine:
                                           if config.kv_capacity_tokens else None)
         self.kv_capacity_tokens = self.kv.capacity_tokens if self.kv is not None else 0
         self._kv_freed = asyncio.Condition()
+        self._compute = asyncio.Lock()  # serial_prefill: one prefill at a time
 
     async def start(self) -> None:
         return None
@@ -268,7 +269,10 @@ class ScriptedEngine:
                     stats.prompt_tokens += len(prompt)
                     stats.cached_tokens += cached
                 prefill = (len(tokens) - cached) / self.config.prefill_tokens_per_second
-                if prefill > 0:
+                if prefill > 0 and self.config.serial_prefill:
+                    async with self._compute:
+                        await asyncio.sleep(prefill)
+                elif prefill > 0:
                     await asyncio.sleep(prefill)
                 preempted = False
                 start = time.perf_counter()

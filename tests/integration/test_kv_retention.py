@@ -83,3 +83,63 @@ def test_a_paused_session_keeps_its_prefix_while_traffic_evicts_an_unretained_on
         time.sleep(0.5)
     assert kv["retained_tokens"] == 0 and kv["released"] >= 1
     assert kv["preemptions"] == 0
+
+
+@pytest.fixture(scope="module")
+def scripted_kv_url(serve_instance):
+    """The scripted engine with a modelled 1,024-token KV pool (a stand-in for vLLM's block pool)."""
+    from .conftest import _module_app
+
+    args = {
+        "engine": {"backend": "scripted",
+                   "scripted": {"kv_capacity_tokens": 1024, "kv_block_size": 32, "tokens_per_second": 500,
+                                "answer_text": "done.", "max_output_tokens": 8},
+                   "kv_budget": {"ttl_initial_s": 120, "max_queue_wait_s": 120}},
+        "store": {"backend": "none"}, "safety": {"enabled": False},
+        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+    }
+    yield from _module_app("scriptedkv", "/scriptedkv", args, serve_instance, 240)
+
+
+async def _turn(ws, text: str, prev=None) -> list[dict]:
+    import json
+
+    body = {"type": "response.create", "model": "loopserve-tiny", "input": text, "store": False,
+            "max_output_tokens": 8}
+    if prev:
+        body["previous_response_id"] = prev
+    await ws.send(json.dumps(body))
+    events = []
+    while True:
+        ev = json.loads(await ws.recv())
+        events.append(ev)
+        if ev["type"] in TERMINAL or ev["type"] == "error":
+            return events
+
+
+async def test_a_turn_waiting_for_kv_is_queued_visibly_and_starts_when_a_closed_socket_releases_its_session(
+        scripted_kv_url):
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    url = scripted_kv_url.replace("http://", "ws://") + "/v1/responses"
+    run = secrets.token_hex(4)
+    async with asyncio.timeout(120):
+        a = await connect(url)
+        first = await _turn(a, _text(f"{run}-A"))
+        assert first[-1]["type"] == "response.completed"
+        assert first[-1]["response"]["usage"]["input_tokens"] > 400  # A's retained prefix: over 40% of the pool
+        async with connect(url) as b:
+            waiting = asyncio.ensure_future(_turn(b, _text(f"{run}-B")))
+            await asyncio.sleep(3)
+            assert not waiting.done()  # B's turn does not fit beside A's retained prefix
+            assert _kv(scripted_kv_url)["queued_turns"] == 1
+            await a.close()  # A's socket closes with nothing stored: its prefix is released at once
+            events = await waiting
+        types = [e["type"] for e in events]
+        assert types[:3] == ["response.created", "response.in_progress", "response.queued"]
+        assert events[2]["response"]["status"] == "queued"
+        assert types[3] == "response.in_progress" and types[-1] == "response.completed"
+    kv = _kv(scripted_kv_url)
+    assert kv["released"] >= 1 and kv["waited"] >= 1 and kv["preemptions"] == 0

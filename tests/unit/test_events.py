@@ -147,3 +147,13 @@ def test_replay_rebuilds_the_same_items():
     check(replay)
     assert replay[-1]["response"]["output"] == final["output"]
     assert replay[-1]["response"]["usage"] == final["usage"]
+
+
+def test_a_response_waiting_for_engine_kv_is_queued_then_in_progress_again():
+    a = assembler()
+    evs = a.start() + a.queued() + a.resumed() + a.resumed() + a.text("ok") + a.finish(usage_object(5, 0, 1))
+    types = check(evs)
+    assert types[:4] == ["response.created", "response.in_progress", "response.queued", "response.in_progress"]
+    assert types.count("response.in_progress") == 2  # resumed only once
+    assert evs[2]["response"]["status"] == "queued" and evs[3]["response"]["status"] == "in_progress"
+    assert evs[-1]["response"]["status"] == "completed"

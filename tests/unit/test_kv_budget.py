@@ -7,10 +7,15 @@ def budget(capacity=1000, **policy) -> KvBudget:
     return KvBudget(capacity, BudgetPolicy(**policy))
 
 
+def req(b: KvBudget, session: str, need: int, now: float) -> tuple[int, bool]:
+    ticket, admitted = b.request(session, need, now)
+    return ticket, ticket in admitted
+
+
 def test_a_turn_waits_until_running_and_retained_tokens_leave_room():
     b = budget(1000)
-    t1, ok1 = b.request("a", 600, now=0)
-    t2, ok2 = b.request("b", 600, now=0)
+    t1, ok1 = req(b, "a", 600, now=0)
+    t2, ok2 = req(b, "b", 600, now=0)
     assert ok1 and not ok2
     assert b.snapshot(0)["queued_tokens"] == 600
     # a finishes and is expected back: its 550 tokens stay, b still does not fit
@@ -24,12 +29,12 @@ def test_a_turn_waits_until_running_and_retained_tokens_leave_room():
 
 def test_a_retained_session_comes_back_ahead_of_the_queue_and_keeps_its_prefix():
     b = budget(1000)
-    t1, _ = b.request("a", 500, now=0)
+    t1, _ = req(b, "a", 500, now=0)
     b.finish(t1, held=500, expect_back=True, now=1)
-    t2, ok2 = b.request("b", 600, now=2)  # 500 retained + 600 > 1000
+    t2, ok2 = req(b, "b", 600, now=2)  # 500 retained + 600 > 1000
     assert not ok2
     # a's next turn needs 600 (its 500-token prefix + 100 new): only its growth counts
-    t3, ok3 = b.request("a", 600, now=3)
+    t3, ok3 = req(b, "a", 600, now=3)
     assert ok3 and t2 in b.queue
     assert b.counters.returned_in_time == 1 and b.counters.reprefills == 0
     assert b.used == 600
@@ -37,48 +42,48 @@ def test_a_retained_session_comes_back_ahead_of_the_queue_and_keeps_its_prefix()
 
 def test_not_expected_back_and_released_sessions_free_their_tokens_at_once():
     b = budget(1000)
-    t1, _ = b.request("a", 500, now=0)
+    t1, _ = req(b, "a", 500, now=0)
     b.finish(t1, held=500, expect_back=False, now=1)
     assert b.used == 0
-    t2, _ = b.request("b", 500, now=2)
+    t2, _ = req(b, "b", 500, now=2)
     b.finish(t2, held=500, expect_back=True, now=3)
     assert b.retained_tokens == 500
-    waiting, ok = b.request("c", 700, now=4)
+    waiting, ok = req(b, "c", 700, now=4)
     assert not ok
     assert b.release("b", now=5) == [waiting]  # b's socket closed: c runs at once
     assert b.counters.released == 1
     # b comes back after all (store: true over HTTP): its turn is counted as a re-prefill
-    b.request("b", 100, now=6)
+    req(b, "b", 100, now=6)
     assert b.counters.reprefills == 1
 
 
 def test_the_ttl_is_learned_from_the_sessions_own_pauses_and_clamped():
     b = budget(10_000, ttl_initial_s=10, ttl_min_s=1, ttl_max_s=30, ttl_pause_multiple=2)
-    t, _ = b.request("a", 100, now=0)
+    t, _ = req(b, "a", 100, now=0)
     b.finish(t, held=100, expect_back=True, now=1)
     assert b.retained_sessions() == {"a": 11}  # no pause seen yet: the initial TTL
-    t, _ = b.request("a", 200, now=3)  # paused 2 s
+    t, _ = req(b, "a", 200, now=3)  # paused 2 s
     b.finish(t, held=200, expect_back=True, now=4)
     assert b.retained_sessions() == {"a": 4 + 2 * 2}
-    t, _ = b.request("a", 300, now=4.1)  # paused 0.1 s: average 1.05 s
+    t, _ = req(b, "a", 300, now=4.1)  # paused 0.1 s: average 1.05 s
     b.finish(t, held=300, expect_back=True, now=5)
     assert b.retained_sessions()["a"] == 5 + 2 * 1.05
-    t, _ = b.request("a", 400, now=105)  # a 100 s pause: capped
+    t, _ = req(b, "a", 400, now=105)  # a 100 s pause: capped
     b.finish(t, held=400, expect_back=True, now=106)
     assert b.retained_sessions()["a"] == 106 + 30
     b2 = budget(10_000, ttl_min_s=1, ttl_pause_multiple=2)
-    t, _ = b2.request("x", 10, now=0)
+    t, _ = req(b2, "x", 10, now=0)
     b2.finish(t, held=10, expect_back=True, now=0)
-    t, _ = b2.request("x", 10, now=0.01)
+    t, _ = req(b2, "x", 10, now=0.01)
     b2.finish(t, held=10, expect_back=True, now=0.01)
     assert b2.retained_sessions()["x"] == 0.01 + 1  # floor
 
 
 def test_the_queue_is_fifo_for_new_sessions_and_a_small_turn_does_not_pass_a_blocked_head():
     b = budget(1000)
-    t1, _ = b.request("a", 900, now=0)
-    big, _ = b.request("b", 500, now=1)
-    small, ok = b.request("c", 50, now=2)  # fits, but b is first
+    t1, _ = req(b, "a", 900, now=0)
+    big, _ = req(b, "b", 500, now=1)
+    small, ok = req(b, "c", 50, now=2)  # fits, but b is first
     assert not ok
     assert b.finish(t1, held=900, expect_back=False, now=3) == [big, small]
 
@@ -87,11 +92,11 @@ def test_a_head_that_waited_too_long_ends_idle_retention_so_nobody_starves():
     b = budget(1000, ttl_initial_s=1000, max_queue_wait_s=5)
     held = []
     for i, key in enumerate("abc"):
-        t, _ = b.request(key, 300, now=i)
+        t, _ = req(b, key, 300, now=i)
         held.append(t)
     for i, t in enumerate(held):
         b.finish(t, held=300, expect_back=True, now=3 + i)  # a at 3, b at 4, c at 5
-    head, ok = b.request("d", 400, now=6)
+    head, ok = req(b, "d", 400, now=6)
     assert not ok
     assert b.next_deadline() == 11  # the wait bound, long before the TTLs
     assert b.tick(now=8) == []
@@ -99,24 +104,24 @@ def test_a_head_that_waited_too_long_ends_idle_retention_so_nobody_starves():
     assert b.counters.evicted == 1  # only the least recently used one (a) had to go
     assert set(b.retained_sessions()) == {"b", "c"}
     # a comes back: its prefix may be gone, and that is counted
-    b.request("a", 400, now=12)
+    req(b, "a", 400, now=12)
     assert b.counters.reprefills == 1
 
 
 def test_a_turn_larger_than_the_capacity_runs_when_the_replica_is_empty():
     b = budget(1000)
-    t, ok = b.request("a", 5000, now=0)
+    t, ok = req(b, "a", 5000, now=0)
     assert ok
-    t2, ok2 = b.request("b", 10, now=0)
+    t2, ok2 = req(b, "b", 10, now=0)
     assert not ok2
     assert b.finish(t, held=1000, expect_back=False, now=1) == [t2]
 
 
 def test_a_cancelled_waiter_lets_the_next_one_in():
     b = budget(1000)
-    t1, _ = b.request("a", 800, now=0)
-    w1, _ = b.request("b", 800, now=0)
-    w2, _ = b.request("c", 100, now=0)
+    t1, _ = req(b, "a", 800, now=0)
+    w1, _ = req(b, "b", 800, now=0)
+    w2, _ = req(b, "c", 100, now=0)
     assert b.cancel(w1, now=1) == [w2]
     assert b.finish(t1, held=0, expect_back=False, now=2) == []
     assert not b.queue
@@ -124,17 +129,17 @@ def test_a_cancelled_waiter_lets_the_next_one_in():
 
 def test_retention_off_keeps_nothing():
     b = budget(1000, retention=False)
-    t, _ = b.request("a", 500, now=0)
+    t, _ = req(b, "a", 500, now=0)
     b.finish(t, held=500, expect_back=True, now=1)
     assert b.used == 0 and b.retained_sessions() == {}
 
 
 def test_demand_counts_running_retained_and_queued_tokens():
     b = budget(1000)
-    t1, _ = b.request("a", 400, now=0)
-    t2, _ = b.request("b", 300, now=0)
+    t1, _ = req(b, "a", 400, now=0)
+    t2, _ = req(b, "b", 300, now=0)
     b.finish(t2, held=300, expect_back=True, now=1)
-    b.request("c", 800, now=1)
+    req(b, "c", 800, now=1)
     assert b.demand() == (400 + 300 + 800) / 1000
     assert b.headroom() == 1000 - 700 - 800
 
@@ -142,16 +147,16 @@ def test_demand_counts_running_retained_and_queued_tokens():
 def test_pause_statistics_of_old_idle_sessions_are_bounded():
     b = budget(10**9, max_sessions=10)
     for i in range(100):
-        t, _ = b.request(f"s{i}", 1, now=i)
+        t, _ = req(b, f"s{i}", 1, now=i)
         b.finish(t, held=1, expect_back=False, now=i)
     assert len(b.sessions) <= 11
 
 
 def test_every_ended_retention_is_reported_once_for_the_engine_to_unpin():
     b = budget(1000, ttl_initial_s=5, max_queue_wait_s=100)
-    ta, _ = b.request("a", 100, now=0)
-    tb, _ = b.request("b", 100, now=0)
-    tc, _ = b.request("c", 100, now=0)
+    ta, _ = req(b, "a", 100, now=0)
+    tb, _ = req(b, "b", 100, now=0)
+    tc, _ = req(b, "c", 100, now=0)
     b.finish(ta, held=100, expect_back=True, now=1)  # retained, expires at 6
     b.finish(tb, held=100, expect_back=False, now=1)  # not retained: unpin at once
     b.finish(tc, held=100, expect_back=True, now=2)
@@ -160,3 +165,32 @@ def test_every_ended_retention_is_reported_once_for_the_engine_to_unpin():
     b.tick(now=7)
     assert sorted(b.take_dropped()) == ["a", "c"]
     assert b.take_dropped() == []
+
+
+def test_a_request_that_lets_earlier_waiters_in_returns_their_tickets_too():
+    b = budget(1000, ttl_initial_s=5, max_queue_wait_s=100)
+    t1, _ = req(b, "a", 600, now=0)
+    b.finish(t1, held=600, expect_back=True, now=1)  # retained until 6
+    waiting, ok = req(b, "b", 600, now=2)
+    assert not ok
+    # a's retention has expired by the time c arrives: c's own request lets b in first
+    late, admitted = b.request("c", 300, now=7)
+    assert admitted == [waiting, late]
+
+
+def test_behind_a_head_that_waited_too_long_nobody_passes_and_queued_residents_give_way_last():
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=10)
+    ta, _ = req(b, "a", 400, now=0)
+    tb, _ = req(b, "b", 400, now=0)
+    b.finish(ta, held=400, expect_back=True, now=1)
+    head, ok = req(b, "c", 700, now=2)  # 400 running + 400 retained + 700 > 1000
+    assert not ok
+    ta2, ok = req(b, "a", 450, now=3)  # a is resident: it passes while the head is not overdue
+    assert ok
+    b.finish(ta2, held=450, expect_back=True, now=4)
+    # The head is overdue: a's retention goes (it is queued behind the head), and although a's
+    # turn would fit beside b, it does not pass the head
+    back, admitted = b.request("a", 460, now=13)
+    assert admitted == [] and b.counters.evicted == 1
+    assert b.finish(tb, held=400, expect_back=False, now=14) == [head]
+    assert b.finish(head, held=700, expect_back=False, now=15) == [back]
