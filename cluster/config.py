@@ -119,12 +119,15 @@ class KvBudgetConfig(_Strict):
         None, ge=1, description="Override of the engine's KV capacity in tokens (default: what the engine reports).")
     retention: bool = Field(True, description="Keep the prefix of sessions expected back through their pauses.")
     ttl_initial_s: float = Field(10.0, gt=0, description="Retention of a session whose pauses are not known yet.")
-    ttl_min_s: float = Field(1.0, gt=0, description="Shortest retention.")
+    ttl_min_s: float = Field(2.0, gt=0, description="Shortest retention.")
     ttl_max_s: float = Field(60.0, gt=0, description="Longest retention, however long the session's pauses.")
     ttl_pause_multiple: float = Field(
-        2.0, gt=0, description="Retention = this x the moving average of the session's own pauses (clamped).")
+        2.0, gt=0, description="Retention = this x the session's own long pauses (their decayed maximum; clamped).")
     max_queue_wait_s: float = Field(
-        20.0, gt=0, description="A turn that waited this long may end idle sessions' retention to start.")
+        60.0, gt=0, description="A turn that waited this long may end other sessions' retention to start (each "
+                                "ended retention costs that session a re-prefill of its history: on a CPU engine "
+                                "seconds per thousand tokens, so set it above a session's life to time-share by "
+                                "sessions rather than by turns).")
     move_after_s: float = Field(
         8.0, gt=0, description="With several engine replicas, a session holding nothing on its replica whose turn "
                                "waited this long for room is placed again (once), where there is more headroom.")

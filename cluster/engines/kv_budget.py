@@ -15,7 +15,7 @@ happening:
   sessions' retention to fit: no turn waits without bound.
 - **Retention.** A session that finished a turn and is expected back keeps its tokens
   (prompt + output: its prefix) for a TTL learned from its own pauses (a multiple of
-  their moving average, clamped). A session not expected back, a released one (its
+  its longest recent pause, clamped). A session not expected back, a released one (its
   socket closed) and an expired one free their tokens at once.
 - **Accounting.** Every re-prefill of a session whose retention ended is counted, as
   are the queue waits, expirations and retentions ended early.
@@ -50,16 +50,19 @@ KV_METRICS = {
 }
 
 
+PAUSE_DECAY = 0.8
+
+
 @dataclass(frozen=True)
 class BudgetPolicy:
     """The knobs (from `engine.kv_budget` in the config)."""
 
     retention: bool = True
     ttl_initial_s: float = 10.0  # a session's first pause, before any was seen
-    ttl_min_s: float = 1.0
+    ttl_min_s: float = 2.0
     ttl_max_s: float = 60.0
-    ttl_pause_multiple: float = 2.0  # TTL = this x the moving average of the session's pauses
-    max_queue_wait_s: float = 20.0  # then the head of the queue may end other sessions' retention
+    ttl_pause_multiple: float = 2.0  # TTL = this x the session's long pauses (decayed maximum)
+    max_queue_wait_s: float = 60.0  # then the head of the queue may end other sessions' retention
     max_sessions: int = 100_000  # sessions tracked for their pause statistics (LRU)
 
 
@@ -72,7 +75,9 @@ class SessionHold:
     retained: int = 0  # tokens of its prefix kept for its next turn
     expires_at: float = 0.0
     finished_at: Optional[float] = None  # when its last turn ended (its pause starts)
-    pause_avg: Optional[float] = None  # moving average of its pauses between turns
+    # Its long pauses: the longest one, decaying by PAUSE_DECAY a pause (a TTL must cover the
+    # pauses a session actually takes, not their mean: half of them are longer than that).
+    pause_high: Optional[float] = None
     released: bool = False  # its retention ended before it came back (expired, released, evicted)
 
     @property
@@ -121,17 +126,17 @@ class KvBudget:
         this call (its own when it starts now; others that the queue let in meanwhile). A turn
         not admitted waits until `finish`/`cancel`/`release`/`tick` return its ticket."""
         ticket = next(self._tickets)
+        self._expire(now)  # first: a session back after its TTL ran out is a re-prefill
         hold = self._hold(session)
         if hold.finished_at is not None and not hold.turns:
             pause = max(0.0, now - hold.finished_at)
-            hold.pause_avg = pause if hold.pause_avg is None else 0.5 * hold.pause_avg + 0.5 * pause
+            hold.pause_high = pause if hold.pause_high is None else max(pause, PAUSE_DECAY * hold.pause_high)
             if hold.retained:
                 self.counters.returned_in_time += 1
             elif hold.released:
                 self.counters.reprefills += 1
             hold.released = False
         need = max(1, min(need, self.capacity))
-        self._expire(now)
         if not self.queue and self._fits(hold, need):
             self._start(ticket, session, need)
             return ticket, [ticket]
@@ -226,9 +231,9 @@ class KvBudget:
 
     def ttl(self, hold: SessionHold) -> float:
         p = self.policy
-        if hold.pause_avg is None:
+        if hold.pause_high is None:
             return p.ttl_initial_s
-        return min(p.ttl_max_s, max(p.ttl_min_s, p.ttl_pause_multiple * hold.pause_avg))
+        return min(p.ttl_max_s, max(p.ttl_min_s, p.ttl_pause_multiple * hold.pause_high))
 
     def snapshot(self, now: float) -> dict[str, float | int]:
         c = self.counters

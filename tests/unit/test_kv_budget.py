@@ -65,9 +65,9 @@ def test_the_ttl_is_learned_from_the_sessions_own_pauses_and_clamped():
     t, _ = req(b, "a", 200, now=3)  # paused 2 s
     b.finish(t, held=200, expect_back=True, now=4)
     assert b.retained_sessions() == {"a": 4 + 2 * 2}
-    t, _ = req(b, "a", 300, now=4.1)  # paused 0.1 s: average 1.05 s
+    t, _ = req(b, "a", 300, now=4.1)  # a short pause does not shrink the TTL below the long ones
     b.finish(t, held=300, expect_back=True, now=5)
-    assert b.retained_sessions()["a"] == 5 + 2 * 1.05
+    assert b.retained_sessions()["a"] == 5 + 2 * (0.8 * 2)
     t, _ = req(b, "a", 400, now=105)  # a 100 s pause: capped
     b.finish(t, held=400, expect_back=True, now=106)
     assert b.retained_sessions()["a"] == 106 + 30
@@ -77,6 +77,19 @@ def test_the_ttl_is_learned_from_the_sessions_own_pauses_and_clamped():
     t, _ = req(b2, "x", 10, now=0.01)
     b2.finish(t, held=10, expect_back=True, now=0.01)
     assert b2.retained_sessions()["x"] == 0.01 + 1  # floor
+
+
+def test_a_session_with_uneven_pauses_is_still_retained_through_its_longer_ones():
+    b = budget(10_000, ttl_min_s=1, ttl_pause_multiple=2)
+    now = 0.0
+    for pause in (0.5, 3.0, 0.6, 0.5, 2.9, 0.7, 3.0, 0.5):
+        t, _ = req(b, "a", 100, now=now)
+        now += 0.2
+        b.finish(t, held=100, expect_back=True, now=now)
+        now += pause
+    # Only the first long pause, before any was seen, outlives the TTL (2x a moving average
+    # would have missed every long pause after a short one)
+    assert b.counters.expired == 1 and b.counters.returned_in_time == 6 and b.counters.reprefills == 1
 
 
 def test_the_queue_is_fifo_for_new_sessions_and_a_small_turn_does_not_pass_a_blocked_head():
