@@ -75,7 +75,9 @@ class EngineReplica:
         budget = config.engine.kv_budget
         capacity = budget.capacity_tokens or int(getattr(self.engine, "kv_capacity_tokens", 0) or 0)
         # No known capacity (the scripted engine without a modelled cache): nothing to budget.
-        self.gate: Optional[KvGate] = KvGate(capacity, budget.policy()) if budget.enabled and capacity else None
+        block = int(getattr(self.engine, "block_size", 0) or getattr(getattr(self.engine, "kv", None), "block_size", 1))
+        self.gate: Optional[KvGate] = (KvGate(capacity, budget.policy(), block_size=block)
+                                       if budget.enabled and capacity else None)
         metrics = telemetry.Metrics()
         for name, (key, description) in KV_METRICS.items():
             metrics.observe(name, lambda key=key: [(self._exported_kv().get(key, 0), {"replica": self.replica_id})],
@@ -139,7 +141,7 @@ class EngineReplica:
                                              code=KV_MOVE)]
                         return
                 admitted = True
-                req = replace(req, kv_pin=key, kv_ttl_s=gate.ttl(key), kv_unpin=gate.take_unpins())
+                req = replace(req, kv_pin=key, kv_ttl_s=gate.pin_ttl(key), kv_unpin=gate.take_unpins())
             chunks = coalesce(stream_chunks(self.engine, req, self.extractor, self.format, replica=self.replica_id,
                                             decode_raw=self._decode_raw), self.config.engine.stream_interval_ms / 1000)
             async with aclosing(chunks):

@@ -21,8 +21,11 @@ def pin_key(cache_salt: Optional[str], session_key: str) -> str:
 
 
 class KvGate:
-    def __init__(self, capacity: int, policy: BudgetPolicy, clock: Callable[[], float] = time.monotonic) -> None:
-        self.budget = KvBudget(capacity, policy)
+    def __init__(self, capacity: int, policy: BudgetPolicy, clock: Callable[[], float] = time.monotonic,
+                 block_size: int = 1) -> None:
+        # Counted in whole blocks, as the engine allocates them (a session's last block is partial).
+        self.block = max(1, block_size)
+        self.budget = KvBudget(capacity // self.block * self.block, policy)
         self.clock = clock
         self._waiting: dict[int, asyncio.Future] = {}
         self._timer: Optional[asyncio.TimerHandle] = None
@@ -30,7 +33,7 @@ class KvGate:
 
     def request(self, session: str, need: int) -> tuple[int, Optional[asyncio.Future]]:
         """A turn's ticket, and a future to await when it has to wait (None: start now)."""
-        ticket, admitted = self.budget.request(session, need, self.clock())
+        ticket, admitted = self.budget.request(session, self._blocks(need), self.clock())
         self._unpins.discard(session)  # it is back: its blocks are what this turn reuses
         fut = None
         if ticket not in admitted:
@@ -38,18 +41,26 @@ class KvGate:
         self._changed([t for t in admitted if t != ticket])  # others the queue let in meanwhile
         return ticket, fut
 
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block) * self.block
+
     def position(self, ticket: int) -> int:
         for i, t in enumerate(self.budget.queue):
             if t == ticket:
                 return i + 1
         return 0
 
-    def ttl(self, session: str) -> float:
-        """How long the engine should keep this session's blocks after its turn (0: retention off)."""
-        if not self.budget.policy.retention:
+    def pin_ttl(self, session: str) -> float:
+        """How long the engine may keep this session's blocks after its turn on its own (0: retention
+        off). The budget ends a pin itself (unpins ride on the next request); the engine's own expiry
+        is the backstop, so it is the budget's TTL plus the longest a returning turn may wait
+        (a session whose turn waits keeps its retention)."""
+        policy = self.budget.policy
+        if not policy.retention:
             return 0.0
         hold = self.budget.sessions.get(session)
-        return self.budget.ttl(hold) if hold is not None else self.budget.policy.ttl_initial_s
+        ttl = self.budget.ttl(hold) if hold is not None else policy.ttl_initial_s
+        return ttl + policy.max_queue_wait_s
 
     def take_unpins(self) -> tuple[str, ...]:
         unpins, self._unpins = tuple(self._unpins), set()
@@ -57,7 +68,7 @@ class KvGate:
 
     def finish(self, ticket: int, held: int, expect_back: bool) -> None:
         self._waiting.pop(ticket, None)
-        self._changed(self.budget.finish(ticket, held, expect_back, self.clock()))
+        self._changed(self.budget.finish(ticket, self._blocks(held), expect_back, self.clock()))
 
     def cancel(self, ticket: int) -> None:
         self._waiting.pop(ticket, None)

@@ -197,7 +197,8 @@ class KvBudget:
             return None
         head = next(iter(self.queue.values()))
         times = [head.since + self.policy.max_queue_wait_s]
-        times += [h.expires_at for h in self.sessions.values() if h.retained and not h.turns]
+        back = {w.session for w in self.queue.values()}
+        times += [h.expires_at for k, h in self.sessions.items() if h.retained and not h.turns and k not in back]
         return min(times)
 
     def retained_sessions(self) -> dict[str, float]:
@@ -283,8 +284,9 @@ class KvBudget:
         self.counters.admitted += 1
 
     def _expire(self, now: float) -> None:
+        back = {w.session for w in self.queue.values()}  # a session whose turn waits is back: it keeps its place
         for key, hold in self.sessions.items():
-            if hold.retained and not hold.turns and hold.expires_at <= now:
+            if hold.retained and not hold.turns and hold.expires_at <= now and key not in back:
                 hold.retained = 0
                 hold.released = True
                 self.counters.expired += 1

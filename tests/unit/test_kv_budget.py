@@ -207,3 +207,15 @@ def test_behind_a_head_that_waited_too_long_nobody_passes_and_queued_residents_g
     assert admitted == [] and b.counters.evicted == 1
     assert b.finish(tb, held=400, expect_back=False, now=14) == [head]
     assert b.finish(head, held=700, expect_back=False, now=15) == [back]
+
+
+def test_a_session_whose_turn_waits_keeps_its_retention_past_its_ttl():
+    b = budget(1000, ttl_initial_s=5, max_queue_wait_s=1000)
+    ta, _ = req(b, "a", 300, now=0)
+    tb, _ = req(b, "b", 600, now=0)
+    b.finish(ta, held=300, expect_back=True, now=1)  # retained until 6
+    back, ok = req(b, "a", 500, now=2)  # its growth (200) does not fit beside b's 600
+    assert not ok
+    assert b.tick(now=10) == [] and b.counters.expired == 0  # still retained: it is back
+    assert b.finish(tb, held=600, expect_back=False, now=11) == [back]
+    assert b.counters.reprefills == 0

@@ -54,3 +54,12 @@ async def test_a_turn_given_up_while_waiting_or_just_admitted_returns_its_tokens
 def test_pin_keys_are_bounded_and_separate_tenants():
     assert len(pin_key("salt", "x" * 10_000)) == 24
     assert pin_key("t1", "s") != pin_key("t2", "s")
+
+
+def test_tokens_are_counted_in_whole_engine_blocks():
+    gate = KvGate(1000, BudgetPolicy(max_queue_wait_s=100), block_size=32)
+    assert gate.budget.capacity == 992
+    t1, _ = gate.request("a", 33)
+    assert gate.snapshot()["running_tokens"] == 64
+    gate.finish(t1, 65, expect_back=True)
+    assert gate.snapshot()["retained_tokens"] == 96
