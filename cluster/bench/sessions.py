@@ -34,6 +34,7 @@ import asyncio
 import json
 import random
 import secrets
+import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -275,6 +276,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="bench_out")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
+    # A stopped benchmark (SIGTERM) still stops what it started: the peers run in sessions of
+    # their own and would otherwise keep their ports and memory.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     w = PRESETS[ns.preset] if ns.preset else Workload(ns.turns, ns.turn_chars, ns.output_tokens,
                                                      tuple(float(x) for x in ns.pause.split(",")))
     ns_values = [int(x) for x in ns.sessions.split(",")]
