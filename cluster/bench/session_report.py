@@ -68,6 +68,35 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+CALIBRATION_TOLERANCE = 0.10  # the stand-in's hit within ±10% of vLLM's, at every N
+
+
+def calibrate(results: list[dict[str, Any]], reference: str = "vllm", stand_in: str = "stand-in") -> list[dict[str, Any]]:
+    """The scripted engine's modelled KV against the real engine, per N of one run: hit and late
+    hit side by side, the relative gap, and whether it is within the tolerance."""
+    ref = {r["sessions"]: r for r in results if r["system"] == reference}
+    rows = []
+    for r in results:
+        if r["system"] != stand_in or r["sessions"] not in ref:
+            continue
+        v = ref[r["sessions"]]
+        gap = (r["hit"] - v["hit"]) / v["hit"] if r.get("hit") is not None and v.get("hit") else None
+        rows.append({"sessions": r["sessions"], "vllm_hit": v.get("hit"), "stand_in_hit": r.get("hit"),
+                     "vllm_hit_late": v.get("hit_late"), "stand_in_hit_late": r.get("hit_late"),
+                     "gap": round(gap, 3) if gap is not None else None,
+                     "within": gap is not None and abs(gap) <= CALIBRATION_TOLERANCE})
+    return rows
+
+
+def calibration_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["N | vLLM hit | stand-in hit | vLLM late | stand-in late | gap | within ±10%", "---|---|---|---|---|---|---"]
+    for c in rows:
+        gap = f"{c['gap']:+.1%}" if c["gap"] is not None else "-"
+        lines.append(f"{c['sessions']} | {c['vllm_hit']} | {c['stand_in_hit']} | {c['vllm_hit_late']} | "
+                     f"{c['stand_in_hit_late']} | {gap} | {'yes' if c['within'] else 'no'}")
+    return "\n".join(lines)
+
+
 def plot_svg(results: list[dict[str, Any]], path: Path) -> Path:
     """Two panels, hit and turn p50 latency against N, one line per system (no plotting library)."""
     systems = sorted({r["system"] for r in results})

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import random
-import secrets
 import signal
 import sys
 import time
@@ -44,7 +44,7 @@ from typing import Any, Iterator, Optional
 
 from .agent_loop import progress_bar
 from .local import add_ingress_argument
-from .session_report import plot_svg, summarize, table
+from .session_report import calibrate, calibration_table, plot_svg, summarize, table
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 
@@ -92,6 +92,13 @@ def tool_output(session: str, turn: int, chars: int) -> str:
     return "".join(parts)[:chars]
 
 
+def session_tag(w: Workload, n: int, index: int) -> str:
+    """The same text for session `index` of an N-session run on every system: greedy outputs
+    (and so the decode work each turn asks for) are then the same side by side. Unique across
+    N values, so a server that ran N=8 holds no prefix of an N=16 session."""
+    return hashlib.sha256(f"{w.seed}:{w.shape}:{n}:{index}".encode()).hexdigest()[:12]
+
+
 @dataclass
 class Row:
     system: str
@@ -125,7 +132,7 @@ async def ws_session(system: str, url: str, model: str, index: int, n: int, w: W
     from websockets.asyncio.client import connect
 
     rng = random.Random(w.seed * 100_003 + index)
-    tag = secrets.token_hex(6)
+    tag = session_tag(w, n, index)
     rows: list[Row] = []
     async with connect(url.replace("http://", "ws://") + "/v1/responses", max_size=None, compression=None,
                        open_timeout=120, ping_timeout=None) as ws:
@@ -153,7 +160,7 @@ async def http_session(system: str, url: str, model: str, index: int, n: int, w:
     import httpx
 
     rng = random.Random(w.seed * 100_003 + index)
-    tag = secrets.token_hex(6)
+    tag = session_tag(w, n, index)
     rows: list[Row] = []
     async with httpx.AsyncClient(timeout=1200) as client:
         prev = None
@@ -209,6 +216,11 @@ async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, t
 # -- systems ---------------------------------------------------------------------------------
 
 
+# The scripted engine's modelled KV cache without loopserve's budget (hash placement, no
+# retention: what vLLM does alone), run at the real engine's KV size and this CPU's rates.
+STAND_IN = "stand-in"
+
+
 def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
                    rates: tuple[float, float], kv_blocks: Optional[int] = None) -> dict[str, Any]:
     import yaml
@@ -257,7 +269,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.sessions", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", default="1,8,16", help="comma-separated N values")
-    ap.add_argument("--systems", default=None, help="loopserve,vllm,agentic (real) | loopserve,loopserve-nobudget")
+    ap.add_argument("--systems", default=None, help="loopserve,vllm,agentic (real; add stand-in to calibrate the scripted engine's "
+                         "modelled KV against vLLM in the same run) | loopserve,loopserve-nobudget (scripted)")
     ap.add_argument("--engine", choices=["vllm", "scripted"], default="vllm")
     ap.add_argument("--config", default="serve_configs/local.yaml")
     ap.add_argument("--preset", choices=sorted(PRESETS))
@@ -299,10 +312,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         results.append({"system": system, "sessions": n, **summarize(rows, w.turns, elapsed), **server})
         print("\n" + table(results[-1:]), flush=True)
 
+    real_kv_tokens: Optional[int] = None  # the real engine's capacity, seen by loopserve's run
     for system in systems:
         with ExitStack() as stack:
-            if system.startswith("loopserve"):
-                args = loopserve_args(ns.config, ns.engine, ns.replicas, kv_tokens, system == "loopserve", rates,
+            if system.startswith("loopserve") or system == STAND_IN:
+                engine = "scripted" if system == STAND_IN else ns.engine
+                sys_kv = kv_tokens
+                if system == STAND_IN and ns.engine == "vllm":
+                    # The stand-in at the real engine's KV size: its hit curve is the calibration.
+                    sys_kv = ns.kv_tokens or real_kv_tokens or (ns.kv_blocks or 0) * 32 or 46_592
+                args = loopserve_args(ns.config, engine, ns.replicas, sys_kv, system == "loopserve", rates,
                                       ns.kv_blocks)
                 url = stack.enter_context(loopserve(args, ns.ingress))
                 model = args["model"]["name"]
@@ -312,8 +331,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     after = loopserve_engine_stats(url)
                     pre = sum(s.get("preemptions", 0) for s in after) - sum(s.get("preemptions", 0) for s in before)
                     wait = max((s.get("max_queue_wait_s", 0.0) for s in after), default=0.0)
+                    capacity = max((s.get("capacity_tokens", 0) for s in after), default=0) or sys_kv
+                    if engine == "vllm" and capacity:
+                        real_kv_tokens = capacity
                     record(system, n, rows, elapsed, {"preemptions": pre, "server_max_queue_wait_s": wait,
-                                                      "engine_replicas": len(after), "kv_tokens": kv_tokens})
+                                                      "engine_replicas": len(after), "kv_tokens": capacity})
             else:
                 from ..builtin_models import ensure_builtin
                 from ..engines.vllm_engine import _on_cpu, resolve_dtype
@@ -340,8 +362,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "preemptions": int(delta.get("vllm:num_preemptions_total", 0)),
                         "server_mean_queue_wait_s": round(delta.get("vllm:request_queue_time_seconds_sum", 0) / qn, 3)})
     print("\n" + table(results))
+    calibration = calibrate(results)
+    if calibration:
+        print("\n" + calibration_table(calibration))
     (out / "sessions.json").write_text(json.dumps({"workload": asdict(w), "args": vars(ns), "results": results,
-                                                   "rows": [asdict(r) for r in all_rows]}, indent=1))
+                                                   "calibration": calibration, "rows": [asdict(r) for r in all_rows]}, indent=1))
     svg = plot_svg(results, out / "sessions.svg")
     print(f"\nresults: {out / 'sessions.json'}; plot: {svg}")
     return 0

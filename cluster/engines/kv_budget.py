@@ -295,8 +295,25 @@ class KvBudget:
     def _drain(self, now: float) -> list[int]:
         """Admit what fits: the head in order; behind it, turns of sessions whose prefix is
         retained here (they need only their growth). A head that waited too long ends the
-        retention of idle sessions (least recently used first) until it fits."""
+        retention of idle sessions (least recently used first) until it fits. When nothing
+        runs and nothing fits, every token is held by sessions between turns or waiting to
+        grow: a session that is back cannot grow, the others' TTLs do not run while their
+        turns wait, and the engine idles. So the first waiter whose prefix is retained ends
+        other sessions' retention at once (idle ones first, then those waiting behind it)."""
         self._expire(now)
+        admitted = self._admit(now)
+        while self.queue and not self.running_tokens:
+            target = next((w for w in self.queue.values() if self._hold_no_touch(w.session).retained), None)
+            if target is None:
+                break  # new sessions wait for retention to end (its TTL, or the queue's wait bound)
+            self._evict_for(target, self._hold_no_touch(target.session))
+            more = self._admit(now)
+            if not more:
+                break
+            admitted += more
+        return admitted
+
+    def _admit(self, now: float) -> list[int]:
         admitted: list[int] = []
         head_blocked = urgent = False
         for ticket, w in list(self.queue.items()):
@@ -325,12 +342,16 @@ class KvBudget:
         return hold
 
     def _evict_for(self, waiter: Waiter, hold: SessionHold) -> None:
-        # Idle sessions first (least recently used first); sessions with a turn waiting behind
-        # this one last: they are back, but they cannot pass a head that waited too long.
+        # Idle sessions first (least recently used first); then sessions whose turn waits
+        # behind this one, the newest waiter first: those ahead of it keep their place.
+        order = list(self.queue)
+        behind = {w.session: i for i, w in enumerate(self.queue.values()) if i > order.index(waiter.ticket)}
         queued = {w.session for w in self.queue.values()}
-        idle = [(k in queued, h.finished_at or 0.0, k) for k, h in self.sessions.items()
-                if h.retained and not h.turns and k != waiter.session]
-        for _, _, key in sorted(idle):
+        candidates = [(0, h.finished_at or 0.0, k) for k, h in self.sessions.items()
+                      if h.retained and not h.turns and k not in queued]
+        candidates += [(1, -i, k) for k, i in behind.items() if k != waiter.session and self.sessions[k].retained
+                       and not self.sessions[k].turns]
+        for _, _, key in sorted(candidates):
             if self._fits(hold, waiter.need):
                 return
             victim = self.sessions[key]

@@ -219,3 +219,44 @@ def test_a_session_whose_turn_waits_keeps_its_retention_past_its_ttl():
     assert b.tick(now=10) == [] and b.counters.expired == 0  # still retained: it is back
     assert b.finish(tb, held=600, expect_back=False, now=11) == [back]
     assert b.counters.reprefills == 0
+
+
+def test_when_nothing_runs_a_session_that_cannot_grow_ends_idle_retention_at_once():
+    # Every token is held by sessions between turns: waiting would idle the engine until a TTL
+    # (or, with every session back and waiting, until the queue's wait bound)
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=1000)
+    tickets = {s: req(b, s, 300, now=0)[0] for s in "abc"}
+    tb = req(b, "d", 100, now=0)[0]
+    for i, s in enumerate("abc"):
+        b.finish(tickets[s], held=300, expect_back=True, now=1 + i)  # c is the most recently used
+    ta, ok_a = req(b, "a", 600, now=5)  # growth 300: 900 retained + 100 running + 300 > 1000
+    tb2, ok_b = req(b, "b", 600, now=5)
+    assert not ok_a and not ok_b
+    # d's turn ends and it leaves: nothing runs, a is first in line, c is idle and goes first
+    assert b.finish(tb, held=100, expect_back=False, now=6) == [ta]
+    assert b.sessions["c"].retained == 0 and b.sessions["b"].retained == 300
+    assert b.counters.evicted == 1 and b.take_dropped() == ["d", "c"]
+    assert b.counters.max_queue_wait_s == 1
+
+
+def test_among_sessions_waiting_to_grow_the_newest_waiter_gives_way():
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=1000)
+    tickets = {s: req(b, s, 300, now=0)[0] for s in "abc"}
+    td = req(b, "d", 100, now=0)[0]
+    for s in "abc":
+        b.finish(tickets[s], held=300, expect_back=True, now=1)
+    waiting = [req(b, s, 600, now=2 + i)[0] for i, s in enumerate("abc")]
+    admitted = b.finish(td, held=100, expect_back=False, now=9)
+    # c (queued last) gives way for a; b's growth does not fit beside a's running turn yet
+    assert admitted == [waiting[0]]
+    assert b.sessions["c"].retained == 0 and b.sessions["b"].retained == 300
+    assert waiting[1] in b.queue and waiting[2] in b.queue
+
+
+def test_a_new_session_still_waits_for_an_idle_sessions_retention():
+    b = budget(1000, ttl_initial_s=5, max_queue_wait_s=1000)
+    ta, _ = req(b, "a", 600, now=0)
+    b.finish(ta, held=600, expect_back=True, now=1)
+    tb, ok = req(b, "b", 600, now=2)  # nothing runs, but a is in its tool pause: b waits
+    assert not ok and b.counters.evicted == 0
+    assert b.tick(now=6.5) == [tb] and b.counters.expired == 1

@@ -1,0 +1,43 @@
+"""The many-sessions benchmark's figures: hit as the issue defines it, and the stand-in's calibration."""
+
+from cluster.bench.session_report import calibrate, calibration_table, summarize
+from cluster.bench.sessions import Row, Workload, session_tag
+
+
+def _row(session: int, turn: int, inp: int, cached: int, out: int = 10, status: str = "completed") -> Row:
+    return Row("s", 1, session, turn, inp, cached, out, 1.0 + turn, 0.0, status)
+
+
+def test_hit_is_cached_over_the_previous_turns_input_and_output():
+    rows = [_row(0, 0, 50, 0), _row(0, 1, 560, 60), _row(0, 2, 1070, 285)]
+    s = summarize(rows, turns=2, elapsed=9.0)
+    # turn 1 could reuse 50 + 10 and got 60; turn 2 could reuse 570 and got 285
+    assert s["hit"] == round((60 + 285) / (60 + 570), 3)
+    assert s["hit_late"] == 0.5  # only turn 2 is in the second half
+    assert s["prefilled_tokens"] == 50 + 500 + 785
+    assert s["necessary_tokens"] == 50 + 500 + 500
+
+
+def test_an_errored_turn_restarts_the_chain_and_is_counted():
+    rows = [_row(0, 0, 50, 0), _row(0, 1, 0, 0, 0, status="error"), _row(0, 2, 70, 0)]
+    s = summarize(rows, turns=2, elapsed=1.0)
+    assert s["errors"] == 1 and s["hit"] is None
+
+
+def test_every_system_sees_the_same_sessions_and_n_values_do_not_share_prefixes():
+    w = Workload()
+    assert session_tag(w, 8, 3) == session_tag(Workload(), 8, 3)
+    assert session_tag(w, 8, 3) != session_tag(w, 16, 3)
+    assert len({session_tag(w, 16, i) for i in range(16)}) == 16
+
+
+def test_calibration_compares_the_stand_in_with_vllm_per_n():
+    results = [{"system": "vllm", "sessions": 8, "hit": 0.98, "hit_late": 0.99},
+               {"system": "vllm", "sessions": 16, "hit": 0.26, "hit_late": 0.05},
+               {"system": "stand-in", "sessions": 8, "hit": 0.95, "hit_late": 0.97},
+               {"system": "stand-in", "sessions": 16, "hit": 0.40, "hit_late": 0.20},
+               {"system": "loopserve", "sessions": 16, "hit": 0.95, "hit_late": 0.95}]
+    rows = calibrate(results)
+    assert [(r["sessions"], r["within"]) for r in rows] == [(8, True), (16, False)]
+    assert rows[1]["gap"] == round((0.40 - 0.26) / 0.26, 3)
+    assert "| no" in calibration_table(rows).splitlines()[-1]
