@@ -103,6 +103,10 @@ class VLLMEngineConfig(_Strict):
     num_gpu_blocks_override: Optional[int] = Field(None, ge=1)
     # CPU engines: threads for the model's kernels (default: all cores).
     cpu_threads: Optional[int] = None
+    # CPU engines: the cores those threads are pinned to (vLLM's VLLM_CPU_OMP_THREADS_BIND, e.g.
+    # "0-3"); default: the replica's allowed cores, `cpu_threads` of them. "nobind" leaves them
+    # to the OS scheduler. Pinned, as vLLM's own server runs them, a turn was ~10% faster here.
+    cpu_threads_bind: Optional[str] = None
     max_num_seqs: int = 64
     default_max_tokens: int = 256
     # Load the retaining scheduler (engines/vllm_retention.py): sessions the KV budget

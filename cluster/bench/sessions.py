@@ -265,6 +265,13 @@ def loopserve_engine_stats(url: str, probes: int = 32) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def _exit_once(*_: Any) -> None:
+    # A second SIGTERM (`timeout` forwards its own, a process-group kill repeats it) must not
+    # interrupt the cleanup the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.sessions", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -291,7 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ns = ap.parse_args(argv)
     # A stopped benchmark (SIGTERM) still stops what it started: the peers run in sessions of
     # their own and would otherwise keep their ports and memory.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _exit_once)
     w = PRESETS[ns.preset] if ns.preset else Workload(ns.turns, ns.turn_chars, ns.output_tokens,
                                                      tuple(float(x) for x in ns.pause.split(",")))
     ns_values = [int(x) for x in ns.sessions.split(",")]

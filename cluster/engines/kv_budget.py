@@ -51,6 +51,7 @@ KV_METRICS = {
 
 
 PAUSE_DECAY = 0.8
+GROWTH_WEIGHT = 0.2  # of the latest turn in the moving average of growth per turn
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class KvBudget:
     _admitted: dict[int, tuple[str, int]] = field(default_factory=dict)  # ticket -> (session, need)
     # Sessions whose retention ended since the last `take_dropped` (the engine unpins them).
     dropped: list[str] = field(default_factory=list)
+    growth_per_turn: float = 0.0  # tokens a returning session's turn adds (moving average)
 
     # -- what the engine replica calls ---------------------------------------------------
 
@@ -137,6 +139,10 @@ class KvBudget:
                 self.counters.reprefills += 1
             hold.released = False
         need = max(1, min(need, self.capacity))
+        if hold.retained and not hold.turns:
+            growth = max(0, need - hold.retained)
+            weight = GROWTH_WEIGHT if self.counters.returned_in_time > 1 else 1.0  # the first one as it is
+            self.growth_per_turn += weight * (growth - self.growth_per_turn)
         if not self.queue and self._fits(hold, need):
             self._start(ticket, session, need)
             return ticket, [ticket]
@@ -246,7 +252,8 @@ class KvBudget:
                 "admitted": c.admitted, "waited": c.queued, "queue_wait_s": round(c.queue_wait_s, 3),
                 "max_queue_wait_s": round(c.max_queue_wait_s, 3), "retained": c.retained,
                 "returned_in_time": c.returned_in_time, "expired": c.expired, "released": c.released,
-                "evicted": c.evicted, "reprefills": c.reprefills}
+                "evicted": c.evicted, "reprefills": c.reprefills, "growth_per_turn": round(self.growth_per_turn, 1),
+                "growth_room_tokens": self.growth_room()}
 
     # -- the rules -----------------------------------------------------------------------
 
@@ -271,10 +278,20 @@ class KvBudget:
         """Tokens a turn adds to the budget: a retained session's turn only its growth."""
         return max(hold.running + need, hold.retained) - hold.footprint
 
-    def _fits(self, hold: SessionHold, need: int) -> bool:
+    def _fits(self, hold: SessionHold, need: int, spare: bool = True) -> bool:
         if not hold.turns and not self.used:
             return True  # alone on the replica: whatever it needs, nobody else is holding it back
-        return self.used + self._extra(hold, need) <= self.capacity
+        room = self.capacity
+        if spare and not (hold.retained or hold.turns):
+            room -= self.growth_room()
+        return self.used + self._extra(hold, need) <= room
+
+    def growth_room(self) -> int:
+        """Room a session without a prefix here leaves free when it starts: one turn's growth
+        (this replica's recent average) for each session that holds a prefix. Without it, a
+        session let in on room that is only there for a moment forces one of those sessions
+        out at their next turn, and then itself at its next: each time a whole re-prefill."""
+        return int(self.growth_per_turn * sum(1 for h in self.sessions.values() if h.retained or h.turns))
 
     def _start(self, ticket: int, session: str, need: int) -> None:
         hold = self._hold(session)
@@ -321,10 +338,11 @@ class KvBudget:
             resident = hold.retained > 0 or hold.turns > 0
             if urgent or (head_blocked and not resident):
                 continue  # behind a head that waited too long, nobody passes
-            if not self._fits(hold, w.need) and not head_blocked and now - w.since >= self.policy.max_queue_wait_s:
+            overdue = not head_blocked and now - w.since >= self.policy.max_queue_wait_s
+            if not self._fits(hold, w.need, spare=not overdue) and overdue:
                 self._evict_for(w, hold)
-                urgent = not self._fits(hold, w.need)
-            if self._fits(hold, w.need):
+                urgent = not self._fits(hold, w.need, spare=False)
+            if self._fits(hold, w.need, spare=not overdue):
                 del self.queue[ticket]
                 wait = now - w.since
                 self.counters.queue_wait_s += wait
@@ -352,7 +370,7 @@ class KvBudget:
         candidates += [(1, -i, k) for k, i in behind.items() if k != waiter.session and self.sessions[k].retained
                        and not self.sessions[k].turns]
         for _, _, key in sorted(candidates):
-            if self._fits(hold, waiter.need):
+            if self._fits(hold, waiter.need, spare=False):
                 return
             victim = self.sessions[key]
             victim.retained = 0

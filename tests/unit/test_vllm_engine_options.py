@@ -1,0 +1,24 @@
+"""How the vLLM engine is configured on the machine it lands on (no vLLM needed)."""
+
+import os
+
+import pytest
+
+from cluster.engines import vllm_engine
+from cluster.engines.vllm_engine import cpu_threads_bind, resolve_dtype
+
+
+@pytest.mark.parametrize("native, on_cpu, want", [(True, True, "auto"), (False, True, "float32"),
+                                                  (False, False, "auto")])
+def test_auto_dtype_is_vllms_choice_except_float32_on_cpus_without_native_bf16(monkeypatch, native, on_cpu, want):
+    monkeypatch.setattr(vllm_engine, "cpu_has_native_bf16", lambda: native)
+    assert resolve_dtype("auto", on_cpu) == want
+    assert resolve_dtype("bfloat16", on_cpu) == "bfloat16"  # an explicit dtype is kept
+
+
+def test_kernel_threads_are_pinned_to_the_replicas_own_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 3, 4, 6}, raising=False)
+    assert cpu_threads_bind(None, None) == "3,4,5,6"
+    assert cpu_threads_bind(None, 2) == "3,4"
+    assert cpu_threads_bind("0-1", 2) == "0-1"
+    assert cpu_threads_bind("nobind", None) == "nobind"
