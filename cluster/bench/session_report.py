@@ -41,6 +41,15 @@ def summarize(rows: Iterable[Any], turns: int, elapsed: float) -> dict[str, Any]
                     late_cached += got
                     late_hits.append(got / reuse if reuse else 1.0)
             prev = r
+    # Sessions alive at once (first turn sent .. last turn answered): what the KV must hold
+    # together, whatever the run's N.
+    edges = sorted(e for rs in by_session.values() if rs
+                   for e in ((rs[0].sent_at, 1), (rs[-1].sent_at + rs[-1].latency_s, -1)))
+    live = peak = 0
+    for _, step in edges:
+        live += step
+        peak = max(peak, live)
+    rows = [r for rs in by_session.values() for r in rs]
     lat = [r.latency_s for r in rows if r.status != "error"]
     queued = [r.queued_s for r in rows if r.queued_s > 0]
     return {
@@ -50,7 +59,7 @@ def summarize(rows: Iterable[Any], turns: int, elapsed: float) -> dict[str, Any]
         "prefill_ratio": round(prefilled / necessary, 2) if necessary else None,
         "turn_p50_s": round(percentile(lat, 50), 2), "turn_p99_s": round(percentile(lat, 99), 2),
         "client_queued_turns": len(queued), "client_max_queue_wait_s": round(max(queued, default=0.0), 2),
-        "all_done_s": round(elapsed, 1), "turns": len(lat), "errors": errors,
+        "all_done_s": round(elapsed, 1), "turns": len(lat), "errors": errors, "peak_live_sessions": peak,
     }
 
 

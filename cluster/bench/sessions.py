@@ -111,6 +111,7 @@ class Row:
     latency_s: float
     queued_s: float
     status: str
+    sent_at: float = 0.0  # the client's clock (perf_counter) when the turn was sent
 
 
 async def _read_terminal(ws) -> tuple[dict, float]:
@@ -148,7 +149,7 @@ async def ws_session(system: str, url: str, model: str, index: int, n: int, w: W
             t0 = time.perf_counter()
             await ws.send(json.dumps(body))
             ev, queued = await _read_terminal(ws)
-            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, queued))
+            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, queued, t0))
             tick()
             if ev.get("type") == "error" or ev["response"]["status"] == "failed":
                 break
@@ -176,7 +177,7 @@ async def http_session(system: str, url: str, model: str, index: int, n: int, w:
             r = await client.post(url + "/v1/responses", json=body)
             ev = {"type": "response.completed", "response": r.json()} if r.status_code == 200 else \
                 {"type": "error", "error": r.text[:300]}
-            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, 0.0))
+            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, 0.0, t0))
             tick()
             if r.status_code != 200:
                 break
@@ -184,15 +185,15 @@ async def http_session(system: str, url: str, model: str, index: int, n: int, w:
     return rows
 
 
-def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: float) -> Row:
+def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: float, sent_at: float) -> Row:
     if ev.get("type") == "error" or "response" not in ev:
         print(f"\n{system}: session {index} turn {turn} failed: {str(ev)[:300]}", file=sys.stderr)
-        return Row(system, n, index, turn, 0, 0, 0, latency, queued, "error")
+        return Row(system, n, index, turn, 0, 0, 0, latency, queued, "error", sent_at)
     resp = ev["response"]
     usage = resp.get("usage") or {}
     cached = ((usage.get("input_tokens_details") or {}).get("cached_tokens")) or 0
     return Row(system, n, index, turn, usage.get("input_tokens") or 0, cached, usage.get("output_tokens") or 0,
-               latency, queued, resp.get("status", "?"))
+               latency, queued, resp.get("status", "?"), sent_at)
 
 
 async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, transport: str,
@@ -222,7 +223,7 @@ STAND_IN = "stand-in"
 
 
 def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
-                   rates: tuple[float, float], kv_blocks: Optional[int] = None) -> dict[str, Any]:
+                   rates: tuple[float, float], kv_blocks: Optional[int] = None, sessions: int = 0) -> dict[str, Any]:
     import yaml
 
     args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
@@ -232,6 +233,9 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
     args["engine"]["kv_budget"] = {**args["engine"].get("kv_budget", {}), "enabled": budget}
     args["store"] = {"backend": "none"}  # store: false sessions; the bench measures the engine path
     args.setdefault("engine_deployment", {})["num_replicas"] = replicas
+    conn = args.setdefault("connection", {})
+    # Every session's socket open at once on the connection replica(s).
+    conn["max_ongoing_requests"] = max(conn.get("max_ongoing_requests", 256), sessions + 16)
     if engine == "scripted":
         args["engine"]["backend"] = "scripted"
         args["engine"]["scripted"] = {"kv_capacity_tokens": kv_tokens or 46_592, "kv_block_size": 32,
@@ -329,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     # The stand-in at the real engine's KV size: its hit curve is the calibration.
                     sys_kv = ns.kv_tokens or real_kv_tokens or (ns.kv_blocks or 0) * 32 or 46_592
                 args = loopserve_args(ns.config, engine, ns.replicas, sys_kv, system == "loopserve", rates,
-                                      ns.kv_blocks)
+                                      ns.kv_blocks, max(ns_values))
                 url = stack.enter_context(loopserve(args, ns.ingress))
                 model = args["model"]["name"]
                 for n in ns_values:

@@ -41,3 +41,11 @@ def test_calibration_compares_the_stand_in_with_vllm_per_n():
     assert [(r["sessions"], r["within"]) for r in rows] == [(8, True), (16, False)]
     assert rows[1]["gap"] == round((0.40 - 0.26) / 0.26, 3)
     assert "| no" in calibration_table(rows).splitlines()[-1]
+
+
+def test_peak_live_sessions_counts_sessions_between_their_first_send_and_last_answer():
+    def at(session, turn, sent):
+        return Row("s", 3, session, turn, 50, 0, 10, 1.0, 0.0, "completed", sent)
+    rows = [at(0, 0, 0.0), at(0, 1, 5.0), at(1, 0, 3.0), at(1, 1, 8.0), at(2, 0, 7.0)]
+    # session 0 lives 0..6, session 1 3..9, session 2 7..8: at most two at once
+    assert summarize(rows, turns=1, elapsed=9.0)["peak_live_sessions"] == 2
