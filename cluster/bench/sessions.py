@@ -298,11 +298,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="scripted engine: size the KV so the sessions' final histories are this x the total")
     ap.add_argument("--rates", default="1500,60", help="scripted engine: prefill,decode tokens/s (this CPU's vLLM)")
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--targets", action="store_true",
+                    help="the issue's targets table from one run: the real engine at N=1,8,16 beside vLLM's server, "
+                         "agentic-api and the stand-in (KV: --kv-blocks, default 46,592 tokens), then the scripted "
+                         "engine at 1,000 sessions over 4 replicas at 2x oversubscription")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     # A stopped benchmark (SIGTERM) still stops what it started: the peers run in sessions of
     # their own and would otherwise keep their ports and memory.
     signal.signal(signal.SIGTERM, _exit_once)
+    if ns.targets:
+        from .session_targets import run_targets
+
+        return run_targets(ns, run)
+    run(ns)
+    return 0
+
+
+def run(ns: argparse.Namespace) -> dict[str, Any]:
+    """One run of the systems in `ns` at each N; prints the tables, writes `sessions.json` and
+    the plot under `ns.out`, returns what it wrote."""
     w = PRESETS[ns.preset] if ns.preset else Workload(ns.turns, ns.turn_chars, ns.output_tokens,
                                                      tuple(float(x) for x in ns.pause.split(",")))
     ns_values = [int(x) for x in ns.sessions.split(",")]
@@ -376,11 +391,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     calibration = calibrate(results)
     if calibration:
         print("\n" + calibration_table(calibration))
-    (out / "sessions.json").write_text(json.dumps({"workload": asdict(w), "args": vars(ns), "results": results,
-                                                   "calibration": calibration, "rows": [asdict(r) for r in all_rows]}, indent=1))
+    report = {"workload": asdict(w), "args": vars(ns), "results": results, "calibration": calibration,
+              "rows": [asdict(r) for r in all_rows]}
+    (out / "sessions.json").write_text(json.dumps(report, indent=1))
     svg = plot_svg(results, out / "sessions.svg")
     print(f"\nresults: {out / 'sessions.json'}; plot: {svg}")
-    return 0
+    return report
 
 
 if __name__ == "__main__":

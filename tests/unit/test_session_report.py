@@ -49,3 +49,28 @@ def test_peak_live_sessions_counts_sessions_between_their_first_send_and_last_an
     rows = [at(0, 0, 0.0), at(0, 1, 5.0), at(1, 0, 3.0), at(1, 1, 8.0), at(2, 0, 7.0)]
     # session 0 lives 0..6, session 1 3..9, session 2 7..8: at most two at once
     assert summarize(rows, turns=1, elapsed=9.0)["peak_live_sessions"] == 2
+
+
+def test_the_targets_table_compares_loopserve_with_the_better_peer_in_the_same_run():
+    from cluster.bench.session_targets import evaluate
+
+    def res(system, n, **kw):
+        base = {"system": system, "sessions": n, "hit": 0.99, "hit_late": 0.99, "turn_p50_s": 7.0,
+                "turn_p99_s": 12.0, "all_done_s": 100.0, "errors": 0, "turns": n * 11,
+                "client_max_queue_wait_s": 0.0}
+        return {**base, **kw}
+    real = [res("loopserve", 8, turn_p50_s=7.2), res("vllm", 8, turn_p50_s=6.5), res("agentic", 8, turn_p50_s=7.7),
+            res("loopserve", 16, hit_late=0.92, all_done_s=200.0), res("vllm", 16, all_done_s=460.0),
+            res("agentic", 16, all_done_s=250.0)]
+    scripted = [res("loopserve", 1000, hit=0.95, engine_replicas=4, client_max_queue_wait_s=30.0,
+                    turns=10_999, errors=1), res("loopserve-nobudget", 1000, hit=0.4)]
+    rows = {r["target"]: r for r in evaluate(real, [{"sessions": 8, "stand_in_hit": 0.9, "vllm_hit": 0.99,
+                                                     "within": True}], scripted, turns=10)}
+    p50 = rows["N=8: turn p50 <= the better peer's"]
+    assert not p50["met"] and p50["value"] == "7.2 s vs 6.5 s"
+    done = rows["N=16: all sessions done >= 20% sooner than the better peer"]
+    assert done["met"] and "vs 250.0 s (0.80x)" in done["value"]  # agentic is the better peer here
+    assert rows["N=16: late-turn hit >= 0.90"]["met"]
+    hit = rows["scripted, 1000 sessions x 4 replicas, 2x: hit >= 0.90"]
+    assert hit["met"] and "without the budget: 0.4" in hit["value"]
+    assert not rows["scripted: no session starved (every turn of every session answered)"]["met"]
