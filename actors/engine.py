@@ -228,7 +228,7 @@ class EngineReplica:
 
         kv = self.kv_figures()
         return {**self.engine.stats.as_dict(), "replica": self.replica_id, "kv": kv,
-                "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens,
+                "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens, "bytes": self.prompts.nbytes,
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests),
                 "prompt_text_digests": dict(self.prompt_text_digests)}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import Depends, Request, WebSocket
@@ -22,12 +21,13 @@ from starlette.websockets import WebSocketDisconnect
 
 from actors.http import app, error_response, json_body, rss_bytes, sse
 from cluster import telemetry
+from cluster.core import ids
 from cluster.core.agent import reject_over_http as reject_multi_agent_over_http
 from cluster.core.session_cache import SessionCache
 from cluster.core.turn_stream import cache_salt
 from cluster.core.ws_session import WebSocketSession
 from cluster.protocol.errors import ApiError, server_error
-from cluster.protocol.requests import parse_request
+from cluster.protocol.requests import parse_request, session_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from cluster.serving.connection import ConnectionServices
@@ -66,7 +66,7 @@ async def stats(request: Request, last: int = 200, engine_session: Optional[str]
     """Counters and per-turn timings of every tenant: admin key only. `engine_session`
     picks the engine replica that session key routes to (else any one)."""
     conn.auth.authenticate_admin(request.headers.get("authorization"))
-    return await conn.stats(last, engine_session, rss_bytes())
+    return await conn.stats(last, ids.session_key(engine_session) if engine_session else None, rss_bytes())
 
 
 @app.websocket("/loopserve/echo")
@@ -119,12 +119,14 @@ async def models(request: Request, conn: "ConnectionServices" = Conn) -> dict[st
 @app.post("/v1/responses/input_tokens")
 async def input_tokens(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request)
+    conn.auth.admit_request(p)  # it renders the whole input: admitted like a create
     return await conn.responses.input_tokens(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
 
 
 @app.post("/v1/responses/compact")
 async def compact(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request)
+    conn.auth.admit_request(p)
     return await conn.responses.compact(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
 
 
@@ -171,8 +173,8 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
                             max_input_items=conn.config.limits.max_input_items)
         reject_multi_agent_over_http(req)
         parsed_at = time.perf_counter()
-        session_key = (request.headers.get("x-session-id") or req.prompt_cache_key or req.previous_response_id
-                       or uuid.uuid4().hex)
+        session_key = ids.session_key(session_header(request.headers) or req.prompt_cache_key
+                                      or req.previous_response_id)
         if req.background:
             if req.stream:
                 raise ApiError(400, "background responses cannot be streamed here; poll GET /v1/responses/{id}.",
@@ -232,6 +234,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         return
     try:
         conn.check_origin(ws)
+        named_session = session_header(ws.headers)
         p = conn.auth.authenticate(ws.headers.get("authorization"))
         conn.auth.open_connection(p)
     except ApiError as err:
@@ -261,7 +264,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
     session = WebSocketSession(
         conn.driver,
         conn.memory.socket_cache(),
-        session_key=ws.headers.get("x-session-id") or uuid.uuid4().hex,
+        session_key=ids.session_key(named_session),
         config=conn.config.websocket,
         send=send,
         close=close,

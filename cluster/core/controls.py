@@ -42,6 +42,8 @@ def check_output_controls(req: ResponsesRequest, tools: list[dict[str, Any]], *,
     if fmt is not None and fmt.type == "json_schema" and not isinstance(fmt.schema_, dict):
         raise ApiError(400, "Missing required parameter: 'text.format.schema'.", param="text.format.schema",
                        code="missing_required_parameter")
+    if fmt is not None and fmt.type == "json_schema":
+        check_grammar_cost(fmt.schema_, "text.format.schema")
     if forces_a_tool_call(req.tool_choice):
         if not tools:
             what = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.get("type")
@@ -51,6 +53,105 @@ def check_output_controls(req: ResponsesRequest, tools: list[dict[str, Any]], *,
             raise ApiError(400, f"The model '{model}' cannot be forced to call a tool: its tool-call format has no "
                                 "structured-output support. Use tool_choice 'auto'.",
                            param="tool_choice", code="unsupported_value")
+        # Forced calls compile the tools' parameters into the grammar.
+        for i, tool in enumerate(req.tools or []):
+            if isinstance(tool.get("parameters"), dict):
+                check_grammar_cost(tool["parameters"], f"tools[{i}].parameters")
+
+
+# What a schema may ask of vLLM's grammar compiler. It compiles on one worker per engine, so
+# one slow schema holds back every later request to that replica: measured here, the 47-byte
+# pattern ^(a|b){16000}$ took 48 s (6,000: 5.6 s, about quadratic in the expansion).
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_PATTERN_CHARS = 1000
+MAX_PATTERN_EXPANSION = 2000  # atoms after expanding bounded repetition ({n,m}), nested ones multiplied
+
+
+def pattern_expansion(pattern: str) -> int:
+    """How many atoms a regex expands to once bounded repetitions are unrolled: sequences add,
+    nested repetitions multiply; `*`, `+` and `?` are loops or choices (no unrolling)."""
+    stack = [0]  # expansion of each open group so far
+    last = 0  # the expansion of the atom or group a quantifier would apply to
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            last = 1
+            stack[-1] += 1
+            continue
+        if c == "[":
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            last = 1
+            stack[-1] += 1
+            continue
+        if c == "(":
+            stack.append(0)
+            i += 1
+            continue
+        if c == ")":
+            last = stack.pop() if len(stack) > 1 else stack[0]
+            stack[-1] += last
+            i += 1
+            continue
+        if c == "{":
+            j = pattern.find("}", i)
+            bounds = pattern[i + 1 : j].split(",") if j > 0 else []
+            if j > 0 and 1 <= len(bounds) <= 2 and all(b.strip().isdigit() or b.strip() == "" for b in bounds) \
+                    and bounds[0].strip():
+                top = max(int(b) for b in bounds if b.strip())
+                stack[-1] += last * (top - 1)
+                last *= top
+                i = j + 1
+                continue
+        if c in "*+?|^$":
+            i += 1
+            continue
+        last = 1
+        stack[-1] += 1
+        i += 1
+    return sum(stack)
+
+
+def check_grammar_cost(schema: Any, param: str) -> None:
+    """A 400 for a JSON schema whose grammar would take the engine too long to compile."""
+    import json
+
+    try:
+        size = len(json.dumps(schema))
+    except (TypeError, ValueError, RecursionError):
+        raise ApiError(400, "The JSON schema cannot be serialized.", param=param, code="invalid_value") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"The JSON schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed.",
+                       param=param, code="invalid_value")
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += [k for k in node["patternProperties"] if isinstance(k, str)]
+        for pattern in patterns:
+            if len(pattern) > MAX_PATTERN_CHARS:
+                raise ApiError(400, f"A 'pattern' in the JSON schema is {len(pattern)} characters; at most "
+                                    f"{MAX_PATTERN_CHARS} are allowed.", param=param, code="invalid_value")
+            cost = pattern_expansion(pattern)
+            if cost > MAX_PATTERN_EXPANSION:
+                raise ApiError(400, f"The 'pattern' {pattern[:80]!r} repeats too much for structured output: it "
+                                    f"unrolls to {cost} elements; at most {MAX_PATTERN_EXPANSION} are allowed.",
+                               param=param, code="invalid_value")
+        stack.extend(node.values())
 
 
 def template_effort_kwargs(template: str, effort: Optional[str]) -> dict[str, Any]:

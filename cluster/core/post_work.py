@@ -41,9 +41,15 @@ class TurnRecord:
 Hook = Callable[[TurnRecord], Awaitable[None]]
 
 
+def record_nbytes(record: TurnRecord) -> int:
+    """What a record keeps alive: its state (the whole context) or, without one, its response."""
+    held = getattr(record.state, "nbytes", 0) or 0
+    return 1024 + (held or len(str(record.response or "")))
+
+
 class PostWorkQueue:
     def __init__(self, hooks: Optional[dict[str, Hook]] = None, *, retries: int = 3, backoff_s: float = 0.2,
-                 tracer: Any = None) -> None:
+                 tracer: Any = None, max_retry_bytes: int = 256 * 1024 * 1024, attempt_timeout_s: float = 30.0) -> None:
         from .. import telemetry
 
         self.tracer = tracer or telemetry.tracer()
@@ -52,6 +58,14 @@ class PostWorkQueue:
         self._retry: dict[str, RetryPolicy] = {}  # hooks retried until a deadline instead
         self._tasks: set[asyncio.Task] = set()
         self.scheduled = self.completed = self.failed = self.retried = 0
+        # Records waiting to be retried keep their whole state alive: a slow store must not grow
+        # memory past the caches' bounds. Past this many bytes, a retry is given up (counted in
+        # `dropped`, logged with the response id; a stored response is then missing from the store,
+        # as after a failed write) instead of held.
+        self.max_retry_bytes = max_retry_bytes
+        self.retry_bytes = 0
+        self.dropped = 0
+        self.attempt_timeout_s = attempt_timeout_s  # a hook that hangs is an attempt that failed
         self.retried_by: Counter[str] = Counter()
         self.failed_by: Counter[str] = Counter()
 
@@ -79,7 +93,7 @@ class PostWorkQueue:
         attempt = 0
         while True:
             try:
-                await hook(record)
+                await asyncio.wait_for(hook(record), self.attempt_timeout_s)
                 self.completed += 1
                 span.set_attribute("loopserve.attempts", attempt + 1)
                 return
@@ -92,9 +106,20 @@ class PostWorkQueue:
                     log.error("post-inference hook %s failed for %s after %d attempts: %s", name,
                               record.response_id, attempt + 1, type(exc).__name__)
                     return
+                held = record_nbytes(record)
+                if self.retry_bytes + held > self.max_retry_bytes:
+                    self.dropped += 1
+                    self.failed_by[name] += 1
+                    log.error("post-inference hook %s for %s dropped: %d bytes already wait for a retry",
+                              name, record.response_id, self.retry_bytes)
+                    return
                 self.retried += 1
                 self.retried_by[name] += 1
-                await asyncio.sleep(policy.delay(attempt))
+                self.retry_bytes += held
+                try:
+                    await asyncio.sleep(policy.delay(attempt))
+                finally:
+                    self.retry_bytes -= held
                 attempt += 1
 
     @property
@@ -113,6 +138,8 @@ class PostWorkQueue:
             "failed": self.failed,
             "retried": self.retried,
             "pending": self.pending,
+            "dropped": self.dropped,
+            "retry_bytes": self.retry_bytes,
         }
 
 

@@ -87,21 +87,36 @@ def estimate_nbytes(state: ResponseState) -> int:
     if state.rendered is not None and state.rendered.prior is not None:
         prior = state.rendered.prior
         tokens += 4 * (len(prior.generation) + len(prior.token_ids)) + len(prior.text)
-    # (The Response object shares its output items with the context.)
-    request = _size(state.tools) + len(state.instructions or "")
+    # (The Response object shares its output items with the context, and its tools and
+    # instructions with the state; the rest of it echoes the request's strings.)
+    request = _size(state.tools) + len(state.instructions or "") + len(state.affinity_key or "")
+    if state.response:
+        request += _size({k: v for k, v in state.response.items() if k not in _SHARED_WITH_STATE})
     return 256 + tokens + 8 * len(state.items) + state.context_bytes + request
+
+
+_SHARED_WITH_STATE = frozenset({"output", "tools", "instructions"})
 
 
 def items_nbytes(items: list[dict[str, Any]]) -> int:
     return sum(_size(item) for item in items)
 
 
-def _size(value: Any, depth: int = 0) -> int:
-    """Payload bytes of a JSON-like value (strings by length, containers by their members)."""
-    if isinstance(value, str):
-        return 49 + len(value)
-    if isinstance(value, dict):
-        return 64 + sum(_size(k, depth + 1) + _size(v, depth + 1) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return 56 + sum(_size(v, depth + 1) for v in value)
-    return 24
+def _size(value: Any) -> int:
+    """Payload bytes of a JSON-like value (strings by length, containers by their members).
+    Iterative: a client's nesting depth never reaches Python's recursion limit here."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += 49 + len(v)
+        elif isinstance(v, dict):
+            total += 64
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            total += 56
+            stack.extend(v)
+        else:
+            total += 24
+    return total

@@ -25,6 +25,9 @@ Event = dict[str, Any]
 
 MAX_STEERS_PER_RESPONSE = 8
 MAX_PENDING_PARENTS = 16  # responses with steers waiting for tool output, per connection
+# Bytes of steering input one connection may hold (running responses' and pending parents'
+# together): steers wait outside the frame queue's byte bound, so they get their own.
+MAX_STEER_BYTES = 4 * 1024 * 1024
 _STEER_FIELDS = frozenset({"type", "previous_response_id", "input"})
 _MESSAGE_FIELDS = frozenset({"type", "role", "content", "id", "status"})
 _PART_TYPES = frozenset({"input_text", "input_image", "input_file"})
@@ -44,6 +47,13 @@ class Steer:
     previous_response_id: str
     input: Any  # as the client sent it: returned unchanged if it cannot be committed
     items: list[dict[str, Any]]  # as input items of the successor
+
+    @property
+    def nbytes(self) -> int:
+        """What this steer holds (its input as sent and as items; strings are shared)."""
+        from .state import items_nbytes
+
+        return 2 * items_nbytes(self.items)
 
 
 def parse_steer(event: dict[str, Any]) -> Steer:

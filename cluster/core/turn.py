@@ -49,6 +49,15 @@ class RenderPort(Protocol):
 
 
 Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
+# Item references one request may hold (each is a store read).
+MAX_ITEM_REFERENCES = 256
+
+
+def context_too_large(size: int, limit: int) -> ApiError:
+    return ApiError(400, f"The conversation holds about {size} bytes of input; the limit is {limit} bytes. "
+                         "Start a new conversation or compact it.", param="input", code="context_too_large")
+
+
 # (item id, tenant) -> the stored item (an `item_reference` input), or None.
 ItemLookup = Callable[[str, Optional[str]], Awaitable[Optional[dict[str, Any]]]]
 
@@ -280,18 +289,33 @@ class TurnDriver:
     async def _truncate(self, ctx: ResolvedContext, job: RenderJob) -> tuple[ResolvedContext, RenderResult]:
         """`truncation: "auto"`: drop the oldest items, whole user turns at a time (a cut at a
         user message never separates a tool call from its output), keeping the instructions,
-        until the prompt fits; the response continues from what the model saw. Binary search:
-        O(log turns) full renders. When even the last user turn alone does not fit, the
-        context_length_exceeded error stands."""
+        until the prompt fits; the response continues from what the model saw. Galloping then
+        binary search: O(log turns) full renders, each of about the model's context at most.
+        When even the last user turn alone does not fit, the context_length_exceeded error stands."""
         items = ctx.items
         cuts = [i for i, item in enumerate(items)
                 if i > 0 and item.get("type", "message") == "message" and item.get("role") == "user"]
         best: Optional[tuple[int, RenderResult]] = None
-        lo, hi = 0, len(cuts) - 1
+
+        async def fits(k: int) -> Optional[RenderResult]:
+            rendered = await self._render(job.as_full(items[cuts[k]:]))
+            return rendered if len(rendered.assemble(None)[1]) <= self.settings.context_limit else None
+
+        # Galloping from the newest turn back: each render is at most about twice what is kept,
+        # so the work is bounded by the model's context, not by how large the body is.
+        bad, good, step = -1, len(cuts), 1
+        while good > 0:
+            k = max(0, len(cuts) - step)
+            rendered = await fits(k)
+            if rendered is None:
+                bad = k
+                break
+            best, good, step = (cuts[k], rendered), k, step * 2
+        lo, hi = bad + 1, good - 1
         while lo <= hi:
             mid = (lo + hi) // 2
-            rendered = await self._render(job.as_full(items[cuts[mid]:]))
-            if len(rendered.assemble(None)[1]) <= self.settings.context_limit:
+            rendered = await fits(mid)
+            if rendered is not None:
                 best, hi = (cuts[mid], rendered), mid - 1
             else:
                 lo = mid + 1
@@ -302,21 +326,39 @@ class TurnDriver:
         return ResolvedContext(items[cut:], max(0, ctx.new_start - cut), ctx.known_call_ids, ctx.pending_call_ids,
                                ctx.parent), rendered
 
-    async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState]) -> int:
-        """What `input_tokens` would be for this request (renders, does not generate)."""
-        _, rendered, _, _ = await self._prepare(req, parent, TurnTiming(), None)
+    async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState], owner: str) -> int:
+        """What `input_tokens` would be for this request (renders, does not generate); item
+        references resolve in `owner`'s items only."""
+        _, rendered, _, _ = await self._prepare(req, parent, TurnTiming(), None, owner)
         return len(rendered.prompt_token_ids)
 
-    async def _dereference(self, items: list[dict[str, Any]], owner: Optional[str]) -> list[dict[str, Any]]:
-        """`item_reference` inputs -> the tenant's stored items (400 when not found)."""
-        out = []
+    async def _dereference(self, items: list[dict[str, Any]], owner: Optional[str],
+                           held: int) -> list[dict[str, Any]]:
+        """`item_reference` inputs -> the tenant's stored items (400 when not found). Each distinct
+        item is fetched once, and the input's size is summed as it grows: a short body naming one
+        large item many times stops at the context limit, not after holding every copy."""
+        refs = sum(1 for item in items if item.get("type") == "item_reference")
+        if refs > MAX_ITEM_REFERENCES:
+            raise ApiError(400, f"Invalid 'input': {refs} item references; at most {MAX_ITEM_REFERENCES} are allowed "
+                                "in one request.", param="input", code="array_above_max_length")
+        fetched: dict[str, dict[str, Any]] = {}
+        out, total = [], 0
         for i, item in enumerate(items):
             if item.get("type") == "item_reference":
-                found = await self._items(item["id"], owner) if self._items is not None else None
+                ref = str(item.get("id"))
+                found = fetched.get(ref)
                 if found is None:
-                    raise ApiError(400, f"Item with id '{item['id']}' not found.", param=f"input[{i}]",
-                                   code="invalid_value")
-                item = found  # stored input and output items render as they are
+                    # No tenant, no items: a missing owner never stands for anyone's ("default" included).
+                    found = await self._items(ref, owner) if self._items is not None and owner else None
+                    if found is None:
+                        raise ApiError(400, f"Item with id '{ref}' not found.", param=f"input[{i}]",
+                                       code="invalid_value")
+                    fetched[ref] = found
+                item = dict(found)  # stored input and output items render as they are (shallow: shared content)
+            total += items_nbytes([item])
+            limit = self.settings.max_context_bytes
+            if limit is not None and held + total > limit:
+                raise context_too_large(held + total, limit)
             out.append(item)
         return out
 
@@ -325,7 +367,7 @@ class TurnDriver:
         t0 = time.perf_counter()
         new_items = req.input_items()
         if any(item.get("type") == "item_reference" for item in new_items):
-            new_items = await self._dereference(new_items, owner)
+            new_items = await self._dereference(new_items, owner, parent.context_bytes if parent is not None else 0)
         with self.tracer.start_as_current_span("resolve_context", context=tctx):
             reject_non_text(new_items, self.model_name)
             ctx = resolve_context(new_items, parent)
@@ -334,9 +376,7 @@ class TurnDriver:
                 # Payload the state will keep alive (rendered or not): bounded per context.
                 size = (parent.context_bytes if parent is not None else 0) + items_nbytes(new_items)
                 if size > limit:
-                    raise ApiError(400, f"The conversation holds about {size} bytes of input; the limit is "
-                                        f"{limit} bytes. Start a new conversation or compact it.",
-                                   param="input", code="context_too_large")
+                    raise context_too_large(size, limit)
             if not ctx.items and not req.is_warm_up:
                 raise ApiError(400, "Missing required parameter: 'input'.", param="input",
                                code="missing_required_parameter")

@@ -98,7 +98,7 @@ class InFlight:
         return lane is not None and lane != (stream_id or "")
 
     # -- events acting on a response in flight -------------------------------------
-    def interrupt(self, event: dict[str, Any]) -> Optional[ApiError]:
+    def interrupt(self, event: dict[str, Any], waiting: Iterable[WsCreate] = ()) -> Optional[ApiError]:
         """Codex's `response.interrupt`. The interrupted response's `response.incomplete` (reason
         `interrupted`) is the acknowledgement; an interrupt for a response that already ended is
         ignored (an error event here would be read as the next turn's first event)."""
@@ -110,6 +110,8 @@ class InFlight:
             return ApiError(400, f"Unsupported interrupt mode '{mode}'; supported: 'discard_partial_items'.",
                             param="mode", code="invalid_value")
         create = self.active.get(response_id)
+        if create is None:  # announced with `response.queued`: it ends interrupted when its turn comes
+            create = next((c for c in waiting if c.response_id == response_id), None)
         if create is not None:
             create.stop.set("interrupted")
         return None
@@ -132,6 +134,9 @@ class InFlight:
             elif len(steers) >= steering.MAX_STEERS_PER_RESPONSE:
                 refusal = ("too_many_pending_steers",
                            f"This response already has {steering.MAX_STEERS_PER_RESPONSE} steering inputs queued.")
+            elif self.steer_bytes() + steer.nbytes > steering.MAX_STEER_BYTES:
+                refusal = ("too_many_pending_steers", f"Steering inputs on this connection would hold more than "
+                                                      f"{steering.MAX_STEER_BYTES} bytes; wait for them to apply.")
             else:
                 steers.append(steer)
                 if create is None:  # it already stopped for tool output
@@ -147,6 +152,12 @@ class InFlight:
         else:
             refusal = ("response_not_found", f"No response with id '{target}' is active on this connection.")
         return [steering.failed(*refusal, previous_response_id=target, input=steer.input)]
+
+    def steer_bytes(self) -> int:
+        """Bytes of steering input held on this connection: running responses' and pending parents'."""
+        held = [s for c in self.active.values() for s in c.steers]
+        held += [s for steers, _, _ in self._pending_steers.values() for s in steers]
+        return sum(s.nbytes for s in held)
 
     def after_steered(self, create: WsCreate, final: Optional[dict[str, Any]]) -> tuple[Optional[WsCreate], list[Event]]:
         """What a response that had steers queued leads to: its successor (the next create on its

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 
 from ..config import WebSocketConfig
 from ..protocol.errors import ApiError, server_error
-from ..protocol.requests import parse_request
+from ..protocol.requests import json_depth_error, parse_request
 from . import agent, steering
 from .agent import AgentInbox
 from .events import build_response
@@ -46,6 +46,7 @@ class _Lane:
     pending: deque = field(default_factory=deque)
     running: bool = False
     task: Optional[asyncio.Task] = None
+    current: Optional[WsCreate] = None  # taken from `pending`, until its turn ends
 
     @property
     def busy(self) -> bool:
@@ -64,6 +65,10 @@ def frame_bytes(data: Union[str, bytes]) -> int:
     if isinstance(data, bytes):
         return len(data)
     return len(data) if data.isascii() else len(data.encode())
+
+
+def _error_nbytes(err: ApiError) -> int:
+    return 256 + len(err.message) + len(err.param or "")
 
 
 def frame_too_large(size: int, limit: int) -> ApiError:
@@ -108,6 +113,7 @@ class WebSocketSession:
         self._queue: asyncio.Queue[tuple[Union[str, bytes, ApiError], float]] = asyncio.Queue()
         self._queued_bytes = 0  # frames waiting to be read, and creates waiting on their lanes
         self._waiting_creates = 0  # creates waiting on their lanes (not yet started)
+        self._deferred_errors = 0  # frame errors waiting for their turn in the FIFO (not yet sent)
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self._lanes: dict[str, _Lane] = {}  # "" = the default lane
@@ -128,7 +134,11 @@ class WebSocketSession:
         if self.closed:
             return
         cfg = self.config
-        if self._queue.qsize() + self._waiting_creates >= cfg.max_queued_creates:
+        if self._deferred_errors >= cfg.max_queued_creates:
+            # Invalid frames faster than their errors are read: nothing more is held for this client.
+            await self._flooded()
+            return
+        if self._queue.qsize() + self._waiting_creates + self._deferred_errors >= cfg.max_queued_creates:
             await self._send_error(
                 ApiError(429, "Too many queued requests on this connection.", code="rate_limit_exceeded")
             )
@@ -168,7 +178,7 @@ class WebSocketSession:
                     pass
         while not self._queue.empty():
             self._queue.get_nowait()
-        self._queued_bytes = self._waiting_creates = 0
+        self._queued_bytes = self._waiting_creates = self._deferred_errors = 0
         self.cache.clear()  # `store: false` states die with their socket; the replica bound gets them back
 
     async def drain(self) -> None:
@@ -286,8 +296,19 @@ class WebSocketSession:
     def _defer_error(self, err: ApiError, stream_id: Optional[str] = None) -> None:
         """A frame's error goes out in FIFO order on the default lane, after the responses before
         it (a client without lanes must not read it as the failure of the response in flight)."""
+        self._deferred_errors += 1
+        self._queued_bytes += _error_nbytes(err)  # its message may quote what the client sent
         self._lane("").pending.append((err, stream_id))
         self._start_lane("")
+
+    async def _flooded(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self._send_error(ApiError(400, f"More than {self.config.max_queued_creates} invalid messages are "
+                                             "waiting for their errors to be read; closing this connection.",
+                                        code="too_many_errors"))
+        await self._close(1008, "too many errors not read")
 
     def _lane(self, key: str) -> _Lane:
         lane = self._lanes.get(key)
@@ -319,11 +340,14 @@ class WebSocketSession:
             while lane.pending and not self.closed:
                 create = lane.pending.popleft()
                 if not isinstance(create, WsCreate):  # a deferred frame error
+                    self._deferred_errors -= 1
+                    self._queued_bytes -= _error_nbytes(create[0])
                     await self._send_error(*create)
                     continue
                 self._queued_bytes -= create.nbytes
                 self._waiting_creates -= 1
                 lane.running = True
+                lane.current = create
                 try:
                     await create.announced.wait()
                     source = self._inflight.fork_source(create, self._queued())
@@ -339,6 +363,7 @@ class WebSocketSession:
                     await self._send_error(server_error(), stream_id=create.stream_id)
                 finally:
                     lane.running = False
+                    lane.current = None
                     self._last_activity = time.monotonic()
         finally:
             if not lane.busy and self._lanes.get(key) is lane:
@@ -362,12 +387,17 @@ class WebSocketSession:
                 ApiError(400, "Each message must be a JSON object with a 'type'.", param="type", code="missing_required_parameter")
             )
             return
+        too_deep = json_depth_error(event)  # steers and injects too, before anything holds them
+        if too_deep is not None:
+            self._defer_error(too_deep)
+            return
         kind = event["type"]
         if kind in IGNORED_TYPES:
             return
         # Events acting on a response in flight: answered at once, never queued behind it.
         if kind == "response.interrupt":
-            err = self._inflight.interrupt(event)
+            # A response announced as queued (or starting) stops too, as soon as it starts.
+            err = self._inflight.interrupt(event, [*self._queued(), *self._starting()])
             if err is not None:
                 self._defer_error(err)
             return
@@ -395,6 +425,9 @@ class WebSocketSession:
 
     def _queued(self) -> list[WsCreate]:
         return [c for lane in self._lanes.values() for c in lane.pending if isinstance(c, WsCreate)]
+
+    def _starting(self) -> list[WsCreate]:
+        return [lane.current for lane in self._lanes.values() if lane.current is not None]
 
     async def _turn(self, create: WsCreate) -> Optional[WsCreate]:
         """Run one create; returns the successor a steer asked for (or None)."""

@@ -33,6 +33,8 @@ log = logging.getLogger("loopserve.channel")
 
 HELLO, START, CANCEL, CHUNK, END, ERROR = range(6)
 MAX_FRAME = 256 * 1024 * 1024
+MAX_HELLO = 512  # the only frame read before the secret is checked
+MAX_STREAMS = 256  # requests in flight on one engine replica's channel; past it, callers use the handle
 _LEN = struct.Struct(">I")
 _REQUEST_FIELDS = [f.name for f in fields(EngineRequest)]
 _PROMPT = _REQUEST_FIELDS.index("prompt_token_ids")
@@ -78,11 +80,14 @@ def _frame(msg: list) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def _read(reader: asyncio.StreamReader) -> list:
+async def _read(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> list:
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > MAX_FRAME:
+    if size > limit:
         raise ChannelError(f"frame of {size} bytes")
-    return msgpack.unpackb(await reader.readexactly(size), raw=False)
+    msg = msgpack.unpackb(await reader.readexactly(size), raw=False)
+    if not isinstance(msg, list) or not msg:
+        raise ChannelError("malformed frame")
+    return msg
 
 
 # -- server (in the engine replica) ------------------------------------------------------
@@ -91,16 +96,18 @@ Handler = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
 
 
 class ChannelServer:
-    def __init__(self, handler: Handler, secret: Optional[str] = None) -> None:
+    def __init__(self, handler: Handler, secret: Optional[str] = None, max_streams: int = MAX_STREAMS) -> None:
         self.handler = handler
+        self.max_streams = max_streams
         self.secret = secret or secrets.token_hex(16)
         self.address = ""  # host:port once started
         self._server: Optional[asyncio.base_events.Server] = None
         self._tasks: set[asyncio.Task] = set()
         self.closing = False  # draining: new requests are refused (the caller goes back to the handle)
 
-    async def start(self, host: str, bind: str = "0.0.0.0") -> str:
-        self._server = await asyncio.start_server(self._serve, bind, 0)
+    async def start(self, host: str, bind: Optional[str] = None) -> str:
+        # The node's own address, not every interface: only replicas in the cluster dial it.
+        self._server = await asyncio.start_server(self._serve, bind or host, 0)
         self.address = f"{host}:{self._server.sockets[0].getsockname()[1]}"
         return self.address
 
@@ -112,14 +119,15 @@ class ChannelServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         running: dict[int, asyncio.Task] = {}
         try:
-            hello = await asyncio.wait_for(_read(reader), 10)
-            if hello[:1] != [HELLO] or not hmac.compare_digest(str(hello[1]), self.secret):
+            hello = await asyncio.wait_for(_read(reader, MAX_HELLO), 10)
+            if len(hello) != 2 or hello[0] != HELLO or not hmac.compare_digest(str(hello[1]), self.secret):
                 return
             writer.write(_frame([HELLO, "ok"]))
             while True:
                 msg = await _read(reader)
-                if msg[0] == START and self.closing:
-                    writer.write(_frame([ERROR, msg[1], "draining"]))
+                if msg[0] == START and (self.closing or len(self._tasks) >= self.max_streams):
+                    # The caller goes back to the handle: Serve's router and back-pressure apply.
+                    writer.write(_frame([ERROR, msg[1], "draining" if self.closing else "busy"]))
                 elif msg[0] == START:
                     task = asyncio.get_running_loop().create_task(self._run(msg[1], decode_request(msg[2]), writer))
                     running[msg[1]] = task
@@ -127,8 +135,10 @@ class ChannelServer:
                     task.add_done_callback(lambda t, n=msg[1]: (running.pop(n, None), self._tasks.discard(t)))
                 elif msg[0] == CANCEL and msg[1] in running:
                     running[msg[1]].cancel()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ChannelError, ValueError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, ChannelError):
             pass
+        except Exception as exc:  # noqa: BLE001 - a malformed peer loses its connection, nothing else
+            log.debug("engine channel peer dropped: %s", type(exc).__name__)
         finally:
             for task in list(running.values()):
                 task.cancel()  # the caller went away: abort its generations

@@ -3,7 +3,8 @@
 A follow-up turn's prompt starts with the previous turn's prompt (the delta
 render appends to the cached prefix), so the connection sends the new tokens
 and names the base (`EngineRequest.base_request_id`, `base_len`); the replica
-rebuilds the whole prompt here. Bounded by tokens (LRU); a miss (evicted,
+rebuilds the whole prompt here. Bounded by the memory the entries take (LRU: each
+prompt's 4 bytes a token plus what an entry costs Python, ~600 bytes); a miss (evicted,
 another replica, another tenant's salt) answers `prompt_base_missing` and the
 caller resends the whole prompt.
 """
@@ -17,12 +18,22 @@ from typing import Optional
 from ..core.messages import EngineRequest
 
 
+ENTRY_BYTES = 600  # an entry's Python objects besides its tokens (key tuple, strings, array, dict node)
+
+
+def _entry_nbytes(key: tuple, request_id: str, prompt: array) -> int:
+    return ENTRY_BYTES + prompt.itemsize * len(prompt) + len(request_id) + sum(len(k or "") for k in key)
+
+
 class SessionPrompts:
     def __init__(self, max_tokens: int = 16_000_000) -> None:
-        self.max_tokens = max_tokens
+        # The bound is in bytes: `max_tokens` of prompts in 4-byte token ids, entries counted in full
+        # (without it, 8-token prompts would hold ~1 GiB under a 16M-token bound).
+        self.max_bytes = max_tokens * 4
         # (cache salt, session key) -> (request id, prompt): one entry per session, LRU.
         self._last: OrderedDict[tuple, tuple[str, array]] = OrderedDict()
         self._tokens = 0
+        self.nbytes = 0
         self.hits = 0
         self.misses = 0
 
@@ -42,12 +53,16 @@ class SessionPrompts:
         key = (req.cache_salt, req.session_key)
         old = self._last.pop(key, None)
         if old is not None:
-            self._tokens -= len(old[1])
+            self._forget(key, old)
         self._last[key] = (req.request_id, req.prompt_token_ids)
         self._tokens += len(req.prompt_token_ids)
-        while len(self._last) > 1 and self._tokens > self.max_tokens:
-            _, (_, dropped) = self._last.popitem(last=False)
-            self._tokens -= len(dropped)
+        self.nbytes += _entry_nbytes(key, req.request_id, req.prompt_token_ids)
+        while len(self._last) > 1 and self.nbytes > self.max_bytes:
+            self._forget(*self._last.popitem(last=False))
+
+    def _forget(self, key: tuple, entry: tuple[str, array]) -> None:
+        self._tokens -= len(entry[1])
+        self.nbytes -= _entry_nbytes(key, *entry)
 
     def __len__(self) -> int:
         return len(self._last)

@@ -112,16 +112,20 @@ class ReasoningConfig(_Tolerant):
 
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
+# Names and keys a client picks (model, ids, prompt_cache_key, user, x-session-id): each is
+# echoed, stored or keys a table, so each is bounded (clients send ids and UUIDs; the openai
+# clients clamp prompt_cache_key to 64).
+MAX_NAME_CHARS = 256
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 
 class ResponsesRequest(_Tolerant):
     """The body of `POST /v1/responses` (and the fields of WS `response.create`)."""
 
-    model: Optional[str] = None
+    model: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     input: Union[str, list[InputItem], None] = None
     instructions: Optional[str] = None
-    previous_response_id: Optional[str] = None
+    previous_response_id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     store: Optional[bool] = True
     stream: Optional[bool] = None
     tools: Optional[list[dict[str, Any]]] = None
@@ -136,14 +140,15 @@ class ResponsesRequest(_Tolerant):
     include: Optional[list[str]] = None
     text: Optional[TextConfig] = None
     reasoning: Optional[ReasoningConfig] = None
-    prompt_cache_key: Optional[str] = None
+    prompt_cache_key: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     # {mode, ttl, prewarm, comparison_response_id}: `prewarm: true` is a warm-up (generate: false).
     prompt_cache_options: Optional[dict[str, Any]] = None
-    safety_identifier: Optional[str] = None
-    service_tier: Optional[str] = None
+    # OpenAI's schema: at most 64 characters.
+    safety_identifier: Optional[str] = Field(default=None, max_length=64)
+    service_tier: Optional[str] = Field(default=None, max_length=64)
     background: Optional[bool] = False
     generate: Optional[bool] = True
-    user: Optional[str] = None
+    user: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     stream_id: Optional[str] = None
 
     @field_validator("metadata")
@@ -211,10 +216,44 @@ class ResponsesRequest(_Tolerant):
         return [item.model_dump(exclude_none=True, by_alias=True) for item in self.input]
 
 
+# JSON nesting a request may have: tool schemas and structured content nest a dozen levels;
+# nothing a client needs comes near this, and every layer below (size accounting, the
+# grammar compiler, json.dumps of the echo) stays far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth_error(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Optional[ApiError]:
+    """A 400 naming the top-level field that nests deeper than `max_depth` (iterative)."""
+    stack: list[tuple[Any, int, Optional[str]]] = [(value, 0, None)]
+    while stack:
+        v, depth, top = stack.pop()
+        if depth > max_depth:
+            return ApiError(400, f"The JSON is nested too deeply: at most {max_depth} levels of objects and "
+                                 "arrays are allowed.", param=top, code="invalid_value")
+        if isinstance(v, dict):
+            stack.extend((child, depth + 1, top if top is not None else str(key)) for key, child in v.items())
+        elif isinstance(v, list):
+            stack.extend((child, depth + 1, top) for child in v)
+    return None
+
+
+def session_header(headers: Any) -> Optional[str]:
+    """`x-session-id`, bounded like the other names a client picks."""
+    value = headers.get("x-session-id")
+    if value is not None and len(value) > MAX_NAME_CHARS:
+        raise ApiError(400, f"Invalid 'x-session-id': string too long. Expected a string with maximum length "
+                            f"{MAX_NAME_CHARS}, but got a string with length {len(value)} instead.",
+                       param="x-session-id", code="string_above_max_length")
+    return value or None
+
+
 def parse_request(body: Any, *, max_input_items: Optional[int] = None) -> ResponsesRequest:
     """Validate a decoded JSON body; every failure is a 400 `ApiError`."""
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
+    too_deep = json_depth_error(body)
+    if too_deep is not None:
+        raise too_deep
     items = body.get("input")
     if max_input_items is not None and isinstance(items, list) and len(items) > max_input_items:
         raise ApiError(

@@ -51,7 +51,7 @@ class ConnectionServices:
                                        retries=config.post_work.retries, backoff_s=config.post_work.backoff_s)
         self.driver = TurnDriver(TurnSettings.from_config(config), render=render, engine=engine, safety=safety,
                                  post_work=self.post_work, metrics=self.metrics,
-                                 items=(lambda item_id, owner: store.get_item(item_id, owner or "default"))
+                                 items=store.get_item
                                  if store is not None else None)
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
         self.memory = CacheMemory(config.cache.max_entries, config.cache.max_bytes, config.cache.connections_max_bytes)

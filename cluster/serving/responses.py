@@ -194,7 +194,7 @@ class ResponsesService:
     async def input_tokens(self, body: Any, tenant: str) -> dict[str, Any]:
         req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
         self.driver.check_model(req)
-        count = await self.driver.count_input_tokens(req, await self._parent(req, tenant))
+        count = await self.driver.count_input_tokens(req, await self._parent(req, tenant), tenant)
         return {"object": "response.input_tokens", "input_tokens": count}
 
     async def compact(self, body: Any, tenant: str, keep_last: int = 4, summary_chars: int = 4000) -> dict[str, Any]:
@@ -226,7 +226,7 @@ class ResponsesService:
         payload = base64.b64encode(json.dumps({"v": 1, "summary": summary}).encode()).decode()
         kept = [_listed(item) for item in kept]
         output = ([{"id": new_id("cmp"), "type": "compaction", "encrypted_content": payload}] if dropped else []) + kept
-        count = await self.driver.count_input_tokens(parse_request({"input": items}), None) if items else 0
+        count = await self.driver.count_input_tokens(parse_request({"input": items}), None, tenant) if items else 0
         return {"id": new_id("cmp"), "object": "response.compaction", "created_at": int(time.time()),
                 "output": output,
                 "usage": {"input_tokens": count, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

@@ -124,3 +124,63 @@ async def test_a_draining_server_refuses_new_requests_on_open_connections_and_fi
         assert [r.request_id for r in engine.seen] == ["req-1"]
     finally:
         await pool.close()
+
+
+async def test_the_server_binds_the_nodes_address_not_every_interface():
+    server = ChannelServer(Engine())
+    await server.start("127.0.0.1")
+    try:
+        assert server._server.sockets[0].getsockname()[0] == "127.0.0.1"
+    finally:
+        await server.close()
+
+
+async def _raw(server, data: bytes) -> bytes:
+    host, port = server.address.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    try:
+        return await asyncio.wait_for(reader.read(100), 5)  # b"": the server hung up
+    finally:
+        writer.close()
+
+
+async def test_before_the_secret_only_a_small_hello_is_read_and_malformed_ones_just_close(caplog):
+    import struct
+
+    import msgpack
+
+    server = ChannelServer(Engine())
+    await server.start("127.0.0.1")
+    try:
+        # a 256 MiB length before authenticating: refused without reading it
+        assert await _raw(server, struct.pack(">I", 256 * 1024 * 1024) + b"x" * 1000) == b""
+        for junk in (msgpack.packb(7), msgpack.packb([]), msgpack.packb({"a": 1}), b"\xc1"):
+            assert await _raw(server, struct.pack(">I", len(junk)) + junk) == b""
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+        # and the server still serves a real caller
+        pool = ChannelPool()
+        assert [c async for c in pool.stream(server.endpoint, request())] == CHUNKS
+        await pool.close()
+    finally:
+        await server.close()
+
+
+async def test_past_its_stream_bound_the_server_sends_callers_back_to_the_handle():
+    engine = Engine(delay=0.2)
+    server = ChannelServer(engine, max_streams=2)
+    await server.start("127.0.0.1")
+    pool = ChannelPool()
+    try:
+        async def one(n):
+            try:
+                return [c async for c in pool.stream(server.endpoint, request(n))]
+            except ChannelError:
+                return None
+
+        results = await asyncio.gather(*[one(n) for n in range(4)])
+        assert sum(r == CHUNKS for r in results) == 2 and results.count(None) == 2
+        assert len(engine.seen) == 2
+    finally:
+        await pool.close()
+        await server.close()

@@ -92,11 +92,16 @@ def test_a_prompt_base_is_per_tenant_and_per_request():
     assert prompts.resolve(too_long) is None
 
 
-def test_session_prompts_are_bounded_by_tokens():
-    prompts = SessionPrompts(max_tokens=1000)
+def test_session_prompts_are_bounded_by_the_memory_their_entries_take():
+    prompts = SessionPrompts(max_tokens=1000)  # 4,000 bytes
     for i in range(50):
         prompts.remember(EngineRequest(f"r{i}", f"s{i}", array("i", range(100)), 1))
-    assert prompts.tokens <= 1000 and len(prompts) == 10
+    assert prompts.nbytes <= 4000 and len(prompts) == 3  # 400 bytes of tokens + ~600 an entry
+    # tiny prompts do not slip past the bound: each entry costs what Python holds for it
+    tiny = SessionPrompts(max_tokens=100_000)
+    for i in range(10_000):
+        tiny.remember(EngineRequest(f"r{i}", f"s{i}", array("i", range(8)), 1))
+    assert tiny.tokens < 20_000 and len(tiny) < 700 and tiny.nbytes <= 400_000
 
 
 async def test_the_scripted_engine_reads_who_spoke_last_from_the_prompt(tokenizer):

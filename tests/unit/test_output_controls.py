@@ -109,3 +109,19 @@ async def test_a_warm_up_prefills_the_engine(tokenizer):
         evs = [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
         usage = evs[-1]["response"]["usage"]
         assert usage["input_tokens_details"]["cached_tokens"] >= warm_resp["usage"]["input_tokens"] - 8
+
+
+async def test_truncation_work_is_bounded_by_the_context_not_the_body(tokenizer):
+    stack = InProcessStack(tokenizer, max_model_len=1200)
+    items = []
+    for n in range(300):  # ~60k tokens of history in one body, 20 turns fit
+        items += [{"type": "message", "role": "user", "content": f"turn {n} " + "words " * 30},
+                  {"type": "message", "role": "assistant", "content": "ok"}]
+    items.append({"type": "message", "role": "user", "content": "and now?"})
+    evs = [ev async for ev in stack.driver.run(parse_request({"input": items, "truncation": "auto"}),
+                                               SessionCache(), session_key="s")]
+    assert evs[-1]["response"]["usage"]["input_tokens"] < 1200
+    full = [job for job in stack.render_jobs if not job.delta]
+    # the whole body once (it did not fit), then renders of the newest turns only
+    sizes = sorted(len(job.items) for job in full)
+    assert len(full) <= 2 + 2 * 9 and sizes[-2] < 200  # O(log turns); no second render of the whole body

@@ -366,3 +366,23 @@ async def test_a_fork_from_another_lane_waits_for_its_source_and_a_failed_fork_k
     await p.idle()
     assert parent not in p.session.cache
     await p.session.shutdown()
+
+
+async def test_interrupting_a_response_announced_as_queued_ends_it_when_its_turn_comes(tokenizer):
+    stack = InProcessStack(tokenizer, tokens_per_second=100)
+    p = Peer(stack)
+    await p.frame({"type": "response.create", "input": "first", "stream_id": "a", "store": False})
+    await p.frame({"type": "response.create", "input": "second: a long story", "stream_id": "a", "store": False})
+    for _ in range(200):
+        if p.queued:
+            break
+        await asyncio.sleep(0.01)
+    rid = p.queued[0]["response"]["id"]
+    await p.frame({"type": "response.interrupt", "response_id": rid, "mode": "discard_partial_items"})
+    await p.idle()
+    ends = {e["response"]["id"]: e for e in p.sent if e["type"] in ("response.completed", "response.incomplete")}
+    assert ends[rid]["type"] == "response.incomplete"
+    assert ends[rid]["response"]["incomplete_details"] == {"reason": "interrupted"}
+    assert ends[rid]["response"]["output"] == []
+    assert [e["type"] for e in ends.values()].count("response.completed") == 1  # the first ran as usual
+    await p.session.shutdown()
