@@ -9,7 +9,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from cluster import telemetry
-from cluster.core import ids
+from cluster.core.ids import session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -89,7 +89,7 @@ async def test_websocket_turn_is_one_trace_tree_across_processes(otel_url, otlp_
     gen = next(s for s in tree if s["name"] == "engine.generate")
     assert gen["attributes"]["gen_ai.response.time_to_first_token_ms"] > 0
     # the session key as the server holds it (a digest of x-session-id, made at the edge), hashed again
-    assert first["attributes"]["loopserve.session"] == telemetry.hash_key(ids.session_key("session-otel-1"))
+    assert first["attributes"]["loopserve.session"] == telemetry.hash_key(session_key("session-otel-1"))
     second = next(r for r in roots if r is not first)
     assert second["attributes"]["loopserve.cache"] == "hit"
     assert second["attributes"]["loopserve.cached_tokens"] > 0
