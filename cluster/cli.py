@@ -12,6 +12,8 @@ from typing import Optional
 
 import yaml
 
+BUILTIN_NAMES = ("smollm2-135m-instruct", "loopserve-tiny")
+
 
 def _load_args(config_path: Optional[str]) -> dict:
     """The `args` of the (single) application in a Serve config file."""
@@ -63,8 +65,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_make_model(ns: argparse.Namespace) -> int:
     from .builtin_models import ModelUnavailable, ensure_builtin
 
+    unknown = [name for name in ns.models if name not in BUILTIN_NAMES]
+    if unknown:
+        print(f"loopserve make-model: unknown model {unknown[0]!r}; choose from {', '.join(BUILTIN_NAMES)}",
+              file=sys.stderr)
+        return 2
     try:
-        for name in ns.models:
+        for name in ns.models or BUILTIN_NAMES:
             print(ensure_builtin(name), flush=True)
     except ModelUnavailable as exc:
         print(f"loopserve make-model: {exc}", file=sys.stderr)
@@ -89,8 +96,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     b = sub.add_parser("bench", help="the agent-loop benchmark (see `loopserve bench --help`)", add_help=False)
     b.set_defaults(fn=None)
     m = sub.add_parser("make-model", help="make the built-in models ahead of their first start (no download)")
-    m.add_argument("models", nargs="*", choices=["smollm2-135m-instruct", "loopserve-tiny"],
-                   default=["smollm2-135m-instruct", "loopserve-tiny"])
+    # Checked by hand: Python 3.11.7's argparse rejects an empty `nargs="*"` list against `choices`.
+    m.add_argument("models", nargs="*", metavar="MODEL",
+                   help=f"one of {', '.join(BUILTIN_NAMES)} (default: all of them)")
     m.set_defaults(fn=cmd_make_model)
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["bench"]:

@@ -197,7 +197,7 @@ class TurnDriver:
         prev_id = req.previous_response_id
         if prev_id:
             parent = cache.get(prev_id)
-            if parent is not None and owner is not None and parent.owner not in (None, owner):
+            if parent is not None and parent.owner != owner:
                 parent = None  # another tenant's response: as if it did not exist
             found = "hit" if parent is not None else "miss"
             if parent is None and lookup is not None:

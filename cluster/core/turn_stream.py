@@ -134,7 +134,9 @@ async def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Even
 
 def cache_salt(tenant: Optional[str]) -> str:
     """The engine's prefix-cache namespace for a tenant (a hash: tenant names stay in this process)."""
-    return hashlib.sha256(f"loopserve-tenant:{tenant or 'default'}".encode()).hexdigest()[:32]
+    # No tenant is its own namespace: it never shares a prefix with tenant "default".
+    name = "loopserve-no-tenant" if tenant is None else f"loopserve-tenant:{tenant}"
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
 @dataclass

@@ -48,7 +48,7 @@ class ResponsesService:
     async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
         state = self.registry.get(response_id)
         if state is not None:
-            return state if state.owner in (None, tenant) else None
+            return state if state.owner == tenant else None  # an owner-less state is no one's
         if self.store is None:
             return None
         chain = await self._read(self.store.chain(response_id, tenant))
@@ -78,6 +78,9 @@ class ResponsesService:
         state: Optional[ResponseState] = record.state
         if self.store is None or not record.store or state is None or record.response is None:
             return
+        if state.owner is None:  # no tenant, no row: a missing owner never becomes "default"
+            log.error("response %s has no owner; not stored", state.response_id)
+            return
         t0 = time.perf_counter()
         # A failure raises: the post-work queue retries it (`store.write_retry_s`).
         stored = self._stored(state, record.response)
@@ -94,7 +97,7 @@ class ResponsesService:
                 item["id"] = new_id(ID_PREFIX.get(item.get("type", "message"), "item"))  # stable from now on
             inputs.append(_listed(item))
         return StoredResponse(
-            id=state.response_id, tenant=state.owner or "default",
+            id=state.response_id, tenant=state.owner,
             previous_response_id=response.get("previous_response_id"), created_at=float(response["created_at"]),
             model=state.model, input_items=inputs, output=response.get("output") or [], response=response,
             instructions=state.instructions, tools=state.tools, affinity_key=state.affinity_key,
@@ -104,9 +107,9 @@ class ResponsesService:
     async def mark_blocked(self, record: TurnRecord) -> None:
         """A stored response flagged after its terminal event: make the flag durable."""
         state: Optional[ResponseState] = record.state
-        if self.store is None or state is None or not state.store or state.blocked is None:
+        if self.store is None or state is None or not state.store or state.blocked is None or state.owner is None:
             return
-        await self.store.mark_blocked(state.response_id, state.owner or "default", state.blocked)
+        await self.store.mark_blocked(state.response_id, state.owner, state.blocked)
 
     # -- endpoints -----------------------------------------------------------------
     async def retrieve(self, response_id: str, tenant: str) -> dict[str, Any]:
@@ -135,7 +138,7 @@ class ResponsesService:
 
     async def delete(self, response_id: str, tenant: str) -> dict[str, Any]:
         state = self.registry.get(response_id)
-        found = state is not None and state.owner in (None, tenant)
+        found = state is not None and state.owner == tenant
         own_ids: set[str] = set()
         if found:
             own_ids = {i["id"] for i in state.items[state.input_start:] if isinstance(i.get("id"), str)}
@@ -157,7 +160,7 @@ class ResponsesService:
             return
         for rid in list(self.registry):
             state = self.registry.peek(rid)
-            if state is not None and state.owner in (None, tenant) and any(
+            if state is not None and state.owner == tenant and any(
                     i.get("id") in item_ids for i in state.items):
                 self.registry.evict(rid)
 

@@ -53,10 +53,29 @@ class StoredResponse:
 COLUMNS = ("id, tenant, previous_response_id, created_at, model, input_items, output, response, "
            "instructions, tools, affinity_key, blocked")
 
-# Items by id, per tenant (`item_reference` inputs); deleted with their response.
-ITEMS_TABLE = """CREATE TABLE IF NOT EXISTS response_items (
-    tenant TEXT NOT NULL, item_id TEXT NOT NULL, response_id TEXT NOT NULL, item TEXT NOT NULL,
-    PRIMARY KEY (tenant, item_id))"""
+# Items by id, per tenant (`item_reference` inputs); deleted with their response. A row per
+# (response, item): item ids in an input are the client's to choose, so two responses may carry
+# the same id (a client sending back an earlier output is the common case). A reference resolves
+# to the newest response's copy still stored, and deleting one response never touches another's.
+ITEMS_TABLE_NAME = "stored_items"
+LEGACY_ITEMS_TABLE = "response_items"  # schema version 3: (tenant, item id) was the key
+
+
+def items_table(seq_column: str) -> list[str]:
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {ITEMS_TABLE_NAME} (
+    seq {seq_column}, tenant TEXT NOT NULL, item_id TEXT NOT NULL, response_id TEXT NOT NULL,
+    item TEXT NOT NULL, UNIQUE (tenant, response_id, item_id))""",
+        f"CREATE INDEX IF NOT EXISTS stored_items_by_id ON {ITEMS_TABLE_NAME} (tenant, item_id, seq)",
+    ]
+
+
+# Copies a version-3 table's rows (at most one per id there) and drops it.
+MIGRATE_LEGACY_ITEMS = [
+    f"INSERT INTO {ITEMS_TABLE_NAME} (tenant, item_id, response_id, item) "
+    f"SELECT tenant, item_id, response_id, item FROM {LEGACY_ITEMS_TABLE}",
+    f"DROP TABLE {LEGACY_ITEMS_TABLE}",
+]
 
 
 def chain_query(id_param: str, tenant_param: str) -> str:

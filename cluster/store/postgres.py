@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import COLUMNS, ITEMS_TABLE, StoredResponse, chain_query
+from .base import (COLUMNS, ITEMS_TABLE_NAME, LEGACY_ITEMS_TABLE, MIGRATE_LEGACY_ITEMS, StoredResponse,
+                   chain_query, items_table)
 
 MIGRATIONS = [
     # version 1
@@ -18,8 +19,12 @@ MIGRATIONS = [
     ],
     # version 2: why a response may not be continued (durable across restarts)
     ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS blocked TEXT"],
-    # version 3: items by id (item_reference inputs)
-    [ITEMS_TABLE],
+    # version 3: items by id (item_reference inputs), keyed by (tenant, item id)
+    [f"""CREATE TABLE IF NOT EXISTS {LEGACY_ITEMS_TABLE} (
+        tenant TEXT NOT NULL, item_id TEXT NOT NULL, response_id TEXT NOT NULL, item TEXT NOT NULL,
+        PRIMARY KEY (tenant, item_id))"""],
+    # version 4: a row per (response, item): a client-chosen id can't overwrite another response's item
+    [*items_table("BIGSERIAL PRIMARY KEY"), *MIGRATE_LEGACY_ITEMS],
 ]
 
 CHAIN = chain_query("$1", "$2")
@@ -65,14 +70,16 @@ class PostgresStore:
                 *record.row(),
             )
             await conn.executemany(
-                """INSERT INTO response_items (tenant, item_id, response_id, item) VALUES ($1,$2,$3,$4)
-                   ON CONFLICT (tenant, item_id) DO UPDATE SET item = EXCLUDED.item""", record.item_rows())
+                f"""INSERT INTO {ITEMS_TABLE_NAME} (tenant, item_id, response_id, item) VALUES ($1,$2,$3,$4)
+                    ON CONFLICT (tenant, response_id, item_id) DO UPDATE SET item = EXCLUDED.item""",
+                record.item_rows())
 
     async def get_item(self, item_id: str, tenant: str) -> Optional[dict]:
         import json
 
-        item = await self._pool.fetchval("SELECT item FROM response_items WHERE item_id = $1 AND tenant = $2",
-                                         item_id, tenant)
+        item = await self._pool.fetchval(
+            f"SELECT item FROM {ITEMS_TABLE_NAME} WHERE item_id = $1 AND tenant = $2 ORDER BY seq DESC LIMIT 1",
+            item_id, tenant)
         return json.loads(item) if item is not None else None
 
     async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]:
@@ -93,6 +100,7 @@ class PostgresStore:
 
     async def delete(self, response_id: str, tenant: str) -> bool:
         async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute("DELETE FROM response_items WHERE response_id = $1 AND tenant = $2", response_id, tenant)
+            await conn.execute(f"DELETE FROM {ITEMS_TABLE_NAME} WHERE response_id = $1 AND tenant = $2",
+                               response_id, tenant)
             result = await conn.execute("DELETE FROM responses WHERE id = $1 AND tenant = $2", response_id, tenant)
         return result.endswith(" 1")

@@ -8,7 +8,8 @@ import sqlite3
 from pathlib import Path
 from typing import Optional
 
-from .base import COLUMNS, ITEMS_TABLE, StoredResponse, chain_query
+from .base import (COLUMNS, ITEMS_TABLE_NAME, LEGACY_ITEMS_TABLE, MIGRATE_LEGACY_ITEMS, StoredResponse,
+                   chain_query, items_table)
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS loopserve_schema (version INTEGER NOT NULL)""",
@@ -17,7 +18,7 @@ SCHEMA = [
         model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
         instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT)""",
     """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
-    ITEMS_TABLE,
+    *items_table("INTEGER PRIMARY KEY AUTOINCREMENT"),
 ]
 
 CHAIN = chain_query("?", "?")
@@ -43,7 +44,13 @@ class SQLiteStore:
             columns = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
             if "blocked" not in columns:  # version 1 -> 2
                 db.execute("ALTER TABLE responses ADD COLUMN blocked TEXT")
-            db.execute("UPDATE loopserve_schema SET version = 3")  # 3: response_items (in SCHEMA)
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if LEGACY_ITEMS_TABLE in tables:  # version 3 -> 4: a row per (response, item)
+                with db:
+                    db.execute("BEGIN")
+                    for stmt in MIGRATE_LEGACY_ITEMS:
+                        db.execute(stmt)
+            db.execute("UPDATE loopserve_schema SET version = 4")
             return db
 
         self._db = await asyncio.to_thread(open_db)
@@ -63,14 +70,15 @@ class SQLiteStore:
                 db.execute("BEGIN")
                 db.execute(f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                            record.row())
-                db.executemany("INSERT OR REPLACE INTO response_items (tenant, item_id, response_id, item) "
+                db.executemany(f"INSERT OR REPLACE INTO {ITEMS_TABLE_NAME} (tenant, item_id, response_id, item) "
                                "VALUES (?,?,?,?)", record.item_rows())
 
         await self._run(write)
 
     async def get_item(self, item_id: str, tenant: str) -> Optional[dict]:
         row = await self._run(lambda db: db.execute(
-            "SELECT item FROM response_items WHERE item_id = ? AND tenant = ?", (item_id, tenant)).fetchone())
+            f"SELECT item FROM {ITEMS_TABLE_NAME} WHERE item_id = ? AND tenant = ? ORDER BY seq DESC LIMIT 1",
+            (item_id, tenant)).fetchone())
         return json.loads(row[0]) if row else None
 
     async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]:
@@ -91,7 +99,8 @@ class SQLiteStore:
         def remove(db: sqlite3.Connection) -> int:
             with db:
                 db.execute("BEGIN")
-                db.execute("DELETE FROM response_items WHERE response_id = ? AND tenant = ?", (response_id, tenant))
+                db.execute(f"DELETE FROM {ITEMS_TABLE_NAME} WHERE response_id = ? AND tenant = ?",
+                           (response_id, tenant))
                 return db.execute("DELETE FROM responses WHERE id = ? AND tenant = ?",
                                   (response_id, tenant)).rowcount
 

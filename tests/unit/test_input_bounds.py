@@ -237,3 +237,49 @@ def test_steering_input_a_connection_holds_is_bounded_in_bytes():
     assert kinds[:3] == ["response.steer.accepted"] * 3  # ~1.2 MB held each
     assert kinds[3:] == ["response.steer.failed"] * 5
     assert inflight.steer_bytes() <= steering.MAX_STEER_BYTES
+
+
+async def test_a_response_without_an_owner_is_no_tenants_and_is_never_stored(tokenizer, tmp_path):
+    """Item 9: a missing owner never stands for tenant "default" (nor for anyone)."""
+    from cluster.core.post_work import TurnRecord
+    from cluster.core.session_cache import SessionCache
+    from cluster.serving.responses import ResponsesService
+    from cluster.store.sqlite import SQLiteStore
+
+    stack = InProcessStack(tokenizer)
+    states = []
+    [ev async for ev in stack.driver.run(parse_request({"input": "hi"}), SessionCache(4), session_key="s",
+                                         on_state=states.append)]
+    state = states[-1]
+    assert state.owner is None
+    store = SQLiteStore(str(tmp_path / "s.db"))
+    await store.start()
+    try:
+        registry = SessionCache(16)
+        service = ResponsesService(stack.driver, registry, store)
+        registry.put(state)
+        for tenant in ("default", "anyone"):
+            assert await service.lookup(state.response_id, tenant) is None
+            with pytest.raises(ApiError):
+                await service.delete(state.response_id, tenant)
+        await service.persist(TurnRecord(response_id=state.response_id, model="loopserve-tiny", owner=None,
+                                         status="completed", usage={}, store=True, response=state.response,
+                                         state=state))
+        assert await store.get(state.response_id, "default") is None
+    finally:
+        await store.close()
+
+
+async def test_a_continuation_never_crosses_from_a_tenant_to_no_tenant(tokenizer):
+    from cluster.core.session_cache import SessionCache
+    from cluster.protocol.errors import ApiError as Err
+
+    stack = InProcessStack(tokenizer)
+    cache = SessionCache(4)
+    states = []
+    [ev async for ev in stack.driver.run(parse_request({"input": "hi"}), cache, session_key="s", owner="default",
+                                         on_state=states.append)]
+    with pytest.raises(Err) as err:  # the same cache, no tenant: as if it did not exist
+        [ev async for ev in stack.driver.run(parse_request({"input": "more", "previous_response_id":
+                                                            states[-1].response_id}), cache, session_key="s")]
+    assert err.value.code == "previous_response_not_found"
