@@ -26,6 +26,14 @@ def _load_args(config_path: Optional[str]) -> dict:
     return apps[0].get("args") or {}
 
 
+def _ports(http_port: int) -> list[int]:
+    """The ports the cluster this command starts takes on this machine (HAProxy's stats page too)."""
+    from .ingress import haproxy_ingress
+
+    stats = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
+    return [http_port, stats] if haproxy_ingress() else [http_port]
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -33,30 +41,43 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from .app import build_app
     from .config import LoopserveConfig
     from .ingress import apply_ingress_env, haproxy_ingress
+    from .stale_ingress import clear_ports
 
     config = LoopserveConfig.model_validate(_load_args(ns.config))
     if ns.backend:
         config.engine.backend = ns.backend
     if not ns.address:
         apply_ingress_env(ns.ingress)  # before Ray starts: Serve reads it once, cluster-wide
-    if ns.address:
-        ray.init(address=ns.address)
-    else:
-        ray.init(num_cpus=ns.num_cpus, include_dashboard=False)
-    serve.start(http_options={"host": ns.host, "port": ns.port})
-    serve.run(build_app(config), name="loopserve", route_prefix="/", blocking=False)
-    ingress = "HAProxy" if haproxy_ingress() else "Serve's proxy"
-    print(f"loopserve: serving {config.model.name} ({config.engine.backend}) on http://{ns.host}:{ns.port}/v1 "
-          f"({ingress})", flush=True)
+        refused = clear_ports(_ports(ns.port))
+        if refused:
+            print(f"loopserve serve: {refused}", file=sys.stderr)
+            return 2
     stop = {"now": False}
 
     def _stop(*_):
         stop["now"] = True
 
+    if ns.address:
+        ray.init(address=ns.address)
+    else:
+        ray.init(num_cpus=ns.num_cpus, include_dashboard=False)
+    # Right after ray.init (which installs its own SIGTERM handler): a signal while the app
+    # deploys (HAProxy may already answer) still gets the clean stop below, never Ray's abort.
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+    serve.start(http_options={"host": ns.host, "port": ns.port})
+    serve.run(build_app(config), name="loopserve", route_prefix="/", blocking=False)
+    ingress = "HAProxy" if haproxy_ingress() else "Serve's proxy"
+    print(f"loopserve: serving {config.model.name} ({config.engine.backend}) on http://{ns.host}:{ns.port}/v1 "
+          f"({ingress})", flush=True)
     while not stop["now"]:
-        time.sleep(0.5)
+        time.sleep(0.2)
+    # The app first, while HAProxy still relays: each replica drains (turns in flight finish,
+    # bounded by graceful_shutdown_timeout_s; WebSockets then close with 1001 for reconnection).
+    # `serve.shutdown()` alone stops the proxies at the same time and cuts every socket mid-turn.
+    print("loopserve: stopping (turns in flight finish first)", flush=True)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C stops without waiting
+    serve.delete("loopserve")
     serve.shutdown()
     ray.shutdown()
     return 0

@@ -18,8 +18,14 @@ sets them) or of every Ray container (infra/).
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import sys
+from pathlib import Path
 from typing import Literal, Optional
+
+log = logging.getLogger(__name__)
 
 IngressMode = Literal["haproxy", "proxy"]
 
@@ -43,6 +49,19 @@ HAPROXY_ENV = {
 }
 
 
+# Serve starts this instead of HAProxy itself (`cluster/haproxy_launcher.py`): stats page on
+# loopback, and HAProxy dies with the proxy that started it. The image installs it as
+# /usr/local/bin/loopserve-haproxy; `loopserve serve` finds it beside its own Python.
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+MIN_DRAINING_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+LAUNCHER = "loopserve-haproxy"
+
+
+def launcher_path() -> Optional[str]:
+    beside = Path(sys.executable).parent / LAUNCHER
+    return str(beside) if os.access(beside, os.X_OK) else shutil.which(LAUNCHER)
+
+
 def ingress_env(mode: IngressMode) -> dict[str, str]:
     """The cluster environment for an ingress mode."""
     return {**SERVE_FAST_PATH_ENV, **(HAPROXY_ENV if mode == "haproxy" else {})}
@@ -57,6 +76,18 @@ def apply_ingress_env(mode: Optional[IngressMode]) -> None:
             os.environ.pop(k, None)
     for k, v in (ingress_env(mode) if mode else SERVE_FAST_PATH_ENV).items():
         os.environ.setdefault(k, v)
+    if mode == "haproxy":
+        # A replica being stopped stays reachable this long so load balancers can deregister it
+        # (Serve's default, 30 s, is for HAProxies on other nodes). Here HAProxy is on this machine
+        # and reloads within a second: 30 s only made every stop, idle or not, take 32 s.
+        os.environ.setdefault(MIN_DRAINING_ENV, "2")
+    if mode == "haproxy" and HAPROXY_BINARY_ENV not in os.environ:
+        launcher = launcher_path()
+        if launcher is None:
+            log.warning("%s is not installed: HAProxy's stats page binds every address and HAProxy can "
+                        "outlive a killed server (pip install -e . installs it)", LAUNCHER)
+        else:
+            os.environ[HAPROXY_BINARY_ENV] = launcher
 
 
 def haproxy_ingress() -> bool:

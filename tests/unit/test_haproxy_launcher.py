@@ -1,0 +1,121 @@
+"""`loopserve-haproxy` and the start-up port check, on real processes (issue 22, items 14 and 15)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.haproxy_launcher import real_binary, secure_config
+from cluster.stale_ingress import clear_ports, holders
+
+pytestmark = pytest.mark.timeout(60)
+
+RAY_STATS = """global
+    maxconn 64
+defaults
+    mode http
+    timeout connect 1s
+    timeout client 5s
+    timeout server 5s
+frontend http_frontend
+    bind 127.0.0.1:{http}
+    default_backend none
+backend none
+    http-request return status 200
+listen stats
+  bind *:{stats}
+  stats enable
+  stats uri /stats
+  stats refresh 1s
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_stats_page_binds_loopback_or_goes_away():
+    text = RAY_STATS.format(http=8000, stats=8404)
+    safe = secure_config(text)
+    assert "bind 127.0.0.1:8404" in safe and "*:8404" not in safe
+    assert "bind 127.0.0.1:8000" in safe  # the frontend is Serve's to choose
+    off = secure_config(text, "off")
+    assert "listen stats" not in off and "8404" not in off and "backend none" in off
+    assert secure_config(text, "public") == text
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def serve_config(tmp_path) -> tuple[Path, int, int]:
+    """A config where Serve writes its own (`.../haproxy-serve/<node>/haproxy.cfg`), on free ports."""
+    http, stats = free_port(), free_port()
+    cfg_dir = tmp_path / "haproxy-serve" / "node"
+    cfg_dir.mkdir(parents=True)
+    cfg = cfg_dir / "haproxy.cfg"
+    cfg.write_text(RAY_STATS.format(http=http, stats=stats))
+    return cfg, http, stats
+
+
+def test_haproxy_started_through_the_launcher_stops_when_its_parent_dies(tmp_path):
+    cfg, http, stats = serve_config(tmp_path)
+    # The parent stands in for Serve's proxy actor: it starts HAProxy as Serve does, then is killed.
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'cluster.haproxy_launcher', '-db', '-f', {str(cfg)!r}])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    haproxy_pid = int(parent.stdout.readline())
+    try:
+        assert wait_for(lambda: {h.port for h in holders([http, stats])} == {http, stats})
+        assert "bind 127.0.0.1:" + str(stats) in cfg.read_text()  # rewritten before HAProxy read it
+        assert all(h.name == "haproxy" and h.pid == haproxy_pid for h in holders([http, stats]))
+        parent.kill()
+        parent.wait()
+        assert wait_for(lambda: not os.path.exists(f"/proc/{haproxy_pid}") or
+                        Path(f"/proc/{haproxy_pid}/stat").read_text().split()[2] == "Z")
+        assert wait_for(lambda: holders([http, stats]) == [])
+    finally:
+        parent.kill()
+        try:
+            os.kill(haproxy_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_stale_serve_haproxy_is_stopped_and_any_other_holder_is_named(tmp_path):
+    cfg, http, stats = serve_config(tmp_path)
+    # An HAProxy of an earlier server, orphaned (its parent gone), started without the launcher.
+    subprocess.run([sys.executable, "-c", (
+        "import os, subprocess, sys\n"
+        f"subprocess.Popen([{real_binary()!r}, '-db', '-f', {str(cfg)!r}], start_new_session=True,"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")], check=True)
+    assert wait_for(lambda: {h.port for h in holders([http, stats])} == {http, stats})
+    orphan = holders([http])[0]
+    assert orphan.stale_serve_haproxy
+    assert clear_ports([http, stats]) is None
+    assert holders([http, stats]) == []
+
+    other = socket.socket()
+    other.bind(("127.0.0.1", http))
+    other.listen()
+    try:
+        refused = clear_ports([http], wait_s=1)
+        assert refused is not None and f"pid {os.getpid()}" in refused and str(http) in refused
+    finally:
+        other.close()
