@@ -26,6 +26,15 @@ def _load_args(config_path: Optional[str]) -> dict:
     return apps[0].get("args") or {}
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
 def _ports(http_port: int) -> list[int]:
     """The ports the cluster this command starts takes on this machine (HAProxy's stats page too)."""
     from .ingress import haproxy_ingress
@@ -39,13 +48,25 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from .app import build_app
-    from .config import LoopserveConfig
+    from .config import KeysMissing, LoopserveConfig
     from .ingress import apply_ingress_env, haproxy_ingress
     from .stale_ingress import clear_ports
 
     config = LoopserveConfig.model_validate(_load_args(ns.config))
     if ns.backend:
         config.engine.backend = ns.backend
+    if ns.keys_file:
+        config.auth.keys_file = ns.keys_file
+    if not _loopback(ns.host):
+        # Reachable from other machines: API keys or no start (with keys, every request names
+        # its tenant and is held to that key's limits).
+        config.auth.require_keys = True
+        try:
+            config.auth.resolved()
+        except KeysMissing as exc:
+            print(f"loopserve serve: --host {ns.host} accepts connections from other machines, so API keys "
+                  f"are required: {exc}; or bind --host 127.0.0.1", file=sys.stderr)
+            return 2
     if not ns.address:
         apply_ingress_env(ns.ingress)  # before Ray starts: Serve reads it once, cluster-wide
         refused = clear_ports(_ports(ns.port))
@@ -108,6 +129,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--backend", choices=["vllm", "scripted"], default=None)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--keys-file", default=None,
+                   help="a YAML file of API key digests (auth.keys_file); required to bind beyond loopback "
+                        "unless the config holds keys")
     s.add_argument("--address", default=None, help="join an existing Ray cluster instead of starting one")
     s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
     s.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",

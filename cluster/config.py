@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL_DIR = Path(
@@ -322,6 +323,9 @@ class StoreConfig(_Strict):
     backend: Literal["sqlite", "postgres", "none"] = "sqlite"
     sqlite_path: str = str(Path.home() / ".cache" / "loopserve" / "responses.sqlite3")
     postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    # The name of an environment variable holding the DSN instead (a Kubernetes Secret's
+    # `secretKeyRef`): the password never sits in the config. Read where the store opens.
+    postgres_dsn_env: Optional[str] = None
     # Writes are post-inference work: a failed write is retried with backoff
     # for this long (the store restarting, a failover), then counted in
     # `/loopserve/stats` (`store_writes.failed`) and logged with the response
@@ -348,6 +352,35 @@ class AuthConfig(_Strict):
 
     keys: list[ApiKey] = Field(default_factory=list)
     admin_keys: list[str] = Field(default_factory=list)
+    # A YAML file with `keys:` and `admin_keys:` in the same shape, added to the above where the
+    # connection replicas start (a mounted Kubernetes Secret): keys change without a config change.
+    keys_file: Optional[str] = None
+    # Refuse to start with no API key at all (every shipped config that binds beyond loopback
+    # sets it): anonymous access is the `default` tenant with no limits worth the name.
+    require_keys: bool = False
+
+    def resolved(self) -> "AuthConfig":
+        """These keys plus the file's; raises `KeysMissing` when `require_keys` finds none."""
+        keys, admin = list(self.keys), list(self.admin_keys)
+        if self.keys_file:
+            try:
+                data = yaml.safe_load(Path(self.keys_file).read_text()) or {}
+            except OSError as exc:
+                raise KeysMissing(f"auth.keys_file {self.keys_file!r} cannot be read ({exc.strerror}); "
+                                  "mount the keys Secret there or unset auth.keys_file") from None
+            extra = AuthConfig.model_validate({k: v for k, v in data.items() if k in ("keys", "admin_keys")})
+            keys += extra.keys
+            admin += extra.admin_keys
+        if self.require_keys and not keys:
+            raise KeysMissing(
+                "auth.require_keys is set but no API key is configured: add sha256 digests under auth.keys, "
+                "or point auth.keys_file at a YAML file of them (`python -c \"from cluster.auth import "
+                "key_sha256; print(key_sha256('sk-...'))\"` prints one)")
+        return self.model_copy(update={"keys": keys, "admin_keys": admin, "keys_file": None})
+
+
+class KeysMissing(ValueError):
+    """The configuration asks for API keys and has none."""
 
     @field_validator("admin_keys")
     @classmethod
@@ -368,6 +401,9 @@ class TelemetryConfig(_Strict):
     insecure: bool = True  # gRPC without TLS (a collector beside the cluster)
     service_name: str = "loopserve"
     sample_ratio: float = Field(1.0, ge=0.0, le=1.0)  # of root spans; children follow their parent
+    # A client's `traceparent` joins its trace either way; its sampled flag decides only when this
+    # is true (clients you run yourselves). Otherwise the server samples at `sample_ratio`.
+    honor_client_sampling: bool = False
     export_delay_ms: int = Field(1000, ge=10)
     metrics_interval_ms: int = Field(10000, ge=100)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import time
 from collections import Counter, deque
 from typing import Any, Optional
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 TRACER_NAME = "loopserve"
 _installed: Optional[tuple[Any, Any]] = None  # (TracerProvider, MeterProvider) of this process
+# (sample_ratio, honor_client_sampling) for traces a client starts (`extract_headers`).
+_client_sampling: tuple[float, bool] = (1.0, False)
 
 
 def route_logs() -> None:
@@ -75,6 +78,8 @@ def setup(config: TelemetryConfig, role: str) -> bool:
     trace.set_tracer_provider(tracer_provider)
     metrics.set_meter_provider(meter_provider)
     _installed = (tracer_provider, meter_provider)
+    global _client_sampling
+    _client_sampling = (config.sample_ratio, config.honor_client_sampling)
     log.info("telemetry on: %s -> %s (%s)", role, config.endpoint, config.protocol)
     return True
 
@@ -125,7 +130,19 @@ def extract_headers(headers: Any) -> Optional[Context]:
     carrier = {"traceparent": value}
     if headers.get("tracestate"):
         carrier["tracestate"] = headers.get("tracestate")
-    return propagate.extract(carrier)
+    ctx = propagate.extract(carrier)
+    ratio, honor = _client_sampling
+    if honor:
+        return ctx
+    # The client's trace id is kept (its spans and ours join up), its sampled flag is not: a
+    # client setting it on every request would otherwise override `sample_ratio` and make the
+    # server record and export every turn it sends.
+    parent = trace.get_current_span(ctx).get_span_context()
+    if not parent.is_valid:
+        return None
+    flags = trace.TraceFlags(trace.TraceFlags.SAMPLED if random.random() < ratio else trace.TraceFlags.DEFAULT)
+    return trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
+        parent.trace_id, parent.span_id, is_remote=True, trace_flags=flags, trace_state=parent.trace_state)))
 
 
 def context_of(span: Span) -> Context:

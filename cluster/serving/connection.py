@@ -43,7 +43,7 @@ class ConnectionServices:
         self.metrics = telemetry.Metrics()
         if render.local is not None:
             watch_fallbacks(render.local, self.metrics)
-        self.auth = Authenticator(config.auth)
+        self.auth = Authenticator(config.auth.resolved())  # refuses to start without keys it requires
         self.render, self.engine, self.safety, self.store = render, engine, safety, store
         self.usage = UsageMeter()
         self.safety_ledger = SafetyLedger()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from ..config import StoreConfig
@@ -14,7 +15,12 @@ async def open_store(config: StoreConfig) -> Optional[ResponseStore]:
     if config.backend == "postgres":
         from .postgres import PostgresStore
 
-        store = PostgresStore(config.postgres_dsn)
+        dsn = config.postgres_dsn
+        if config.postgres_dsn_env:
+            dsn = os.environ.get(config.postgres_dsn_env, "")
+            if not dsn:
+                raise ValueError(f"store.postgres_dsn_env names {config.postgres_dsn_env!r}, which is not set here")
+        store = PostgresStore(dsn)
     else:
         from .sqlite import SQLiteStore
 

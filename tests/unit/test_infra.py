@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.ingress import ingress_env
+from cluster.ingress import HAPROXY_BINARY_ENV, LAUNCHER, ingress_env
 from cluster.config import LoopserveConfig, TelemetryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,9 +33,12 @@ def test_rayservice_shape():
         assert container["image"] and container["resources"]["limits"]["cpu"]
     gpu = groups["gpu-workers"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert gpu["nvidia.com/gpu"] == "1"
-    # Every Ray container runs loopserve's ingress mode: Serve's fast request path and HAProxy.
+    # Every Ray container runs loopserve's ingress mode: Serve's fast request path and HAProxy,
+    # through loopserve-haproxy (the image installs it in /usr/local/bin).
     for c in [head["template"]["spec"]["containers"][0]] + [g["template"]["spec"]["containers"][0] for g in groups.values()]:
-        assert {e["name"]: e["value"] for e in c["env"]} == ingress_env("haproxy")
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {k: env[k] for k in ingress_env("haproxy")} == ingress_env("haproxy")
+        assert env[HAPROXY_BINARY_ENV] == "/usr/local/bin/" + LAUNCHER
 
 
 def _group_resources(group: dict) -> dict:
@@ -137,7 +140,85 @@ def test_image_definition_matches_the_project():
         if path != "pyproject.toml":
             assert (ROOT / path).exists(), path
     cmd = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
-    assert (ROOT / cmd[-1]).exists()
+    assert (ROOT / cmd[cmd.index("--config") + 1]).exists()
     for key, value in ingress_env("haproxy").items():
         assert f"{key}={value}" in text
     assert cmd[:2] == ["loopserve", "serve"]  # which applies the same mode when it starts Ray
+    assert f"{HAPROXY_BINARY_ENV}=/usr/local/bin/{LAUNCHER}" in text
+
+
+# -- safe as written (issue 22, item 14) ------------------------------------------------------
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost")
+
+
+def _serve_configs() -> list[tuple[str, dict]]:
+    found = [(p.name, yaml.safe_load(p.read_text())) for p in sorted((ROOT / "serve_configs").glob("*.yaml"))]
+    return found + [("rayservice", yaml.safe_load(rayservice()["spec"]["serveConfigV2"]))]
+
+
+@pytest.mark.parametrize("name,serve_config", _serve_configs(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_config_bound_beyond_loopback_requires_api_keys(name, serve_config):
+    host = (serve_config.get("http_options") or {}).get("host", "0.0.0.0")  # Serve's HAProxy default
+    for app in serve_config["applications"]:
+        auth = LoopserveConfig.model_validate(app.get("args") or {}).auth
+        if not _loopback(host):
+            assert auth.require_keys and (auth.keys or auth.keys_file), (name, app["name"])
+
+
+def test_a_required_key_that_is_missing_refuses_the_start_with_how_to_fix_it(tmp_path):
+    from cluster.config import AuthConfig, KeysMissing
+
+    with pytest.raises(KeysMissing, match="auth.keys_file"):
+        AuthConfig(require_keys=True, keys_file=str(tmp_path / "absent.yaml")).resolved()
+    with pytest.raises(KeysMissing, match="key_sha256"):
+        AuthConfig(require_keys=True).resolved()
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": [{"sha256": "ab" * 32, "tenant": "t"}], "admin_keys": ["cd" * 32]}))
+    resolved = AuthConfig(require_keys=True, keys_file=str(keys)).resolved()
+    assert [k.tenant for k in resolved.keys] == ["t"] and resolved.admin_keys == ["cd" * 32]
+
+
+def test_the_cli_refuses_to_bind_beyond_loopback_without_keys(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "cluster", "serve", "--host", "0.0.0.0", "--config",
+                          str(ROOT / "serve_configs/scripted.yaml")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "API keys are required" in out.stderr and "--host 127.0.0.1" in out.stderr
+
+
+def test_the_rayservice_keeps_secrets_in_secrets_and_runs_unprivileged():
+    rs = rayservice()
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"]["mode"] == "token"
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert "postgres_dsn" not in args["store"] and args["store"]["postgres_dsn_env"] == "LOOPSERVE_POSTGRES_DSN"
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "loopserve"  # the NetworkPolicy's selector
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["spec"]["containers"]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        env = {e["name"]: e for e in container["env"]}
+        assert env["LOOPSERVE_POSTGRES_DSN"]["valueFrom"]["secretKeyRef"]["name"] == "loopserve-postgres"
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert str(Path(args["auth"]["keys_file"]).parent) in mounts
+    text = (INFRA / "Dockerfile").read_text()
+    user = re.findall(r"^USER (\S+)$", text, re.M)
+    assert user and user[-1] not in ("root", "0")
+
+
+def test_the_network_policy_admits_the_api_and_keeps_ray_and_the_dashboard_inside():
+    policy = yaml.safe_load((INFRA / "k8s" / "networkpolicy.yaml").read_text())
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "loopserve"}
+    open_to_all = [r for r in policy["spec"]["ingress"] if "from" not in r]
+    assert [p["port"] for r in open_to_all for p in r["ports"]] == [8000]  # the API only
+    dashboard = [r for r in policy["spec"]["ingress"] if any(p["port"] == 8265 for p in r.get("ports", []))]
+    assert len(dashboard) == 1 and all("namespaceSelector" in f for f in dashboard[0]["from"])
+    for rule in policy["spec"]["ingress"]:
+        if "from" in rule and "ports" not in rule:  # Ray's ports: this cluster's pods only
+            assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "loopserve"}}}]

@@ -169,3 +169,17 @@ def test_configured_otlp_exporter_reaches_a_receiver(protocol):
         assert receiver.spans[0]["attributes"]["loopserve.response_id"] == "resp_1"
         provider.shutdown()
         metric_exporter.shutdown()
+
+
+def test_a_clients_sampled_flag_does_not_override_the_servers_ratio(monkeypatch):
+    """Issue 22, item 14: the server samples; a client's `traceparent` only joins its trace."""
+    from opentelemetry import trace as otel_trace
+
+    header = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}  # sampled
+    monkeypatch.setattr(telemetry, "_client_sampling", (0.0, False))
+    parent = otel_trace.get_current_span(telemetry.extract_headers(header)).get_span_context()
+    assert parent.trace_id == 0x0AF7651916CD43DD8448EB211C80319C and not parent.trace_flags.sampled
+    monkeypatch.setattr(telemetry, "_client_sampling", (1.0, False))
+    assert otel_trace.get_current_span(telemetry.extract_headers(header)).get_span_context().trace_flags.sampled
+    monkeypatch.setattr(telemetry, "_client_sampling", (0.0, True))  # clients you run yourselves
+    assert otel_trace.get_current_span(telemetry.extract_headers(header)).get_span_context().trace_flags.sampled
