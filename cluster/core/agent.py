@@ -16,8 +16,13 @@ import time
 from typing import Any, Optional
 
 from ..protocol.errors import ApiError
+from .state import items_nbytes
 
 BETA = "responses_multi_agent=v1"
+# Bytes of injected tool output one connection may hold before its responses take them in: they
+# wait outside the frame queue's byte bound (like steers, steering.MAX_STEER_BYTES), so they get
+# their own. Taken in, they count against the conversation's `max_context_bytes`.
+MAX_INJECTED_BYTES = 16 * 1024 * 1024
 OUTPUT_TYPES = {"function_call_output": "function_call"}
 
 
@@ -38,13 +43,15 @@ class AgentInbox:
         self.wait_seconds = wait_seconds
         self.calls: dict[str, str] = {}  # call_id -> name: emitted by the model, not yet answered
         self.outputs: dict[str, dict[str, Any]] = {}  # call_id -> its injected output item
+        self.nbytes = 0  # what `outputs` holds
         self._changed = asyncio.Event()
 
     def called(self, call_id: str, name: str) -> None:
         self.calls[call_id] = name
 
-    def offer(self, items: Any) -> None:
-        """Commit injected tool outputs, all or none (ApiError naming the first bad item)."""
+    def offer(self, items: Any, room: Optional[int] = None) -> None:
+        """Commit injected tool outputs, all or none (ApiError naming the first bad item, or
+        `inject_limit_reached` when they need more than `room` bytes)."""
         if not isinstance(items, list) or not items:
             raise ApiError(400, "response.inject needs a non-empty 'input' array of tool outputs.", param="input",
                            code="invalid_value")
@@ -64,9 +71,16 @@ class AgentInbox:
                 raise ApiError(400, f"input[{n}].output must be a string or an array of content parts.",
                                param=f"input[{n}].output", code="invalid_value")
             seen.add(call_id)
-        for item in items:
-            self.outputs[item["call_id"]] = {"type": "function_call_output", "call_id": item["call_id"],
-                                             "output": item["output"]}
+        outputs = [{"type": "function_call_output", "call_id": item["call_id"], "output": item["output"]}
+                   for item in items]
+        size = items_nbytes(outputs)
+        if room is not None and size > room:
+            raise ApiError(400, f"These tool outputs ({size} bytes) would make this connection hold more than "
+                                f"{MAX_INJECTED_BYTES} bytes of injected output not yet taken in; wait for the "
+                                "response to take in what it has.", param="input", code="inject_limit_reached")
+        for output in outputs:
+            self.outputs[output["call_id"]] = output
+        self.nbytes += size
         self._changed.set()
 
     async def collect(self, call_ids: list[str], stop: Optional[asyncio.Event] = None) -> Optional[list[dict]]:
@@ -88,7 +102,9 @@ class AgentInbox:
                     w.cancel()
         for c in call_ids:
             self.calls.pop(c, None)
-        return [self.outputs.pop(c) for c in call_ids]
+        taken = [self.outputs.pop(c) for c in call_ids]
+        self.nbytes -= items_nbytes(taken)
+        return taken
 
 
 def inject_created(response_id: str, stream_id: Optional[str]) -> dict[str, Any]:

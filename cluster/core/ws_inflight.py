@@ -197,7 +197,8 @@ class InFlight:
             if create.inbox is None:
                 raise ApiError(400, "response.inject applies to responses created with multi_agent.enabled.",
                                param="response_id", code="invalid_value")
-            create.inbox.offer(items)
+            held = sum(c.inbox.nbytes for c in self.active.values() if c.inbox is not None)
+            create.inbox.offer(items, room=agent.MAX_INJECTED_BYTES - held)
         except ApiError as err:
             ev = err.ws_event()
             if create.stream_id:

@@ -86,3 +86,28 @@ async def test_multi_agent_needs_the_beta_header_and_stops_waiting_in_time(token
     await p.idle()
     assert p.terminals()[-1]["status"] == "completed"
     await p.session.shutdown()
+
+
+async def test_injected_output_a_connection_holds_is_bounded_in_bytes(tokenizer, monkeypatch):
+    """Issue 22, item 4: outputs waiting in the inbox count against a per-connection byte bound."""
+    from cluster.core import agent
+
+    monkeypatch.setattr(agent, "MAX_INJECTED_BYTES", 4096)
+    stack = InProcessStack(tokenizer, tokens_per_second=500)
+    p = Peer(stack, betas={BETA})
+    await p.frame({"type": "response.create", "input": "read the file", "tools": TOOLS, "store": False,
+                   "multi_agent": AGENT})
+    await wait_for(p, "response.output_item.done")
+    rid = of_type(p, "response.created")[0]["response"]["id"]
+    [call] = [e["item"] for e in of_type(p, "response.output_item.done")]
+    await p.frame({"type": "response.inject", "response_id": rid, "input": [
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "x" * 5000}]})
+    await wait_for(p, "error")
+    [err] = of_type(p, "error")
+    assert err["error"]["code"] == "inject_limit_reached" and not p.terminals()
+    # nothing was committed: the same call takes a smaller output, and the response goes on
+    await p.frame({"type": "response.inject", "response_id": rid, "input": [
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "x = 1"}]})
+    await p.idle()
+    [done] = p.terminals()
+    assert done["status"] == "completed" and done["output"][1]["output"] == "x = 1"
