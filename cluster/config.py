@@ -110,6 +110,9 @@ class VLLMEngineConfig(_Strict):
     cpu_threads_bind: Optional[str] = None
     max_num_seqs: int = 64
     default_max_tokens: int = 256
+    # Each new structured-output schema is compiled in a worker process first; one that takes
+    # longer than this is a 400 and never reaches the engine (engines/grammar_gate.py). None: off.
+    grammar_compile_timeout_s: Optional[float] = Field(5.0, gt=0)
     # Load the retaining scheduler (engines/vllm_retention.py): sessions the KV budget
     # retains keep their blocks while other sessions run. Inert without pins.
     session_pins: bool = True

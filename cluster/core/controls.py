@@ -65,6 +65,7 @@ def check_output_controls(req: ResponsesRequest, tools: list[dict[str, Any]], *,
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_PATTERN_CHARS = 1000
 MAX_PATTERN_EXPANSION = 2000  # atoms after expanding bounded repetition ({n,m}), nested ones multiplied
+MAX_SCHEMA_EXPANSION = 10 * MAX_PATTERN_EXPANSION  # all patterns of one schema together
 
 
 def pattern_expansion(pattern: str) -> int:
@@ -131,7 +132,7 @@ def check_grammar_cost(schema: Any, param: str) -> None:
     if size > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"The JSON schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed.",
                        param=param, code="invalid_value")
-    stack = [schema]
+    stack, total = [schema], 0
     while stack:
         node = stack.pop()
         if isinstance(node, list):
@@ -151,6 +152,10 @@ def check_grammar_cost(schema: Any, param: str) -> None:
                 raise ApiError(400, f"The 'pattern' {pattern[:80]!r} repeats too much for structured output: it "
                                     f"unrolls to {cost} elements; at most {MAX_PATTERN_EXPANSION} are allowed.",
                                param=param, code="invalid_value")
+            total += cost
+            if total > MAX_SCHEMA_EXPANSION:  # many patterns, each within bounds, add up
+                raise ApiError(400, f"The JSON schema's patterns unroll to more than {MAX_SCHEMA_EXPANSION} "
+                                    "elements together; simplify them.", param=param, code="invalid_value")
         stack.extend(node.values())
 
 

@@ -7,6 +7,8 @@ API). Prefix caching is on, so a continuation's prefix is not recomputed;
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import os
 from typing import AsyncIterator
@@ -96,6 +98,7 @@ class VLLMEngine:
         # The model's own sampling defaults (its generation_config.json), for requests
         # that leave temperature/top_p unset, as vLLM's server does.
         self.sampling_defaults: dict[str, float] = {}
+        self.grammar_gate = None
 
     async def start(self) -> None:
         if _on_cpu():
@@ -145,6 +148,11 @@ class VLLMEngine:
         self.preemptions = PreemptionCounter()
         self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self.preemptions.factory],
                                              disable_log_stats=True)
+        if cfg.grammar_compile_timeout_s is not None:
+            from .grammar_gate import GrammarGate
+
+            self.grammar_gate = GrammarGate(self.model.resolved_path(), cfg.grammar_compile_timeout_s)
+            self._gate_warming = asyncio.get_running_loop().create_task(self.grammar_gate.warm())
         cache = self.llm.vllm_config.cache_config
         self.block_size = int(cache.block_size or 16)
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self.block_size
@@ -156,6 +164,8 @@ class VLLMEngine:
                                   if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 
     async def shutdown(self) -> None:
+        if self.grammar_gate is not None:
+            self.grammar_gate.close()
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
@@ -177,6 +187,12 @@ class VLLMEngine:
             sampling["top_p"] = request.top_p
         from .constraints import structured_outputs
 
+        if self.grammar_gate is not None:
+            from ..core.controls import forces_a_tool_call
+            from .grammar_gate import request_schemas
+
+            forced = bool(request.tools) and forces_a_tool_call(request.tool_choice)
+            await self.grammar_gate.check(request_schemas(request.text_format, request.tools, forced))
         if request.kv_pin or request.kv_unpin:
             # Read by the retaining scheduler (vllm_retention.py) in the engine core.
             sampling["extra_args"] = {HINT: {"pin": request.kv_pin, "ttl": request.kv_ttl_s,

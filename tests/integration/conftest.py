@@ -75,7 +75,8 @@ def vllm_url(serve_instance):
     args = {
         "model": {"max_model_len": 4096},
         "store": {"backend": "none"},
-        "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 8, "cpu_kvcache_space_gib": 1}},
+        "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 8, "cpu_kvcache_space_gib": 1,
+                                               "grammar_compile_timeout_s": 0.3}},
         "ops": {"prompt_text_digests": True},
         "auth": {"keys": [{"sha256": key_sha256("sk-test"), "tenant": "test"},
                           {"sha256": key_sha256(KEY_A), "tenant": "tenant-a"},

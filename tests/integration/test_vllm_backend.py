@@ -96,3 +96,48 @@ def test_a_warm_up_prefills_so_the_first_turn_hits_the_cache(vllm_url, client_fo
         assert event.type in ("response.completed", "response.incomplete"), event
     # the warmed prompt minus its generation prompt, rounded down to a block
     assert event.response.usage.input_tokens_details.cached_tokens >= (warmed - 8) // 32 * 32 > 0
+
+
+def test_a_schema_too_slow_to_compile_is_refused_and_another_sessions_turn_goes_on(vllm_url, client_for):
+    """Issue 22, item 7, on the real engine: a schema within every static bound whose grammar would
+    compile for seconds is refused at the compile time limit (0.3 s in this app), before vLLM
+    starts on it, while another session's turn runs as usual."""
+    import threading
+    import time
+
+    from openai import BadRequestError
+
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^(a|b){900}$"}
+                                             for i in range(10)}}
+    client = client_for(vllm_url)
+
+    def plain_turn() -> float:
+        t0 = time.perf_counter()
+        resp = client.responses.create(model="loopserve-tiny", input=f"hello {uuid.uuid4().hex}", max_output_tokens=4)
+        assert resp.status in ("completed", "incomplete")
+        return time.perf_counter() - t0
+
+    plain_turn()  # warm
+    alone = min(plain_turn() for _ in range(3))
+    refused: list = []
+
+    def slow_turn() -> None:
+        t0 = time.perf_counter()
+        try:
+            client.responses.create(model="loopserve-tiny", input="fill the form", max_output_tokens=4,
+                                    text={"format": {"type": "json_schema", "name": "form", "schema": slow}})
+        except BadRequestError as err:
+            refused.append((err.body, time.perf_counter() - t0))
+
+    other = threading.Thread(target=slow_turn)
+    other.start()
+    time.sleep(0.05)
+    beside = plain_turn()
+    other.join(60)
+    assert refused and "did not compile within 0.3 s" in refused[0][0]["message"], refused
+    assert refused[0][1] < 5
+    assert beside < alone + 1.0, (alone, beside)
+    # the engine still compiles schemas that are fine
+    ok = client.responses.create(model="loopserve-tiny", input="a number please", max_output_tokens=8,
+                                 text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}}})
+    assert ok.status in ("completed", "incomplete")
