@@ -21,7 +21,7 @@ from cluster.engines.base import EngineStats
 from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
 from cluster.core.messages import (KV_MOVE, PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure,
                                    EngineQueued, EngineRequest, ToolCallPiece)
-from cluster.engines.channel import ChannelServer
+from cluster.engines.channel import ChannelServer, tls_contexts
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 
@@ -86,7 +86,7 @@ class EngineReplica:
         if config.engine.direct_stream:
             import ray
 
-            self.channel = ChannelServer(self._generate)
+            self.channel = ChannelServer(self._generate, tls=tls_contexts(config.engine.channel_tls)[0])
             await self.channel.start(ray.util.get_node_ip_address())
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:

@@ -148,6 +148,17 @@ class KvBudgetConfig(_Strict):
                             max_queue_wait_s=self.max_queue_wait_s)
 
 
+class ChannelTlsConfig(_Strict):
+    """Mutual TLS on the direct engine channel (multi-node: prompts and output cross the network).
+    Every node holds a certificate signed by the cluster's CA (a mounted Secret); each side
+    verifies the other against `ca_file`. Off by default: on one machine the channel binds the
+    node's address and a per-replica secret opens it."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+
 class EngineConfig(_Strict):
     backend: Literal["vllm", "scripted"] = "vllm"
     # The engine replica batches output for the handle stream while it is busy;
@@ -159,6 +170,7 @@ class EngineConfig(_Strict):
     # After a session's first turn (placed by Serve's router), stream its turns from the
     # same engine replica over a direct channel instead of a handle call per turn.
     direct_stream: bool = True
+    channel_tls: Optional[ChannelTlsConfig] = None
     kv_budget: KvBudgetConfig = Field(default_factory=KvBudgetConfig)
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)

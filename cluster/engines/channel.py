@@ -19,10 +19,11 @@ import asyncio
 import hmac
 import logging
 import secrets
+import ssl
 import struct
 from array import array
 from dataclasses import astuple, fields
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import msgpack
 
@@ -95,9 +96,26 @@ async def _read(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> list:
 Handler = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
 
 
+def tls_contexts(tls: Any) -> tuple[Optional[ssl.SSLContext], Optional[ssl.SSLContext]]:
+    """(server, client) contexts for mutual TLS under the cluster's CA (`ChannelTlsConfig`), or
+    (None, None). Peers are replicas at node addresses: the CA is what is checked, not names."""
+    if tls is None:
+        return None, None
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=tls.ca_file)
+    server.load_cert_chain(tls.cert_file, tls.key_file)
+    server.verify_mode = ssl.CERT_REQUIRED
+    client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
+    client.load_cert_chain(tls.cert_file, tls.key_file)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_REQUIRED
+    return server, client
+
+
 class ChannelServer:
-    def __init__(self, handler: Handler, secret: Optional[str] = None, max_streams: int = MAX_STREAMS) -> None:
+    def __init__(self, handler: Handler, secret: Optional[str] = None, max_streams: int = MAX_STREAMS,
+                 tls: Optional[ssl.SSLContext] = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.max_streams = max_streams
         self.secret = secret or secrets.token_hex(16)
         self.address = ""  # host:port once started
@@ -107,7 +125,8 @@ class ChannelServer:
 
     async def start(self, host: str, bind: Optional[str] = None) -> str:
         # The node's own address, not every interface: only replicas in the cluster dial it.
-        self._server = await asyncio.start_server(self._serve, bind or host, 0)
+        self._server = await asyncio.start_server(self._serve, bind or host, 0, ssl=self.tls,
+                                                  ssl_handshake_timeout=10 if self.tls else None)
         self.address = f"{host}:{self._server.sockets[0].getsockname()[1]}"
         return self.address
 
@@ -225,8 +244,9 @@ class _Connection:
 class ChannelPool:
     """One connection per engine replica endpoint, opened on first use."""
 
-    def __init__(self, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, connect_timeout_s: float = 2.0, tls: Optional[ssl.SSLContext] = None) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
         self._conns: dict[str, _Connection] = {}
         self._opening: dict[str, asyncio.Task] = {}
 
@@ -244,11 +264,12 @@ class ChannelPool:
         address, _, secret = endpoint.partition("/")
         host, _, port = address.rpartition(":")
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.connect_timeout_s)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), ssl=self.tls),
+                                                    self.connect_timeout_s)
             writer.write(_frame([HELLO, secret]))
             if (await asyncio.wait_for(_read(reader), self.connect_timeout_s))[:2] != [HELLO, "ok"]:
                 raise ChannelError("refused")
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:  # ssl.SSLError too
             raise ChannelError(f"cannot open the engine channel: {type(exc).__name__}") from None
         conn = self._conns[endpoint] = _Connection(reader, writer)
         return conn

@@ -8,6 +8,7 @@ replacement; anything else is the caller's to handle.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import logging
 from collections import OrderedDict
 from dataclasses import replace
@@ -88,10 +89,10 @@ class EngineClient:
     A channel that fails before the first chunk sends the turn back to the handle."""
 
     def __init__(self, handle: DeploymentHandle, retry: RetryPolicy, direct: bool = True,
-                 max_sessions: int = 100_000) -> None:
+                 max_sessions: int = 100_000, tls: Optional[ssl.SSLContext] = None) -> None:
         self.handle = handle.options(stream=True)
         self.retry = retry
-        self.pool = ChannelPool() if direct else None
+        self.pool = ChannelPool(tls=tls) if direct else None
         self.endpoints: OrderedDict[str, str] = OrderedDict()  # session key -> channel, LRU
         self._placing: dict[str, asyncio.Future] = {}  # session key -> its placement call in flight
         self._routing: dict[str, asyncio.Future] = {}  # session key -> its last handle stream, set once routed

@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from .. import telemetry
 from ..auth import Authenticator, Principal
+from ..engines.channel import tls_contexts
 from ..config import LoopserveConfig
 from ..core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
 from ..core.safety import SafetyService, local_classifier
@@ -82,7 +83,8 @@ class ConnectionServices:
             safety_client = SafetyClient(retry, inline=SafetyService(classifier, tracer=telemetry.tracer()))
         elif safety is not None:
             safety_client = SafetyClient(retry, handle=safety)
-        return cls(config, render=RenderClient(render, retry, local_renderer), engine=EngineClient(engine, retry, direct=config.engine.direct_stream),
+        return cls(config, render=RenderClient(render, retry, local_renderer), engine=EngineClient(engine, retry, direct=config.engine.direct_stream,
+                                                                             tls=tls_contexts(config.engine.channel_tls)[1]),
                    safety=safety_client, store=await open_store(config.store))
 
     def _cache_bytes(self):

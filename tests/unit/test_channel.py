@@ -184,3 +184,60 @@ async def test_past_its_stream_bound_the_server_sends_callers_back_to_the_handle
     finally:
         await pool.close()
         await server.close()
+
+
+def _cluster_ca(tmp_path, name: str):
+    """A CA and one node certificate it signed (what a cluster's cert-manager would mount)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def write(path, key, cert):
+        path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                               serialization.PrivateFormat.PKCS8,
+                                                               serialization.NoEncryption()))
+        path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now)
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "node")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1)).sign(ca_key, hashes.SHA256()))
+    write(tmp_path / f"{name}-ca", ca_key, ca)
+    write(tmp_path / f"{name}-node", key, cert)
+    from cluster.config import ChannelTlsConfig
+
+    return ChannelTlsConfig(cert_file=str(tmp_path / f"{name}-node.pem"), key_file=str(tmp_path / f"{name}-node.key"),
+                            ca_file=str(tmp_path / f"{name}-ca.pem"))
+
+
+async def test_mutual_tls_carries_the_channel_and_refuses_peers_outside_the_cluster_ca(tmp_path):
+    """Issue 22, item 11: the channel's optional TLS (multi-node). Both sides present a certificate
+    of the cluster's CA; a plaintext peer or one from another CA gets nothing."""
+    from cluster.engines.channel import tls_contexts
+
+    server_tls, client_tls = tls_contexts(_cluster_ca(tmp_path, "ours"))
+    _, foreign_tls = tls_contexts(_cluster_ca(tmp_path, "theirs"))
+    engine = Engine()
+    server = ChannelServer(engine, tls=server_tls)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    try:
+        pool = ChannelPool(tls=client_tls)
+        assert [c async for c in pool.stream(server.endpoint, request())] == CHUNKS
+        await pool.close()
+        for outsider in (ChannelPool(), ChannelPool(tls=foreign_tls)):  # plaintext; another cluster's CA
+            with pytest.raises(ChannelError):
+                _ = [c async for c in outsider.stream(server.endpoint, request(1))]
+        assert [r.request_id for r in engine.seen] == ["req-0"]
+    finally:
+        await server.close()

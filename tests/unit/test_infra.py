@@ -206,6 +206,7 @@ def test_the_rayservice_keeps_secrets_in_secrets_and_runs_unprivileged():
         assert env["LOOPSERVE_POSTGRES_DSN"]["valueFrom"]["secretKeyRef"]["name"] == "loopserve-postgres"
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert str(Path(args["auth"]["keys_file"]).parent) in mounts
+        assert str(Path(args["engine"]["channel_tls"]["ca_file"]).parent) in mounts  # channel TLS across nodes
     text = (INFRA / "Dockerfile").read_text()
     user = re.findall(r"^USER (\S+)$", text, re.M)
     assert user and user[-1] not in ("root", "0")
