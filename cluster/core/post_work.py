@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Optional
 
 from .retry import RetryPolicy
+from .state import items_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ Hook = Callable[[TurnRecord], Awaitable[None]]
 def record_nbytes(record: TurnRecord) -> int:
     """What a record keeps alive: its state (the whole context) or, without one, its response."""
     held = getattr(record.state, "nbytes", 0) or 0
-    return 1024 + (held or len(str(record.response or "")))
+    return 1024 + (held or items_nbytes([record.response or {}]))  # counted, never serialized
 
 
 class PostWorkQueue:

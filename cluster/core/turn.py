@@ -333,7 +333,7 @@ class TurnDriver:
         return len(rendered.prompt_token_ids)
 
     async def _dereference(self, items: list[dict[str, Any]], owner: Optional[str],
-                           held: int) -> list[dict[str, Any]]:
+                           held: int) -> tuple[list[dict[str, Any]], int]:
         """`item_reference` inputs -> the tenant's stored items (400 when not found). Each distinct
         item is fetched once, and the input's size is summed as it grows: a short body naming one
         large item many times stops at the context limit, not after holding every copy."""
@@ -360,21 +360,24 @@ class TurnDriver:
             if limit is not None and held + total > limit:
                 raise context_too_large(held + total, limit)
             out.append(item)
-        return out
+        return out, total
 
     async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx,
                        owner: Optional[str] = None):
         t0 = time.perf_counter()
         new_items = req.input_items()
+        new_bytes: Optional[int] = None  # summed once: while dereferencing, or below
         if any(item.get("type") == "item_reference" for item in new_items):
-            new_items = await self._dereference(new_items, owner, parent.context_bytes if parent is not None else 0)
+            new_items, new_bytes = await self._dereference(new_items, owner,
+                                                           parent.context_bytes if parent is not None else 0)
         with self.tracer.start_as_current_span("resolve_context", context=tctx):
             reject_non_text(new_items, self.model_name)
             ctx = resolve_context(new_items, parent)
             limit = self.settings.max_context_bytes
             if limit is not None:
                 # Payload the state will keep alive (rendered or not): bounded per context.
-                size = (parent.context_bytes if parent is not None else 0) + items_nbytes(new_items)
+                size = (parent.context_bytes if parent is not None else 0) + (
+                    new_bytes if new_bytes is not None else items_nbytes(new_items))
                 if size > limit:
                     raise context_too_large(size, limit)
             if not ctx.items and not req.is_warm_up:

@@ -120,6 +120,12 @@ class KvBudget:
     # Sessions whose retention ended since the last `take_dropped` (the engine unpins them).
     dropped: list[str] = field(default_factory=list)
     growth_per_turn: float = 0.0  # tokens a returning session's turn adds (moving average)
+    growth_samples: int = 0
+    # Running totals of the holds (kept by `_change`): every admission decision reads them, so
+    # they are O(1), not a walk over the replica's sessions.
+    _used: int = 0  # sum of footprints
+    _running: int = 0  # sum of running reservations
+    _resident: int = 0  # sessions holding a prefix or running a turn
 
     # -- what the engine replica calls ---------------------------------------------------
 
@@ -141,7 +147,8 @@ class KvBudget:
         need = max(1, min(need, self.capacity))
         if hold.retained and not hold.turns:
             growth = max(0, need - hold.retained)
-            weight = GROWTH_WEIGHT if self.counters.returned_in_time > 1 else 1.0  # the first one as it is
+            weight = GROWTH_WEIGHT if self.growth_samples else 1.0  # the first one as it is
+            self.growth_samples += 1
             self.growth_per_turn += weight * (growth - self.growth_per_turn)
         if not self.queue and self._fits(hold, need):
             self._start(ticket, session, need)
@@ -157,15 +164,13 @@ class KvBudget:
         if session is None:
             return self.cancel(ticket, now)
         hold = self._hold(session)
-        hold.running -= need
-        hold.turns -= 1
         hold.finished_at = now
         if self.policy.retention and expect_back and held > 0:
-            hold.retained = min(held, self.capacity)
+            self._change(hold, running=-need, turns=-1, retained=min(held, self.capacity))
             hold.expires_at = now + self.ttl(hold)
             self.counters.retained += 1
         else:
-            hold.retained = 0
+            self._change(hold, running=-need, turns=-1, retained=0)
             self.dropped.append(session)
         return self._drain(now)
 
@@ -181,7 +186,7 @@ class KvBudget:
         """The session will not be back (its socket closed): its retained tokens go now."""
         hold = self.sessions.get(session)
         if hold is not None and hold.retained:
-            hold.retained = 0
+            self._change(hold, retained=0)
             hold.released = True
             self.counters.released += 1
             self.dropped.append(session)
@@ -215,7 +220,7 @@ class KvBudget:
 
     @property
     def running_tokens(self) -> int:
-        return sum(h.running for h in self.sessions.values())
+        return self._running
 
     @property
     def retained_tokens(self) -> int:
@@ -227,7 +232,7 @@ class KvBudget:
 
     @property
     def used(self) -> int:
-        return sum(h.footprint for h in self.sessions.values())
+        return self._used
 
     def demand(self) -> float:
         """(running + retained + queued) / capacity: what autoscaling follows."""
@@ -291,12 +296,23 @@ class KvBudget:
         (this replica's recent average) for each session that holds a prefix. Without it, a
         session let in on room that is only there for a moment forces one of those sessions
         out at their next turn, and then itself at its next: each time a whole re-prefill."""
-        return int(self.growth_per_turn * sum(1 for h in self.sessions.values() if h.retained or h.turns))
+        return int(self.growth_per_turn * self._resident)
+
+    def _change(self, hold: SessionHold, *, running: int = 0, turns: int = 0,
+                retained: Optional[int] = None) -> None:
+        """Every change to a hold's running, turns or retained goes through here (the totals)."""
+        footprint, resident = hold.footprint, bool(hold.retained or hold.turns)
+        hold.running += running
+        hold.turns += turns
+        if retained is not None:
+            hold.retained = retained
+        self._used += hold.footprint - footprint
+        self._running += running
+        self._resident += bool(hold.retained or hold.turns) - resident
 
     def _start(self, ticket: int, session: str, need: int) -> None:
         hold = self._hold(session)
-        hold.running += need  # a retained prefix stays counted: it is what this turn reuses
-        hold.turns += 1
+        self._change(hold, running=need, turns=1)  # a retained prefix stays counted: it is what this turn reuses
         self._admitted[ticket] = (session, need)
         self.counters.admitted += 1
 
@@ -304,7 +320,7 @@ class KvBudget:
         back = {w.session for w in self.queue.values()}  # a session whose turn waits is back: it keeps its place
         for key, hold in self.sessions.items():
             if hold.retained and not hold.turns and hold.expires_at <= now and key not in back:
-                hold.retained = 0
+                self._change(hold, retained=0)
                 hold.released = True
                 self.counters.expired += 1
                 self.dropped.append(key)
@@ -362,9 +378,10 @@ class KvBudget:
     def _evict_for(self, waiter: Waiter, hold: SessionHold) -> None:
         # Idle sessions first (least recently used first); then sessions whose turn waits
         # behind this one, the newest waiter first: those ahead of it keep their place.
-        order = list(self.queue)
-        behind = {w.session: i for i, w in enumerate(self.queue.values()) if i > order.index(waiter.ticket)}
-        queued = {w.session for w in self.queue.values()}
+        waiting = list(self.queue.values())
+        at = next(i for i, w in enumerate(waiting) if w.ticket == waiter.ticket)
+        behind = {w.session: i for i, w in enumerate(waiting) if i > at}
+        queued = {w.session for w in waiting}
         candidates = [(0, h.finished_at or 0.0, k) for k, h in self.sessions.items()
                       if h.retained and not h.turns and k not in queued]
         candidates += [(1, -i, k) for k, i in behind.items() if k != waiter.session and self.sessions[k].retained
@@ -373,7 +390,7 @@ class KvBudget:
             if self._fits(hold, waiter.need, spare=False):
                 return
             victim = self.sessions[key]
-            victim.retained = 0
+            self._change(victim, retained=0)
             victim.released = True
             self.counters.evicted += 1
             self.dropped.append(key)

@@ -277,3 +277,32 @@ def test_a_new_session_leaves_the_sessions_here_room_for_their_next_turn():
     tb, ok = req(b, "b", 300, now=5)  # b passes (resident) and grows
     assert ok
     assert b.finish(tb, held=300, expect_back=False, now=6) == [tc]  # b leaves: 400 + 350 + 100 spare fit
+
+
+def test_the_running_totals_match_the_holds_after_any_sequence_of_calls():
+    """`used`, `running_tokens` and `growth_room` are O(1) totals: they must equal a walk over
+    the holds whatever happens (random turns, finishes, cancels, releases, ticks, evictions)."""
+    import random
+
+    rng = random.Random(7)
+    budget = KvBudget(capacity=5000, policy=BudgetPolicy(max_queue_wait_s=3.0, ttl_initial_s=2.0))
+    live: list[int] = []
+    now = 0.0
+    for _ in range(3000):
+        now += rng.random()
+        op = rng.random()
+        if op < 0.4:
+            ticket, admitted = budget.request(f"s{rng.randrange(40)}", rng.randrange(50, 1500), now)
+            live.append(ticket)
+        elif op < 0.7 and live:
+            budget.finish(live.pop(rng.randrange(len(live))), rng.randrange(0, 1600), rng.random() < 0.8, now)
+        elif op < 0.8 and live:
+            budget.cancel(live.pop(rng.randrange(len(live))), now)
+        elif op < 0.9:
+            budget.release(f"s{rng.randrange(40)}", now)
+        else:
+            budget.tick(now)
+        holds = budget.sessions.values()
+        assert budget.used == sum(h.footprint for h in holds)
+        assert budget.running_tokens == sum(h.running for h in holds)
+        assert budget.growth_room() == int(budget.growth_per_turn * sum(1 for h in holds if h.retained or h.turns))
