@@ -74,6 +74,18 @@ async def json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
         raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
 
 
+def peak_rss_bytes() -> Optional[int]:
+    """This process's peak resident memory since it started (Linux VmHWM): what a burst cost."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def rss_bytes() -> Optional[int]:
     """This process's resident memory (Linux), for memory-per-session measurements."""
     try:

@@ -19,7 +19,7 @@ from fastapi import Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
-from actors.http import app, error_response, json_body, rss_bytes, sse
+from actors.http import app, error_response, json_body, peak_rss_bytes, rss_bytes, sse
 from cluster import telemetry
 from cluster.core import ids
 from cluster.core.agent import reject_over_http as reject_multi_agent_over_http
@@ -66,7 +66,8 @@ async def stats(request: Request, last: int = 200, engine_session: Optional[str]
     """Counters and per-turn timings of every tenant: admin key only. `engine_session`
     picks the engine replica that session key routes to (else any one)."""
     conn.auth.authenticate_admin(request.headers.get("authorization"))
-    return await conn.stats(last, ids.session_key(engine_session) if engine_session else None, rss_bytes())
+    figures = await conn.stats(last, ids.session_key(engine_session) if engine_session else None, rss_bytes())
+    return {**figures, "peak_rss_bytes": peak_rss_bytes()}
 
 
 @app.websocket("/loopserve/echo")

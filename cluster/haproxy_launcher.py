@@ -8,6 +8,8 @@ read the config path from /proc, still find it):
 
 - **The stats page binds loopback.** Ray's template binds it on `*:<stats_port>` (8404) with
   no authentication. `LOOPSERVE_HAPROXY_STATS=off` removes it; `=public` keeps Ray's bind.
+  HAProxy's Prometheus exporter (`:9101`, every address) binds loopback too, unless
+  `LOOPSERVE_HAPROXY_METRICS=public`.
 - **HAProxy dies with the process that started it** (a watcher on Linux pidfds). Otherwise a
   SIGKILL of the server's process group, a crashed node or a container runtime's grace period
   running out re-parents HAProxy to init, and it keeps the ports: the next start fails with
@@ -26,19 +28,26 @@ import sys
 from typing import Optional
 
 STATS_ENV = "LOOPSERVE_HAPROXY_STATS"  # loopback (default) | off | public
+METRICS_ENV = "LOOPSERVE_HAPROXY_METRICS"  # loopback (default) | public: a Prometheus scraping pods
 REAL_BINARY_ENV = "LOOPSERVE_HAPROXY_BINARY"  # the real haproxy (default: the one ray[serve] bundles)
 
 _STATS_SECTION = re.compile(r"^listen stats\n(?:[ \t]+.*(?:\n|$))*", re.MULTILINE)
-_WILDCARD_BIND = re.compile(r"^([ \t]+bind )\*:(\d+)", re.MULTILINE)
+_METRICS_SECTION = re.compile(r"^frontend prometheus\n(?:[ \t]+.*(?:\n|$))*", re.MULTILINE)
+_WILDCARD_BIND = re.compile(r"^([ \t]+bind )(?:\*|0\.0\.0\.0)?:(\d+)", re.MULTILINE)
 
 
 def secure_config(text: str, stats: str = "loopback") -> str:
     """Ray's rendered HAProxy config with its stats section bound to loopback, or removed."""
+    def loopback(m: re.Match) -> str:
+        return _WILDCARD_BIND.sub(r"\g<1>127.0.0.1:\2", m.group(0))
+
+    if os.environ.get(METRICS_ENV, "loopback") != "public":  # HAProxy's Prometheus exporter (9101)
+        text = _METRICS_SECTION.sub(loopback, text)
     if stats == "public":
         return text
     if stats == "off":
         return _STATS_SECTION.sub("", text)
-    return _STATS_SECTION.sub(lambda m: _WILDCARD_BIND.sub(r"\g<1>127.0.0.1:\2", m.group(0)), text)
+    return _STATS_SECTION.sub(loopback, text)
 
 
 def config_path(args: list[str]) -> Optional[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 from collections import Counter
 from typing import Any
@@ -70,7 +71,7 @@ async def _turn(ws, body: dict[str, Any], result: SessionResult) -> str | None:
 
 
 async def session(url: str, n: int, turns: int, go: asyncio.Event, handshakes: asyncio.Semaphore,
-                  results: list[SessionResult]) -> None:
+                  results: list[SessionResult], pause: tuple[float, float] = (0.0, 0.0)) -> None:
     from websockets.asyncio.client import connect
 
     result = SessionResult()
@@ -83,7 +84,13 @@ async def session(url: str, n: int, turns: int, go: asyncio.Event, handshakes: a
         prev = await _turn(ws, {"model": "loopserve-tiny", "input": f"session {n}: start"}, result)
         result.response_ids.append(prev or "")
         await go.wait()
+        rng = random.Random(n)  # the same pauses every run
         for i in range(turns):
+            if pause[1] > 0:
+                # The client running its tool; the first wait spreads the sessions' starts over one
+                # pause (agents do not start in lockstep: a burst of every session at once is the
+                # closed loop's test, not this one's).
+                await asyncio.sleep(rng.uniform(*pause) if i else rng.uniform(0, pause[1]))
             body = {"model": "loopserve-tiny", "input": f"session {n} turn {i}: next step"}
             if prev:
                 body["previous_response_id"] = prev
@@ -100,7 +107,9 @@ async def session(url: str, n: int, turns: int, go: asyncio.Event, handshakes: a
         await ws.close()
 
 
-async def run_load(url: str, sessions: int, turns: int) -> dict[str, Any]:
+async def run_load(url: str, sessions: int, turns: int, pause: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
+    """`pause`: seconds each session waits between its turns (uniform), as an agent runs its tools;
+    (0, 0) is a closed loop, every session sending its next turn at once (a throughput test)."""
 
     def stats() -> dict[str, Any]:
         return server_stats(url, last=1024)
@@ -110,7 +119,7 @@ async def run_load(url: str, sessions: int, turns: int) -> dict[str, Any]:
     go = asyncio.Event()
     handshakes = asyncio.Semaphore(64)
     t0 = time.perf_counter()
-    tasks = [asyncio.create_task(session(url, n, turns, go, handshakes, results))
+    tasks = [asyncio.create_task(session(url, n, turns, go, handshakes, results, pause))
              for n in range(sessions)]
     while sum(1 for r in results if r.response_ids) + sum(1 for t in tasks if t.done()) < sessions:
         await asyncio.sleep(0.2)
@@ -151,7 +160,7 @@ async def run_load(url: str, sessions: int, turns: int) -> dict[str, Any]:
 
     rss0, rss1 = base.get("rss_bytes"), idle.get("rss_bytes")
     return {
-        "sessions": sessions, "turns_per_session": turns,
+        "sessions": sessions, "turns_per_session": turns, "pause_s": list(pause),
         "turns_completed": sum(r.turns for r in results), "turns_expected": sessions * turns,
         "problems": dict(problems), "open_s": opened_s, "run_s": run_s,
         "turns_per_s": sum(r.turns for r in results) / run_s if run_s else 0.0,
@@ -164,7 +173,7 @@ async def run_load(url: str, sessions: int, turns: int) -> dict[str, Any]:
 
 
 def print_load(r: dict[str, Any]) -> None:
-    print(f"\n{r['sessions']} sessions x {r['turns_per_session']} turns: {r['turns_completed']}/{r['turns_expected']} "
+    print(f"\n{r['sessions']} sessions x {r['turns_per_session']} turns (tool pauses {r['pause_s']} s): {r['turns_completed']}/{r['turns_expected']} "
           f"completed in {r['run_s']:.1f} s ({r['turns_per_s']:.1f} turns/s; sockets opened in {r['open_s']:.1f} s)")
     print(f"problems (lost, duplicated, leaked, errors): {r['problems'] or 'none'}")
     print(f"client-observed turn latency: p50 {r['turn_latency_p50_ms']:.0f} ms, p99 {r['turn_latency_p99_ms']:.0f} ms")
@@ -181,6 +190,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sessions", type=int, default=1000)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--out")
+    ap.add_argument("--pause", default="0,0", help="tool pause between a session's turns, 'min,max' seconds "
+                                                   "(uniform); 0,0: closed loop")
     ap.add_argument("--safety", choices=["on", "off"], default="off",
                     help="the default classifiers, inline in the connection replica")
     add_ingress_argument(ap)
@@ -192,7 +203,8 @@ def main(argv=None) -> None:
         app = {**LOAD_APP, "safety": {"enabled": ns.safety == "on"}}
         url = deploy(start_local_serve(ingress=ns.ingress), "load", "/", app)
     try:
-        report = asyncio.run(run_load(url, ns.sessions, ns.turns))
+        lo, hi = (float(x) for x in ns.pause.split(","))
+        report = asyncio.run(run_load(url, ns.sessions, ns.turns, (lo, hi)))
     finally:
         if ns.url is None:
             from .local import stop_local_serve

@@ -24,6 +24,10 @@ defaults
     timeout connect 1s
     timeout client 5s
     timeout server 5s
+frontend prometheus
+    bind :{metrics}
+    mode http
+    no log
 frontend http_frontend
     bind 127.0.0.1:{http}
     default_backend none
@@ -44,13 +48,14 @@ def free_port() -> int:
 
 
 def test_the_stats_page_binds_loopback_or_goes_away():
-    text = RAY_STATS.format(http=8000, stats=8404)
+    text = RAY_STATS.format(http=8000, stats=8404, metrics=9101)
     safe = secure_config(text)
     assert "bind 127.0.0.1:8404" in safe and "*:8404" not in safe
+    assert "bind 127.0.0.1:9101" in safe and "bind :9101" not in safe
     assert "bind 127.0.0.1:8000" in safe  # the frontend is Serve's to choose
     off = secure_config(text, "off")
     assert "listen stats" not in off and "8404" not in off and "backend none" in off
-    assert secure_config(text, "public") == text
+    assert "bind :9101" not in secure_config(text, "public")  # the exporter has its own switch
 
 
 def wait_for(predicate, timeout=10.0):
@@ -68,7 +73,7 @@ def serve_config(tmp_path) -> tuple[Path, int, int]:
     cfg_dir = tmp_path / "haproxy-serve" / "node"
     cfg_dir.mkdir(parents=True)
     cfg = cfg_dir / "haproxy.cfg"
-    cfg.write_text(RAY_STATS.format(http=http, stats=stats))
+    cfg.write_text(RAY_STATS.format(http=http, stats=stats, metrics=free_port()))
     return cfg, http, stats
 
 
