@@ -36,6 +36,9 @@ HELLO, START, CANCEL, CHUNK, END, ERROR = range(6)
 MAX_FRAME = 256 * 1024 * 1024
 MAX_HELLO = 512  # the only frame read before the secret is checked
 MAX_STREAMS = 256  # requests in flight on one engine replica's channel; past it, callers use the handle
+# Connections one channel serves at once (a connection replica needs one): past it, a new one is
+# closed at once, authenticated or not; its caller goes back to the handle.
+MAX_CONNECTIONS = 1024
 _LEN = struct.Struct(">I")
 _REQUEST_FIELDS = [f.name for f in fields(EngineRequest)]
 _PROMPT = _REQUEST_FIELDS.index("prompt_token_ids")
@@ -113,8 +116,10 @@ def tls_contexts(tls: Any) -> tuple[Optional[ssl.SSLContext], Optional[ssl.SSLCo
 
 class ChannelServer:
     def __init__(self, handler: Handler, secret: Optional[str] = None, max_streams: int = MAX_STREAMS,
-                 tls: Optional[ssl.SSLContext] = None) -> None:
+                 tls: Optional[ssl.SSLContext] = None, max_connections: int = MAX_CONNECTIONS) -> None:
         self.handler = handler
+        self.max_connections = max_connections
+        self.connections = 0
         self.tls = tls
         self.max_streams = max_streams
         self.secret = secret or secrets.token_hex(16)
@@ -137,6 +142,10 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         running: dict[int, asyncio.Task] = {}
+        if self.connections >= self.max_connections:
+            writer.close()
+            return
+        self.connections += 1
         try:
             hello = await asyncio.wait_for(_read(reader, MAX_HELLO), 10)
             if len(hello) != 2 or hello[0] != HELLO or not hmac.compare_digest(str(hello[1]), self.secret):
@@ -159,6 +168,7 @@ class ChannelServer:
         except Exception as exc:  # noqa: BLE001 - a malformed peer loses its connection, nothing else
             log.debug("engine channel peer dropped: %s", type(exc).__name__)
         finally:
+            self.connections -= 1
             for task in list(running.values()):
                 task.cancel()  # the caller went away: abort its generations
             writer.close()

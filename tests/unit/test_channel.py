@@ -241,3 +241,26 @@ async def test_mutual_tls_carries_the_channel_and_refuses_peers_outside_the_clus
         assert [r.request_id for r in engine.seen] == ["req-0"]
     finally:
         await server.close()
+
+
+async def test_connections_past_the_bound_are_closed_before_anything_is_read():
+    """Issue 22, item 11: idle or unauthenticated connections cannot pile up on a channel."""
+    server = ChannelServer(Engine(), max_connections=4)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    host, port = server.address.split(":")
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(4)]  # never say HELLO
+    try:
+        await asyncio.sleep(0.1)
+        assert server.connections == 4
+        with pytest.raises(ChannelError):  # the fifth, even with the secret, is closed
+            _ = [c async for c in ChannelPool().stream(server.endpoint, request())]
+        for _, w in idle[:2]:
+            w.close()
+        await asyncio.sleep(0.1)
+        pool = ChannelPool()
+        assert [c async for c in pool.stream(server.endpoint, request(1))] == CHUNKS  # room again
+        await pool.close()
+    finally:
+        for _, w in idle:
+            w.close()
+        await server.close()
