@@ -77,10 +77,14 @@ def apply_ingress_env(mode: Optional[IngressMode]) -> None:
     for k, v in (ingress_env(mode) if mode else SERVE_FAST_PATH_ENV).items():
         os.environ.setdefault(k, v)
     if mode == "haproxy":
-        # A replica being stopped stays reachable this long so load balancers can deregister it
-        # (Serve's default, 30 s, is for HAProxies on other nodes). Here HAProxy is on this machine
-        # and reloads within a second: 30 s only made every stop, idle or not, take 32 s.
-        os.environ.setdefault(MIN_DRAINING_ENV, "2")
+        # A connection replica being stopped stays reachable this long so load balancers can
+        # deregister it; then Serve closes its HTTP listener, and uvicorn ends its WebSockets
+        # with 1012 whatever graceful_shutdown_timeout_s says. So this is also how long a turn in
+        # flight gets to finish on a scale-down, a redeploy or a stop (actors/drain.py closes the
+        # socket with 1001 once it has). Serve's default, 30 s, made every stop take 32 s even
+        # idle; 2 s cut turns mid-stream (tests/cluster/test_haproxy.py). 10 s: an idle stop in
+        # ~14 s, turns up to ~9 s finish. Set it higher for longer turns.
+        os.environ.setdefault(MIN_DRAINING_ENV, "10")
     if mode == "haproxy" and HAPROXY_BINARY_ENV not in os.environ:
         launcher = launcher_path()
         if launcher is None:
