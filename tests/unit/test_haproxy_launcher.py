@@ -106,15 +106,23 @@ def test_haproxy_started_through_the_launcher_stops_when_its_parent_dies(tmp_pat
 def test_a_stale_serve_haproxy_is_stopped_and_any_other_holder_is_named(tmp_path):
     cfg, http, stats = serve_config(tmp_path)
     # An HAProxy of an earlier server, orphaned (its parent gone), started without the launcher.
-    subprocess.run([sys.executable, "-c", (
+    out = subprocess.run([sys.executable, "-c", (
         "import os, subprocess, sys\n"
-        f"subprocess.Popen([{real_binary()!r}, '-db', '-f', {str(cfg)!r}], start_new_session=True,"
-        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")], check=True)
-    assert wait_for(lambda: {h.port for h in holders([http, stats])} == {http, stats})
-    orphan = holders([http])[0]
-    assert orphan.stale_serve_haproxy
-    assert clear_ports([http, stats]) is None
-    assert holders([http, stats]) == []
+        f"p = subprocess.Popen([{real_binary()!r}, '-db', '-f', {str(cfg)!r}], start_new_session=True,"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid)\n")], check=True, capture_output=True, text=True)
+    orphan_pid = int(out.stdout)
+    try:
+        assert wait_for(lambda: {h.port for h in holders([http, stats])} == {http, stats})
+        orphan = holders([http])[0]
+        assert orphan.pid == orphan_pid and orphan.stale_serve_haproxy
+        assert clear_ports([http, stats]) is None
+        assert holders([http, stats]) == []
+    finally:
+        try:
+            os.kill(orphan_pid, signal.SIGKILL)  # whatever happened above, nothing outlives the test
+        except ProcessLookupError:
+            pass
 
     other = socket.socket()
     other.bind(("127.0.0.1", http))
