@@ -67,6 +67,18 @@ def wait_for(predicate, timeout=10.0):
     return False
 
 
+def holding(*ports: int) -> bool:
+    return {h.port for h in holders(list(ports))} == set(ports)
+
+
+def kill_quietly(pid: int) -> None:
+    """Whatever happened in the test, nothing it started outlives it."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def serve_config(tmp_path) -> tuple[Path, int, int]:
     """A config where Serve writes its own (`.../haproxy-serve/<node>/haproxy.cfg`), on free ports."""
     http, stats = free_port(), free_port()
@@ -87,7 +99,7 @@ def test_haproxy_started_through_the_launcher_stops_when_its_parent_dies(tmp_pat
         "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
     haproxy_pid = int(parent.stdout.readline())
     try:
-        assert wait_for(lambda: {h.port for h in holders([http, stats])} == {http, stats})
+        assert wait_for(lambda: holding(http, stats))
         assert "bind 127.0.0.1:" + str(stats) in cfg.read_text()  # rewritten before HAProxy read it
         assert all(h.name == "haproxy" and h.pid == haproxy_pid for h in holders([http, stats]))
         parent.kill()
@@ -97,10 +109,7 @@ def test_haproxy_started_through_the_launcher_stops_when_its_parent_dies(tmp_pat
         assert wait_for(lambda: holders([http, stats]) == [])
     finally:
         parent.kill()
-        try:
-            os.kill(haproxy_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_quietly(haproxy_pid)
 
 
 def test_a_stale_serve_haproxy_is_stopped_and_any_other_holder_is_named(tmp_path):
@@ -113,16 +122,13 @@ def test_a_stale_serve_haproxy_is_stopped_and_any_other_holder_is_named(tmp_path
         "print(p.pid)\n")], check=True, capture_output=True, text=True)
     orphan_pid = int(out.stdout)
     try:
-        assert wait_for(lambda: {h.port for h in holders([http, stats])} == {http, stats})
+        assert wait_for(lambda: holding(http, stats))
         orphan = holders([http])[0]
         assert orphan.pid == orphan_pid and orphan.stale_serve_haproxy
         assert clear_ports([http, stats]) is None
         assert holders([http, stats]) == []
     finally:
-        try:
-            os.kill(orphan_pid, signal.SIGKILL)  # whatever happened above, nothing outlives the test
-        except ProcessLookupError:
-            pass
+        kill_quietly(orphan_pid)
 
     other = socket.socket()
     other.bind(("127.0.0.1", http))

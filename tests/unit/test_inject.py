@@ -17,7 +17,8 @@ BETA_EVENT = TypeAdapter(BetaResponsesServerEvent)
 AGENT = {"enabled": True, "max_concurrent_subagents": 3}
 
 
-async def test_a_multi_agent_response_takes_injected_tool_outputs_and_goes_on(tokenizer):
+async def waiting_agent(tokenizer) -> tuple[Peer, str, dict]:
+    """A multi-agent response that called a client tool and now waits for its output."""
     stack = InProcessStack(tokenizer, tokens_per_second=500)
     p = Peer(stack, betas={BETA})
     await p.frame({"type": "response.create", "input": "read the file", "tools": TOOLS, "store": False,
@@ -25,6 +26,11 @@ async def test_a_multi_agent_response_takes_injected_tool_outputs_and_goes_on(to
     await wait_for(p, "response.output_item.done")
     rid = of_type(p, "response.created")[0]["response"]["id"]
     [call] = [e["item"] for e in of_type(p, "response.output_item.done")]
+    return p, rid, call
+
+
+async def test_a_multi_agent_response_takes_injected_tool_outputs_and_goes_on(tokenizer):
+    p, rid, call = await waiting_agent(tokenizer)
     assert call["type"] == "function_call"
     await asyncio.sleep(0.1)
     assert not p.terminals()  # it waits for the tool output instead of ending
@@ -44,9 +50,9 @@ async def test_a_multi_agent_response_takes_injected_tool_outputs_and_goes_on(to
     assert done["id"] == rid and done["status"] == "completed"
     assert [o["type"] for o in done["output"]] == ["function_call", "function_call_output", "message"]
     assert done["output"][1]["call_id"] == call["call_id"] and done["output"][1]["output"] == "x = 1"
-    assert len(stack.engine_requests) == 2  # two engine calls, one response
+    assert len(p.stack.engine_requests) == 2  # two engine calls, one response
     # The second call was a continuation: only the new tail travelled to the engine.
-    assert len(stack.engine_requests[1].prompt_token_ids) < done["usage"]["input_tokens"] // 4
+    assert len(p.stack.engine_requests[1].prompt_token_ids) < done["usage"]["input_tokens"] // 4
     # One event stream: sequence numbers run on across the engine calls.
     end = p.sent.index(of_type(p, "response.completed")[0])
     own = [e for e in p.sent[:end + 1] if e["type"].startswith("response.") and e["type"] != "response.inject.created"]
@@ -93,13 +99,7 @@ async def test_injected_output_a_connection_holds_is_bounded_in_bytes(tokenizer,
     from cluster.core import agent
 
     monkeypatch.setattr(agent, "MAX_INJECTED_BYTES", 4096)
-    stack = InProcessStack(tokenizer, tokens_per_second=500)
-    p = Peer(stack, betas={BETA})
-    await p.frame({"type": "response.create", "input": "read the file", "tools": TOOLS, "store": False,
-                   "multi_agent": AGENT})
-    await wait_for(p, "response.output_item.done")
-    rid = of_type(p, "response.created")[0]["response"]["id"]
-    [call] = [e["item"] for e in of_type(p, "response.output_item.done")]
+    p, rid, call = await waiting_agent(tokenizer)
     await p.frame({"type": "response.inject", "response_id": rid, "input": [
         {"type": "function_call_output", "call_id": call["call_id"], "output": "x" * 5000}]})
     await wait_for(p, "error")

@@ -7,6 +7,7 @@ other's (issue 22, item 10)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import uuid
@@ -38,19 +39,41 @@ async def store(request, tmp_path):
         yield s
         await s.close()
         return
+    async with scratch_pg_database() as dsn:
+        s = PostgresStore(dsn)
+        try:
+            await asyncio.wait_for(s.start(), 20)
+            yield s
+        finally:
+            await s.close()
+
+
+@contextlib.asynccontextmanager
+async def scratch_pg_database():
+    """A fresh PostgreSQL database for one test, dropped afterwards; yields its DSN."""
     import asyncpg
 
     name = f"loopserve_unit_{uuid.uuid4().hex[:10]}"
     admin = await asyncio.wait_for(asyncpg.connect(PG_ADMIN), 10)
     await admin.execute(f"CREATE DATABASE {name}")
-    s = PostgresStore(f"postgresql://postgres@127.0.0.1:5432/{name}")
     try:
-        await asyncio.wait_for(s.start(), 20)
-        yield s
+        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
     finally:
-        await s.close()
         await admin.execute(f"DROP DATABASE IF EXISTS {name}")
         await admin.close()
+
+
+async def assert_v3_item_migrated(s) -> None:
+    """A version-3 row (`msg_old` of `resp_old`) is readable after the migration, and a later
+    response that reuses its id and is deleted leaves it in place."""
+    await asyncio.wait_for(s.start(), 20)
+    try:
+        assert await s.get_item("msg_old", "t") == {"type": "message"}
+        await s.put(record("resp_new", "t", inputs=[msg("msg_old", "new")]))
+        assert await s.delete("resp_new", "t")
+        assert await s.get_item("msg_old", "t") == {"type": "message"}
+    finally:
+        await s.close()
 
 
 async def test_a_later_response_with_the_same_item_id_overwrites_nothing(store):
@@ -96,15 +119,7 @@ async def test_a_version_3_sqlite_store_is_migrated(tmp_path):
     db.execute("INSERT INTO response_items VALUES ('t', 'msg_old', 'resp_old', '{\"type\": \"message\"}')")
     db.commit()
     db.close()
-    s = SQLiteStore(path)
-    await s.start()
-    try:
-        assert await s.get_item("msg_old", "t") == {"type": "message"}
-        await s.put(record("resp_new", "t", inputs=[msg("msg_old", "new")]))
-        assert await s.delete("resp_new", "t")
-        assert await s.get_item("msg_old", "t") == {"type": "message"}
-    finally:
-        await s.close()
+    await assert_v3_item_migrated(SQLiteStore(path))
     tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert "response_items" not in tables and os.path.exists(path)
 
@@ -114,11 +129,7 @@ async def test_a_version_3_postgres_store_is_migrated():
 
     from cluster.store.postgres import MIGRATIONS
 
-    name = f"loopserve_unit_{uuid.uuid4().hex[:10]}"
-    admin = await asyncio.wait_for(asyncpg.connect(PG_ADMIN), 10)
-    await admin.execute(f"CREATE DATABASE {name}")
-    dsn = f"postgresql://postgres@127.0.0.1:5432/{name}"
-    try:
+    async with scratch_pg_database() as dsn:
         old = await asyncpg.connect(dsn)
         await old.execute("CREATE TABLE loopserve_schema (version INTEGER NOT NULL)")
         for number, steps in enumerate(MIGRATIONS[:3], start=1):  # the schema as version 3 left it
@@ -127,15 +138,4 @@ async def test_a_version_3_postgres_store_is_migrated():
             await old.execute("INSERT INTO loopserve_schema VALUES ($1)", number)
         await old.execute("INSERT INTO response_items VALUES ('t', 'msg_old', 'resp_old', '{\"type\": \"message\"}')")
         await old.close()
-        s = PostgresStore(dsn)
-        await asyncio.wait_for(s.start(), 20)
-        try:
-            assert await s.get_item("msg_old", "t") == {"type": "message"}
-            await s.put(record("resp_new", "t", inputs=[msg("msg_old", "new")]))
-            assert await s.delete("resp_new", "t")
-            assert await s.get_item("msg_old", "t") == {"type": "message"}
-        finally:
-            await s.close()
-    finally:
-        await admin.execute(f"DROP DATABASE IF EXISTS {name}")
-        await admin.close()
+        await assert_v3_item_migrated(PostgresStore(dsn))

@@ -24,6 +24,7 @@ class Peer:
         self.queued = []
         self.all = []
         self.closed = None
+        self.stack = stack
         self.session = WebSocketSession(
             stack.driver, SessionCache(), session_key="conn", config=WebSocketConfig(**cfg),
             send=self.send, close=self.close, betas=frozenset(betas),
