@@ -4,32 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from array import array
-from collections import OrderedDict
 import logging
 import time
+from array import array
+from collections import OrderedDict
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, AsyncIterator, Optional
 
 from ray import serve
 
+from actors.kv_gate import KvGate, pin_key
 from cluster import telemetry
 from cluster.config import LoopserveConfig
+from cluster.core.messages import (
+    KV_MOVE,
+    PROMPT_BASE_MISSING,
+    EngineChunk,
+    EngineDone,
+    EngineFailure,
+    EngineQueued,
+    EngineRequest,
+    ToolCallPiece,
+)
+from cluster.core.render.tokenizer import load_tokenizer, token_codec
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
-from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
-from cluster.core.messages import (KV_MOVE, PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure,
-                                   EngineQueued, EngineRequest, ToolCallPiece)
 from cluster.engines.channel import ChannelServer, tls_contexts
+from cluster.engines.kv_budget import KV_METRICS, BudgetPolicy
+from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
-
-from cluster.tokenizer import load_tokenizer, token_codec
-
-from cluster.engines.kv_budget import KV_METRICS
-
-from .kv_gate import KvGate, pin_key
 
 log = logging.getLogger("loopserve.engine")
 
@@ -76,7 +81,7 @@ class EngineReplica:
         capacity = budget.capacity_tokens or int(getattr(self.engine, "kv_capacity_tokens", 0) or 0)
         # No known capacity (the scripted engine without a modelled cache): nothing to budget.
         block = int(getattr(self.engine, "block_size", 0) or getattr(getattr(self.engine, "kv", None), "block_size", 1))
-        self.gate: Optional[KvGate] = (KvGate(capacity, budget.policy(), block_size=block)
+        self.gate: Optional[KvGate] = (KvGate(capacity, BudgetPolicy.of(budget), block_size=block)
                                        if budget.enabled and capacity else None)
         metrics = telemetry.Metrics()
         for name, (key, description) in KV_METRICS.items():

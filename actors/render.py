@@ -11,8 +11,8 @@ from ray import serve
 from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import RenderJob
-from cluster.core.render import RenderResult, render_job
-from cluster.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
+from cluster.core.render.renderer import RenderResult, render_job
+from cluster.core.render.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
 
 log = logging.getLogger("loopserve.render")
 

@@ -21,11 +21,11 @@ from starlette.websockets import WebSocketDisconnect
 
 from actors.http import app, error_response, json_body, peak_rss_bytes, rss_bytes, sse
 from cluster import telemetry
-from cluster.core import ids
-from cluster.core.agent import reject_over_http as reject_multi_agent_over_http
-from cluster.core.session_cache import SessionCache
-from cluster.core.turn_stream import cache_salt
-from cluster.core.ws_session import WebSocketSession
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.stream import cache_salt
+from cluster.core.websocket.agent import reject_over_http as reject_multi_agent_over_http
+from cluster.core.websocket.session import WebSocketSession
+from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request, session_header
 

@@ -16,7 +16,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import EngineRequest, TextPiece
-from cluster.core.safety import SafetyService, Verdict, guard_prompt, guard_verdict, local_classifier
+from cluster.core.safety.classifiers import SafetyService, Verdict, guard_prompt, guard_verdict, local_classifier
 
 log = logging.getLogger("loopserve.safety")
 
@@ -31,7 +31,7 @@ class SafetyActor:
         self.guard = guard.options(stream=True) if (cfg.classifier == "guard" and guard is not None) else None
         self.guard_tokenizer = None
         if self.guard is not None:
-            from cluster.tokenizer import load_tokenizer
+            from cluster.core.render.tokenizer import load_tokenizer
 
             guard_cfg = LoopserveConfig(model=cfg.guard.model, engine=cfg.guard.engine, safety={"enabled": False})
             self.guard_tokenizer = await asyncio.to_thread(load_tokenizer, guard_cfg)

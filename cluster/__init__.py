@@ -7,6 +7,6 @@ core (`cluster.core`). `actors` holds the thin Ray Serve deployments.
 __version__ = "0.1.0"
 
 # Before anything imports transformers or vLLM: see `cluster/torch_extras.py`.
-from .torch_extras import hide_mismatched_extensions as _hide  # noqa: E402
+from cluster.torch_extras import hide_mismatched_extensions as _hide  # noqa: E402
 
 _hide()

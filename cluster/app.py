@@ -7,10 +7,9 @@ from typing import Any, Optional, Union
 
 from ray.serve import Application
 
-from .config import DeploymentResources, LoopserveConfig
-from .ingress import SERVE_FAST_PATH_ENV, haproxy_ingress
-from .torch_extras import startup_env
-
+from cluster.config import DeploymentResources, LoopserveConfig
+from cluster.ingress import SERVE_FAST_PATH_ENV, haproxy_ingress
+from cluster.torch_extras import startup_env
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 KV_PLACEMENT_ROUTER = "cluster.kv_router.KvPlacementRouter"
@@ -117,7 +116,7 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
 
     config = args if isinstance(args, LoopserveConfig) else LoopserveConfig.model_validate(args or {})
     if not config.model.path:
-        from .builtin_models import check_can_make
+        from cluster.models.builtin import check_can_make
 
         check_can_make(config.model.builtin)  # a missing package fails here, not in every replica
     fast = config.serve_fast_path

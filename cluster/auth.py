@@ -9,8 +9,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import ApiKey, AuthConfig
-from .protocol.errors import ApiError
+from cluster.config import ApiKey, AuthConfig
+from cluster.protocol.errors import ApiError
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def _loopback(host: str) -> bool:
 
 def _ports(http_port: int) -> list[int]:
     """The ports the cluster this command starts takes on this machine (HAProxy's stats page too)."""
-    from .ingress import haproxy_ingress
+    from cluster.ingress import haproxy_ingress
 
     stats = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
     return [http_port, stats] if haproxy_ingress() else [http_port]
@@ -47,10 +47,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from .app import build_app
-    from .config import KeysMissing, LoopserveConfig
-    from .ingress import apply_ingress_env, haproxy_ingress
-    from .stale_ingress import clear_ports
+    from cluster.app import build_app
+    from cluster.config import KeysMissing, LoopserveConfig
+    from cluster.ingress import apply_ingress_env, haproxy_ingress
+    from cluster.stale_ingress import clear_ports
 
     config = LoopserveConfig.model_validate(_load_args(ns.config))
     if ns.backend:
@@ -105,7 +105,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_make_model(ns: argparse.Namespace) -> int:
-    from .builtin_models import ModelUnavailable, ensure_builtin
+    from cluster.models.builtin import ModelUnavailable, ensure_builtin
 
     unknown = [name for name in ns.models if name not in BUILTIN_NAMES]
     if unknown:
@@ -147,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     m.set_defaults(fn=cmd_make_model)
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["bench"]:
-        from .bench.runner import main as bench_main
+        from cluster.bench.runner import main as bench_main
 
         return bench_main(args[1:])
     ns = parser.parse_args(args)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Literal, Optional
@@ -10,9 +9,6 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-DEFAULT_MODEL_DIR = Path(
-    os.environ.get("LOOPSERVE_MODEL_DIR", Path.home() / ".cache" / "loopserve" / "tiny-chat")
-)
 TINY_MODEL_NAME = "loopserve-tiny"
 
 
@@ -23,7 +19,7 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     """The served model: a local HF folder or hub id (`path`), or with no `path` a built-in
-    model made on this machine without a download (`cluster/builtin_models.py`):
+    model made on this machine without a download (`cluster/models/builtin.py`):
     `loopserve-tiny` (random weights, tests) or `smollm2-135m-instruct` (a real model)."""
 
     name: str = TINY_MODEL_NAME
@@ -42,7 +38,7 @@ class ModelConfig(_Strict):
     def resolved_path(self) -> str:
         if self.path:
             return self.path
-        from .builtin_models import builtin_path
+        from cluster.models.builtin import builtin_path
 
         return str(builtin_path(self.builtin))
 
@@ -139,13 +135,6 @@ class KvBudgetConfig(_Strict):
     move_after_s: float = Field(
         8.0, gt=0, description="With several engine replicas, a session holding nothing on its replica whose turn "
                                "waited this long for room is placed again (once), where there is more headroom.")
-
-    def policy(self):
-        from .engines.kv_budget import BudgetPolicy
-
-        return BudgetPolicy(retention=self.retention, ttl_initial_s=self.ttl_initial_s, ttl_min_s=self.ttl_min_s,
-                            ttl_max_s=self.ttl_max_s, ttl_pause_multiple=self.ttl_pause_multiple,
-                            max_queue_wait_s=self.max_queue_wait_s)
 
 
 class ChannelTlsConfig(_Strict):

@@ -26,7 +26,7 @@ from opentelemetry import metrics, propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
-from .config import TelemetryConfig
+from cluster.config import TelemetryConfig
 
 log = logging.getLogger(__name__)
 

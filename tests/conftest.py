@@ -1,12 +1,12 @@
 import pytest
 
-from cluster.config import DEFAULT_MODEL_DIR
+from cluster.models.folders import DEFAULT_MODEL_DIR
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """The locally generated tiny model (tokenizer + chat template + random weights)."""
-    from cluster.tiny_model import ensure_tiny_model
+    from cluster.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(DEFAULT_MODEL_DIR)
 

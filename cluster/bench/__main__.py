@@ -1,5 +1,5 @@
 import sys
 
-from .runner import main
+from cluster.bench.runner import main
 
 sys.exit(main())

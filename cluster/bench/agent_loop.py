@@ -201,7 +201,7 @@ def progress_bar(mode: str, done: int, total: int) -> None:
 
 def attach_server_timings(base_url: str, turns: list[Turn]) -> None:
     """Join each turn with the server's own timing (`/loopserve/stats`)."""
-    from .local import stats as server_stats
+    from cluster.bench.local import stats as server_stats
 
     stats = server_stats(base_url.rstrip("/"), last=1024)
     by_id = {t["response_id"]: t for t in stats["turns"]}

@@ -21,8 +21,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from .local import add_ingress_argument
-from .local import stats as server_stats
+from cluster.bench.local import add_ingress_argument
+from cluster.bench.local import stats as server_stats
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -198,7 +198,7 @@ def main(argv=None) -> None:
     ns = ap.parse_args(argv)
     url = ns.url
     if url is None:
-        from .local import deploy, start_local_serve
+        from cluster.bench.local import deploy, start_local_serve
 
         app = {**LOAD_APP, "safety": {"enabled": ns.safety == "on"}}
         url = deploy(start_local_serve(ingress=ns.ingress), "load", "/", app)
@@ -207,7 +207,7 @@ def main(argv=None) -> None:
         report = asyncio.run(run_load(url, ns.sessions, ns.turns, (lo, hi)))
     finally:
         if ns.url is None:
-            from .local import stop_local_serve
+            from cluster.bench.local import stop_local_serve
 
             stop_local_serve()
     print_load(report)

@@ -7,7 +7,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from ..ingress import IngressMode, apply_ingress_env
+from cluster.ingress import IngressMode, apply_ingress_env
 
 
 def free_port() -> int:
@@ -83,7 +83,7 @@ def stats(url: str, timeout: float = 60, **params: Any) -> dict[str, Any]:
 
 
 def with_local_admin(args: dict[str, Any]) -> dict[str, Any]:
-    from ..auth import key_sha256
+    from cluster.auth import key_sha256
 
     auth = dict(args.get("auth") or {})
     auth["admin_keys"] = sorted({*auth.get("admin_keys", []), key_sha256(LOCAL_ADMIN_KEY)})
@@ -94,7 +94,7 @@ def deploy(base: str, name: str, prefix: str, args: dict[str, Any], timeout: flo
     """Deploy a loopserve app under `prefix` (with the local admin key) and wait until it answers."""
     from ray import serve
 
-    from ..app import build_app
+    from cluster.app import build_app
 
     serve.run(build_app(with_local_admin(args) if admin else args), name=name, route_prefix=prefix, blocking=False)
     return wait_healthy(base + (prefix if prefix != "/" else ""), timeout)

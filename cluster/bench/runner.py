@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .agent_loop import MODES, Loop, attach_server_timings, percentile, progress_bar, summarize
-from .local import add_ingress_argument
+from cluster.bench.agent_loop import MODES, Loop, attach_server_timings, percentile, progress_bar, summarize
+from cluster.bench.local import add_ingress_argument
 
 SCRIPTED = {"tokens_per_second": 1000, "prefill_tokens_per_second": 20000, "max_output_tokens": 64}
 
 
 def _local_cluster(args: dict[str, Any], ingress: str) -> str:
-    from .local import deploy, start_local_serve
+    from cluster.bench.local import deploy, start_local_serve
 
     # The echo route is the benchmark's floor: on for the benchmark's own app only.
     return deploy(start_local_serve(ingress=ingress), "bench", "/", {**args, "ops": {"echo_route": True}},
@@ -34,7 +34,7 @@ async def echo_floor(url: str, n: int = 500) -> dict[str, float]:
     from websockets.asyncio.client import connect
 
     times = []
-    from .local import admin_headers
+    from cluster.bench.local import admin_headers
 
     async with connect(url.replace("http://", "ws://") + "/loopserve/echo", compression=None,
                        additional_headers=admin_headers()) as ws:
@@ -143,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      for m in ns.concurrency.split(",")]
     finally:
         if local:
-            from .local import stop_local_serve
+            from cluster.bench.local import stop_local_serve
 
             stop_local_serve()
     print_report(report)

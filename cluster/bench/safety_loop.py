@@ -15,8 +15,8 @@ import argparse
 import asyncio
 import statistics
 
-from .common import deploy, start_cluster, stop_cluster, ws_loop
-from .local import stats as server_stats
+from cluster.bench.common import deploy, start_cluster, stop_cluster, ws_loop
+from cluster.bench.local import stats as server_stats
 
 TEXT = "please look at the next module and summarise it. " * 3
 

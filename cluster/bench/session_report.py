@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from .agent_loop import percentile
+from cluster.bench.agent_loop import percentile
 
 
 def summarize(rows: Iterable[Any], turns: int, elapsed: float) -> dict[str, Any]:

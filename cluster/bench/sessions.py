@@ -42,9 +42,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .agent_loop import progress_bar
-from .local import add_ingress_argument
-from .session_report import calibrate, calibration_table, plot_svg, summarize, table
+from cluster.bench.agent_loop import progress_bar
+from cluster.bench.local import add_ingress_argument
+from cluster.bench.session_report import calibrate, calibration_table, plot_svg, summarize, table
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 
@@ -248,7 +248,7 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
 
 @contextmanager
 def loopserve(args: dict[str, Any], ingress: str) -> Iterator[str]:
-    from .local import deploy, start_local_serve, stop_local_serve
+    from cluster.bench.local import deploy, start_local_serve, stop_local_serve
 
     url = deploy(start_local_serve(ingress=ingress), "sessions", "/", args, timeout=900)
     try:
@@ -259,7 +259,7 @@ def loopserve(args: dict[str, Any], ingress: str) -> Iterator[str]:
 
 def loopserve_engine_stats(url: str, probes: int = 32) -> list[dict[str, Any]]:
     """Every engine replica's `kv` figures (stats routed by session key: probe a few keys)."""
-    from .local import stats
+    from cluster.bench.local import stats
 
     seen: dict[str, dict[str, Any]] = {}
     for i in range(probes):
@@ -308,7 +308,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # their own and would otherwise keep their ports and memory.
     signal.signal(signal.SIGTERM, _exit_once)
     if ns.targets:
-        from .session_targets import run_targets
+        from cluster.bench.session_targets import run_targets
 
         return run_targets(ns, run)
     run(ns)
@@ -363,9 +363,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     record(system, n, rows, elapsed, {"preemptions": pre, "server_max_queue_wait_s": wait,
                                                       "engine_replicas": len(after), "kv_tokens": capacity})
             else:
-                from ..builtin_models import ensure_builtin
-                from ..engines.vllm_engine import _on_cpu, resolve_dtype
-                from .peers import agentic_api, vllm_metrics, vllm_server
+                from cluster.bench.peers import agentic_api, vllm_metrics, vllm_server
+                from cluster.engines.vllm_engine import _on_cpu, resolve_dtype
+                from cluster.models.builtin import ensure_builtin
 
                 args = loopserve_args(ns.config, "vllm", 1, None, True, rates, ns.kv_blocks)
                 model_cfg, vcfg = args["model"], args["engine"].get("vllm", {})

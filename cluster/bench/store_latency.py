@@ -14,9 +14,8 @@ import asyncio
 import statistics
 import tempfile
 
-
-from .common import deploy, start_cluster, stop_cluster, ws_loop
-from .local import stats as server_stats
+from cluster.bench.common import deploy, start_cluster, stop_cluster, ws_loop
+from cluster.bench.local import stats as server_stats
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ import argparse
 import json
 import secrets
 import time
-from .local import stats as server_stats
+
+from cluster.bench.local import stats as server_stats
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
@@ -29,7 +30,7 @@ def main() -> None:
 
     from openai import OpenAI
 
-    from .common import deploy, start_cluster, stop_cluster
+    from cluster.bench.common import deploy, start_cluster, stop_cluster
 
     args = {"engine": {"backend": ns.backend}, "model": {"max_model_len": 32768}}
     if ns.backend == "vllm":

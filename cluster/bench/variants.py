@@ -19,9 +19,9 @@ import json
 import statistics
 from typing import Any
 
-from .agent_loop import Loop, attach_server_timings, percentile, summarize
-from .local import add_ingress_argument, deploy, start_local_serve, stop_local_serve
-from .runner import SCRIPTED, echo_floor
+from cluster.bench.agent_loop import Loop, attach_server_timings, percentile, summarize
+from cluster.bench.local import add_ingress_argument, deploy, start_local_serve, stop_local_serve
+from cluster.bench.runner import SCRIPTED, echo_floor
 
 DEFAULT_VARIANTS = {
     "safety-inline": {"safety": {"placement": "inline"}},

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .local import add_ingress_argument, free_port
+from cluster.bench.local import add_ingress_argument, free_port
 
 BLOCK = 32
 MAX_LEN = {"loopserve-tiny": 32768, "smollm2-135m-instruct": 8192}  # max_position_embeddings
@@ -123,7 +123,7 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
 
 
 def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy") -> list[float]:
-    from .runner import _local_cluster
+    from cluster.bench.runner import _local_cluster
 
     url = _local_cluster(ingress=ingress, args={"engine": {"backend": "vllm", "vllm": {"block_size": BLOCK, "default_max_tokens": max_tokens}},
                           "model": {"name": model, "builtin": model, "max_model_len": MAX_LEN[model]},
@@ -131,8 +131,8 @@ def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: 
     try:
         return asyncio.run(ws_chain(url, turns, chars, max_tokens, model))
     finally:
-        from ray import serve
         import ray
+        from ray import serve
 
         serve.shutdown()
         ray.shutdown()
@@ -142,7 +142,7 @@ def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: i
     import httpx
 
     port = free_port()
-    from ..torch_extras import expand_startup_env
+    from cluster.torch_extras import expand_startup_env
 
     env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     proc = subprocess.Popen(
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=sorted(MAX_LEN), default="loopserve-tiny")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
-    from ..builtin_models import ensure_builtin
+    from cluster.models.builtin import ensure_builtin
 
     model_dir, max_len = str(ensure_builtin(ns.model)), MAX_LEN[ns.model]
     results: dict[str, list[float]] = {}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from ..protocol.errors import ApiError
-from .ids import new_id
+from cluster.protocol.errors import ApiError
+from cluster.protocol.ids import new_id
 
 Event = dict[str, Any]
 

@@ -11,12 +11,33 @@ from array import array
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
-from ..protocol.errors import ApiError
-from .output_parser import ReasoningPiece, TextPiece, ToolCallPiece
+from cluster.protocol.errors import ApiError
 
 Item = dict[str, Any]  # a Responses API input/output item (JSON form)
 ToolSpec = dict[str, Any]  # a normalized function tool ({"type": "function", "function": {...}})
 TraceCarrier = dict[str, str]  # W3C trace context headers
+
+
+# -- generated output, parsed (engines/output_parser.py makes these) -------------------
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallPiece:
+    name: str
+    arguments: str  # a JSON string
+
+
+Piece = Union[TextPiece, ReasoningPiece, ToolCallPiece]
 
 
 # -- render ---------------------------------------------------------------------------

@@ -6,16 +6,16 @@ Selected by `EngineConfig.backend`; the replica gets the class injected
 
 from __future__ import annotations
 
-from ..config import EngineConfig
-from .base import Engine, EngineDelta, EngineRequest
+from cluster.config import EngineConfig
+from cluster.engines.base import Engine, EngineDelta, EngineRequest
 
 
 def engine_class(config: EngineConfig) -> type[Engine]:
     if config.backend == "scripted":
-        from .scripted import ScriptedEngine
+        from cluster.engines.scripted import ScriptedEngine
 
         return ScriptedEngine
-    from .vllm_engine import VLLMEngine
+    from cluster.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine
 

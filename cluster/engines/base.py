@@ -6,7 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Protocol
 
-from ..core.messages import EngineRequest
+from cluster.core.messages import EngineRequest
 
 
 @dataclass

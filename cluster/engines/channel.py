@@ -27,8 +27,17 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 import msgpack
 
-from ..core.messages import (EngineChunk, EngineDone, EngineFailure, EngineQueued, EngineRequest, ReasoningPiece,
-                             TextPiece, TokenProgress, ToolCallPiece)
+from cluster.core.messages import (
+    EngineChunk,
+    EngineDone,
+    EngineFailure,
+    EngineQueued,
+    EngineRequest,
+    ReasoningPiece,
+    TextPiece,
+    TokenProgress,
+    ToolCallPiece,
+)
 
 log = logging.getLogger("loopserve.channel")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..core.controls import forces_a_tool_call
-from ..core.messages import ToolSpec
+from cluster.core.messages import ToolSpec
+from cluster.core.turn.controls import forces_a_tool_call
 
 
 def structural_tag_model(tool_parser: str) -> Optional[str]:

@@ -30,7 +30,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from cluster.config import KvBudgetConfig
 
 
 # The engine replica's KV figures as OpenTelemetry gauges (attribute `replica`), each read
@@ -65,6 +68,12 @@ class BudgetPolicy:
     ttl_pause_multiple: float = 2.0  # TTL = this x the session's long pauses (decayed maximum)
     max_queue_wait_s: float = 60.0  # then the head of the queue may end other sessions' retention
     max_sessions: int = 100_000  # sessions tracked for their pause statistics (LRU)
+
+    @classmethod
+    def of(cls, config: "KvBudgetConfig") -> "BudgetPolicy":
+        return cls(retention=config.retention, ttl_initial_s=config.ttl_initial_s, ttl_min_s=config.ttl_min_s,
+                   ttl_max_s=config.ttl_max_s, ttl_pause_multiple=config.ttl_pause_multiple,
+                   max_queue_wait_s=config.max_queue_wait_s)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Output parsing per model family with vLLM's own tool-call and reasoning parsers.
 
-The streaming splitter (`cluster.core.output_parser`) only needs to know where
+The streaming splitter (`cluster.engines.output_parser`) only needs to know where
 a family's tool-call section starts (and ends, if it has an end tag) and which
 tags delimit reasoning; decoding the section is vLLM's parser's job
 (`ToolParserManager`), so a family is supported exactly as vLLM supports it.
@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..core.output_parser import ToolCallExtractor, json_tool_call_extractor
+from cluster.engines.output_parser import ToolCallExtractor, json_tool_call_extractor
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ from array import array
 from collections import OrderedDict
 from typing import Optional
 
-from ..core.messages import EngineRequest
-
+from cluster.core.messages import EngineRequest
 
 ENTRY_BYTES = 600  # an entry's Python objects besides its tokens (key tuple, strings, array, dict node)
 

@@ -14,9 +14,9 @@ from array import array
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Optional
 
-from ..config import ModelConfig, ScriptedEngineConfig
-from .base import EngineDelta, EngineRequest, EngineStats
-from .kv_model import KvBlockPool
+from cluster.config import ModelConfig, ScriptedEngineConfig
+from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
+from cluster.engines.kv_model import KvBlockPool
 
 
 def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:

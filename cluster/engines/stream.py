@@ -8,9 +8,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
-from ..core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress
-from ..core.output_parser import StreamingOutputParser, ToolCallExtractor
-from .base import Engine
+from cluster.core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress
+from cluster.engines.base import Engine
+from cluster.engines.output_parser import StreamingOutputParser, ToolCallExtractor
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,12 @@ API). Prefix caching is on, so a continuation's prefix is not recomputed;
 from __future__ import annotations
 
 import asyncio
-
 import logging
 import os
 from typing import AsyncIterator
 
-from ..config import ModelConfig, VLLMEngineConfig
-from .base import EngineDelta, EngineRequest, EngineStats
+from cluster.config import ModelConfig, VLLMEngineConfig
+from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "mp"
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
         if cfg.session_pins and cfg.enable_prefix_caching:
-            from .vllm_retention import retaining_scheduler_for
+            from cluster.engines.vllm_retention import retaining_scheduler_for
 
             sched = vllm_config.scheduler_config
             sched.scheduler_cls = retaining_scheduler_for(bool(getattr(sched, "async_scheduling", False)))
@@ -149,7 +148,7 @@ class VLLMEngine:
         self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self.preemptions.factory],
                                              disable_log_stats=True)
         if cfg.grammar_compile_timeout_s is not None:
-            from .grammar_gate import GrammarGate
+            from cluster.engines.grammar_gate import GrammarGate
 
             self.grammar_gate = GrammarGate(self.model.resolved_path(), cfg.grammar_compile_timeout_s)
             self._gate_warming = asyncio.get_running_loop().create_task(self.grammar_gate.warm())
@@ -185,11 +184,11 @@ class VLLMEngine:
             sampling["temperature"] = request.temperature
         if request.top_p is not None:
             sampling["top_p"] = request.top_p
-        from .constraints import structured_outputs
+        from cluster.engines.constraints import structured_outputs
 
         if self.grammar_gate is not None:
-            from ..core.controls import forces_a_tool_call
-            from .grammar_gate import request_schemas
+            from cluster.core.turn.controls import forces_a_tool_call
+            from cluster.engines.grammar_gate import request_schemas
 
             forced = bool(request.tools) and forces_a_tool_call(request.tool_choice)
             await self.grammar_gate.check(request_schemas(request.text_format, request.tools, forced))

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
-from .errors import ApiError, from_validation_error, invalid_request
+from cluster.protocol.errors import ApiError, from_validation_error, invalid_request
 
 
 class _Tolerant(BaseModel):

@@ -8,8 +8,8 @@ replacement; anything else is the caller's to handle.
 from __future__ import annotations
 
 import asyncio
-import ssl
 import logging
+import ssl
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, AsyncIterator, Optional
@@ -18,13 +18,13 @@ from opentelemetry import context as otel_context
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from .. import telemetry
-from ..config import LoopserveConfig
-from ..core.messages import KV_MOVE, EngineChunk, EngineDone, EngineFailure, EngineRequest, RenderJob
-from ..core.render import IncrementalRenderer, RenderResult, render_job
-from ..core.retry import RetryPolicy
-from ..core.safety import SafetyService
-from ..engines.channel import ChannelError, ChannelPool
+from cluster import telemetry
+from cluster.config import LoopserveConfig
+from cluster.core.messages import KV_MOVE, EngineChunk, EngineDone, EngineFailure, EngineRequest, RenderJob
+from cluster.core.render.renderer import IncrementalRenderer, RenderResult, render_job
+from cluster.core.retry import RetryPolicy
+from cluster.core.safety.classifiers import SafetyService
+from cluster.engines.channel import ChannelError, ChannelPool
 
 log = logging.getLogger("loopserve.connection")
 

@@ -19,20 +19,21 @@ from fastapi import Request, WebSocket
 from fastapi.responses import JSONResponse
 from ray.serve.handle import DeploymentHandle
 
-from .. import telemetry
-from ..auth import Authenticator, Principal
-from ..engines.channel import tls_contexts
-from ..config import LoopserveConfig
-from ..core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
-from ..core.safety import SafetyService, local_classifier
-from ..core.session_cache import CacheMemory, SessionCache
-from ..core.turn import TurnDriver, TurnSettings
-from ..core.ws_session import WebSocketSession, frame_too_large
-from ..protocol.errors import ApiError
-from ..store import ResponseStore, open_store
-from ..tokenizer import load_tokenizer, renderer_for, watch_fallbacks
-from .clients import EngineClient, RenderClient, SafetyClient, deployment_retry
-from .responses import ResponsesService
+from cluster import telemetry
+from cluster.auth import Authenticator, Principal
+from cluster.config import LoopserveConfig
+from cluster.core.render.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
+from cluster.core.safety.classifiers import SafetyService, local_classifier
+from cluster.core.turn.cache import CacheMemory, SessionCache
+from cluster.core.turn.driver import TurnDriver, TurnSettings
+from cluster.core.turn.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
+from cluster.core.websocket.session import WebSocketSession, frame_too_large
+from cluster.engines.channel import tls_contexts
+from cluster.engines.parsers import tool_format
+from cluster.protocol.errors import ApiError
+from cluster.serving.clients import EngineClient, RenderClient, SafetyClient, deployment_retry
+from cluster.serving.responses import ResponsesService
+from cluster.store import ResponseStore, open_store
 
 log = logging.getLogger("loopserve.connection")
 
@@ -50,7 +51,7 @@ class ConnectionServices:
         self.safety_ledger = SafetyLedger()
         self.post_work = PostWorkQueue({"usage": self.usage, "safety": self.safety_ledger},
                                        retries=config.post_work.retries, backoff_s=config.post_work.backoff_s)
-        self.driver = TurnDriver(TurnSettings.from_config(config), render=render, engine=engine, safety=safety,
+        self.driver = TurnDriver(turn_settings(config), render=render, engine=engine, safety=safety,
                                  post_work=self.post_work, metrics=self.metrics,
                                  items=store.get_item
                                  if store is not None else None)
@@ -164,3 +165,20 @@ class ConnectionServices:
             "turn_transport": dict(m.turn_transport),
             "turns": m.recent_turns(last),
         }
+
+
+def turn_settings(config: LoopserveConfig) -> TurnSettings:
+    """The turn core's slice of the config."""
+    eng = config.engine
+    return TurnSettings(
+        model_name=config.model.name,
+        default_max_tokens=eng.vllm.default_max_tokens if eng.backend == "vllm" else eng.scripted.max_output_tokens,
+        max_model_len=config.model.max_model_len,
+        verify_renders=config.verify_renders,
+        output_chunk_chars=config.safety.output_chunk_chars,
+        classify_tool_outputs=config.safety.classify_tool_outputs,
+        max_input_items=config.limits.max_input_items,
+        max_context_tokens=config.limits.max_context_tokens,
+        max_context_bytes=config.limits.max_context_bytes,
+        can_force_tool_calls=eng.backend == "scripted" or tool_format(config.model.tool_parser).forcible,
+    )

@@ -14,16 +14,16 @@ import logging
 import time
 from typing import Any, Optional
 
-from ..core.events import build_response, replay_events
-from ..core.ids import new_id
-from ..core.post_work import TurnRecord
-from ..core.render import _content_text
-from ..core.session_cache import SessionCache
-from ..core.state import ResponseState
-from ..core.turn import TurnDriver
-from ..protocol.errors import ApiError, previous_response_not_found
-from ..protocol.requests import parse_request
-from ..store import ResponseStore, StoredResponse, state_from_chain
+from cluster.core.events import build_response, replay_events
+from cluster.core.render.renderer import content_text
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.driver import TurnDriver
+from cluster.core.turn.post_work import TurnRecord
+from cluster.core.turn.state import ResponseState
+from cluster.protocol.errors import ApiError, previous_response_not_found
+from cluster.protocol.ids import new_id
+from cluster.protocol.requests import parse_request
+from cluster.store import ResponseStore, StoredResponse, state_from_chain
 
 log = logging.getLogger(__name__)
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -220,11 +220,11 @@ class ResponsesService:
         for item in dropped:
             kind = item.get("type", "message")
             if kind == "message":
-                lines.append(f"{item.get('role')}: {_content_text(item.get('content'))[:200]}")
+                lines.append(f"{item.get('role')}: {content_text(item.get('content'))[:200]}")
             elif kind == "function_call":
                 lines.append(f"tool call {item.get('name')}({(item.get('arguments') or '')[:200]})")
             elif kind == "function_call_output":
-                lines.append(f"tool result: {_content_text(item.get('output'))[:200]}")
+                lines.append(f"tool result: {content_text(item.get('output'))[:200]}")
         summary = "\n".join(lines)[:summary_chars]
         payload = base64.b64encode(json.dumps({"v": 1, "summary": summary}).encode()).decode()
         kept = [_listed(item) for item in kept]

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import (COLUMNS, ITEMS_TABLE_NAME, LEGACY_ITEMS_TABLE, MIGRATE_LEGACY_ITEMS, StoredResponse,
-                   chain_query, items_table)
+from cluster.store.base import (
+    COLUMNS,
+    ITEMS_TABLE_NAME,
+    LEGACY_ITEMS_TABLE,
+    MIGRATE_LEGACY_ITEMS,
+    StoredResponse,
+    chain_query,
+    items_table,
+)
 
 MIGRATIONS = [
     # version 1

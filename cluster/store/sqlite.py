@@ -8,8 +8,15 @@ import sqlite3
 from pathlib import Path
 from typing import Optional
 
-from .base import (COLUMNS, ITEMS_TABLE_NAME, LEGACY_ITEMS_TABLE, MIGRATE_LEGACY_ITEMS, StoredResponse,
-                   chain_query, items_table)
+from cluster.store.base import (
+    COLUMNS,
+    ITEMS_TABLE_NAME,
+    LEGACY_ITEMS_TABLE,
+    MIGRATE_LEGACY_ITEMS,
+    StoredResponse,
+    chain_query,
+    items_table,
+)
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS loopserve_schema (version INTEGER NOT NULL)""",

@@ -24,8 +24,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from cluster.bench.local import stats as server_stats
-from cluster.core.agent import MAX_INJECTED_BYTES
-from cluster.core.steering import MAX_STEER_BYTES
+from cluster.core.websocket.agent import MAX_INJECTED_BYTES
+from cluster.core.websocket.steering import MAX_STEER_BYTES
 
 from .conftest import _module_app
 

@@ -9,7 +9,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from cluster import telemetry
-from cluster.core.ids import session_key
+from cluster.protocol.ids import session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -11,15 +11,15 @@ from contextlib import aclosing
 from typing import Any
 
 from cluster.config import ModelConfig, ScriptedEngineConfig
-from cluster.core.render import render_job
-from cluster.core.safety import Classifier
-from cluster.core.turn import TurnDriver, TurnSettings
-from cluster.engines.parsers import vllm_tool_call_extractor
 from cluster.core.messages import PROMPT_BASE_MISSING, EngineFailure, EngineRequest, RenderJob
+from cluster.core.render.renderer import render_job
+from cluster.core.render.tokenizer import renderer_for
+from cluster.core.safety.classifiers import Classifier
+from cluster.core.turn.driver import TurnDriver, TurnSettings
+from cluster.engines.parsers import vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted import ScriptedEngine
 from cluster.engines.stream import stream_chunks
-from cluster.tokenizer import renderer_for
 
 
 class InProcessStack:

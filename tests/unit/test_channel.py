@@ -8,8 +8,8 @@ from array import array
 import pytest
 
 from cluster.core.messages import EngineDone, EngineFailure, EngineRequest, TokenProgress
-from cluster.core.output_parser import ReasoningPiece, TextPiece, ToolCallPiece
 from cluster.engines.channel import ChannelError, ChannelPool, ChannelServer, decode_request, encode_request
+from cluster.engines.output_parser import ReasoningPiece, TextPiece, ToolCallPiece
 
 CHUNKS = [[TextPiece("hel"), TokenProgress(2)], [ReasoningPiece("hm"), ToolCallPiece("read", '{"p": 1}')],
           [EngineFailure(400, "no", code="c", param=None)],

@@ -123,8 +123,7 @@ def test_engines_autoscale_on_kv_demand_and_on_turns_waiting_for_room():
 def test_the_built_in_real_model_says_how_to_get_it_when_its_package_is_missing(tmp_path, monkeypatch):
     import importlib.util
 
-    from cluster import builtin_models
-
+    from cluster.models import builtin as builtin_models
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(builtin_models, "MODEL_CACHE", tmp_path)  # not converted yet
     monkeypatch.setattr(builtin_models.importlib.util, "find_spec",

@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.core.context import normalize_tools, resolve_context
+from cluster.core.turn.context import normalize_tools, resolve_context
 from cluster.protocol.errors import ApiError
 
 
@@ -30,7 +30,7 @@ def test_call_without_output_is_rejected_when_a_turn_starts():
 
 
 def test_pairing_spans_the_cached_history():
-    from cluster.core.state import ResponseState
+    from cluster.core.turn.state import ResponseState
 
     parent = ResponseState(
         response_id="r1", model="m", items=[user(), fc("c1")], output_start=1, instructions=None, tools=[],

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.core.controls import MAX_SCHEMA_EXPANSION, check_grammar_cost
+from cluster.core.turn.controls import MAX_SCHEMA_EXPANSION, check_grammar_cost
 from cluster.engines.grammar_gate import GrammarGate, GrammarTooComplex, request_schemas
 from cluster.protocol.errors import ApiError
 

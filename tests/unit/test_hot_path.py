@@ -8,7 +8,7 @@ import pytest
 from cluster import telemetry
 from cluster.core.messages import EngineRequest
 from cluster.core.retry import RetryPolicy
-from cluster.core.session_cache import SessionCache
+from cluster.core.turn.cache import SessionCache
 from cluster.engines.prompts import SessionPrompts
 from cluster.protocol.requests import parse_request
 
@@ -52,7 +52,7 @@ async def test_a_continuation_sends_the_engine_only_its_new_tokens(tokenizer):
 
 
 async def test_the_prompt_the_engine_rebuilds_is_the_full_render(tokenizer):
-    from cluster.core.context import normalize_tools
+    from cluster.core.turn.context import normalize_tools
 
     stack = InProcessStack(tokenizer, verify=False)
     cache = SessionCache()

@@ -4,10 +4,10 @@ generates again in the same response; what cannot be committed is refused or ret
 
 import asyncio
 
+from openai.types.beta.beta_responses_server_event import BetaResponsesServerEvent
 from pydantic import TypeAdapter
 
-from cluster.core.agent import BETA
-from openai.types.beta.beta_responses_server_event import BetaResponsesServerEvent
+from cluster.core.websocket.agent import BETA
 
 from .harness import InProcessStack
 from .test_steering import of_type, wait_for
@@ -96,8 +96,7 @@ async def test_multi_agent_needs_the_beta_header_and_stops_waiting_in_time(token
 
 async def test_injected_output_a_connection_holds_is_bounded_in_bytes(tokenizer, monkeypatch):
     """Issue 22, item 4: outputs waiting in the inbox count against a per-connection byte bound."""
-    from cluster.core import agent
-
+    from cluster.core.websocket import agent
     monkeypatch.setattr(agent, "MAX_INJECTED_BYTES", 4096)
     p, rid, call = await waiting_agent(tokenizer)
     await p.frame({"type": "response.inject", "response_id": rid, "input": [

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from cluster.core import ids
-from cluster.core.state import ResponseState, _size, estimate_nbytes
+from cluster.core.turn.state import ResponseState, _size, estimate_nbytes
+from cluster.protocol import ids
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import MAX_JSON_DEPTH, json_depth_error, parse_request, session_header
 
@@ -92,7 +92,7 @@ async def test_a_deeply_nested_websocket_message_gets_an_error_and_the_socket_ke
 
 
 def _driver_with_items(tokenizer, item: dict, limit: int):
-    from cluster.core.turn import TurnDriver, TurnSettings
+    from cluster.core.turn.driver import TurnDriver, TurnSettings
 
     stack = InProcessStack(tokenizer)
     fetches = []
@@ -107,7 +107,7 @@ def _driver_with_items(tokenizer, item: dict, limit: int):
 
 
 async def _first_error(driver, body):
-    from cluster.core.session_cache import SessionCache
+    from cluster.core.turn.cache import SessionCache
 
     with pytest.raises(ApiError) as err:  # refused before the response is created
         [ev async for ev in driver.run(parse_request(body), SessionCache(1), session_key="s", owner="t")]
@@ -124,7 +124,7 @@ async def test_many_references_to_one_large_item_stop_at_the_context_limit_after
 
 
 async def test_too_many_item_references_are_refused_before_any_fetch(tokenizer):
-    from cluster.core.turn import MAX_ITEM_REFERENCES
+    from cluster.core.turn.driver import MAX_ITEM_REFERENCES
 
     driver, fetches = _driver_with_items(tokenizer, {"type": "message", "role": "user", "content": "hi"}, 10**9)
     body = {"model": "loopserve-tiny", "input": [{"type": "item_reference", "id": f"msg_{i}"}
@@ -134,7 +134,7 @@ async def test_too_many_item_references_are_refused_before_any_fetch(tokenizer):
 
 
 def test_pattern_expansion_adds_sequences_and_multiplies_nesting():
-    from cluster.core.controls import pattern_expansion
+    from cluster.core.turn.controls import pattern_expansion
 
     assert pattern_expansion(r"^\d{3}-\d{4}$") == 8
     assert pattern_expansion("^(a|b){16000}$") == 32_000
@@ -144,8 +144,8 @@ def test_pattern_expansion_adds_sequences_and_multiplies_nesting():
 
 
 def _controls(body):
-    from cluster.core.context import normalize_tools
-    from cluster.core.controls import check_output_controls
+    from cluster.core.turn.context import normalize_tools
+    from cluster.core.turn.controls import check_output_controls
 
     req = parse_request({"model": "m", "input": "hi", **body})
     check_output_controls(req, normalize_tools(req.tools), model="m", can_force_tool_calls=True)
@@ -190,7 +190,7 @@ async def test_invalid_frames_behind_a_running_response_are_bounded_then_the_soc
 async def test_records_waiting_for_a_slow_store_are_bounded_by_bytes_and_drops_are_counted():
     import asyncio
 
-    from cluster.core.post_work import PostWorkQueue, TurnRecord
+    from cluster.core.turn.post_work import PostWorkQueue, TurnRecord
 
     async def store_down(record):
         raise RuntimeError("store unavailable")
@@ -210,7 +210,7 @@ async def test_records_waiting_for_a_slow_store_are_bounded_by_bytes_and_drops_a
 async def test_a_hook_that_hangs_is_a_failed_attempt():
     import asyncio
 
-    from cluster.core.post_work import PostWorkQueue, TurnRecord
+    from cluster.core.turn.post_work import PostWorkQueue, TurnRecord
 
     async def hangs(record):
         await asyncio.Event().wait()
@@ -222,9 +222,9 @@ async def test_a_hook_that_hangs_is_a_failed_attempt():
 
 
 def test_steering_input_a_connection_holds_is_bounded_in_bytes():
-    from cluster.core import steering
-    from cluster.core.session_cache import SessionCache
-    from cluster.core.ws_inflight import InFlight, WsCreate
+    from cluster.core.turn.cache import SessionCache
+    from cluster.core.websocket import steering
+    from cluster.core.websocket.inflight import InFlight, WsCreate
 
     inflight = InFlight()
     running = WsCreate({}, None, None, steerable=True, calls=1)  # owes a tool call: steers wait for its end
@@ -241,8 +241,8 @@ def test_steering_input_a_connection_holds_is_bounded_in_bytes():
 
 async def test_a_response_without_an_owner_is_no_tenants_and_is_never_stored(tokenizer, tmp_path):
     """Item 9: a missing owner never stands for tenant "default" (nor for anyone)."""
-    from cluster.core.post_work import TurnRecord
-    from cluster.core.session_cache import SessionCache
+    from cluster.core.turn.cache import SessionCache
+    from cluster.core.turn.post_work import TurnRecord
     from cluster.serving.responses import ResponsesService
     from cluster.store.sqlite import SQLiteStore
 
@@ -271,7 +271,7 @@ async def test_a_response_without_an_owner_is_no_tenants_and_is_never_stored(tok
 
 
 async def test_a_continuation_never_crosses_from_a_tenant_to_no_tenant(tokenizer):
-    from cluster.core.session_cache import SessionCache
+    from cluster.core.turn.cache import SessionCache
     from cluster.protocol.errors import ApiError as Err
 
     stack = InProcessStack(tokenizer)

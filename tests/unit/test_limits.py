@@ -7,9 +7,9 @@ import json
 import pytest
 
 from cluster.config import ModelConfig, ScriptedEngineConfig, WebSocketConfig
-from cluster.core.session_cache import CacheMemory, SessionCache
-from cluster.core.state import ResponseState
-from cluster.core.ws_session import WebSocketSession
+from cluster.core.turn.cache import CacheMemory, SessionCache
+from cluster.core.turn.state import ResponseState
+from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.base import EngineRequest, RecentKeys
 from cluster.engines.scripted import MAX_CACHED_SESSIONS, ScriptedEngine
 from cluster.protocol.errors import ApiError
@@ -151,7 +151,7 @@ def test_named_tool_choice_must_name_an_offered_tool():
 
 
 def test_text_frames_are_measured_in_utf8_bytes():
-    from cluster.core.ws_session import frame_bytes
+    from cluster.core.websocket.session import frame_bytes
 
     assert frame_bytes("abc") == 3 and frame_bytes(b"abc") == 3
     assert frame_bytes("é" * 1000) == 2000  # a limit in bytes is not dodged with multi-byte text

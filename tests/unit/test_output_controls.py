@@ -4,13 +4,14 @@ tool-call limit, truncation: auto, reasoning.effort through the chat template.""
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.core.controls import check_output_controls, template_effort_kwargs, tool_call_limit
-from cluster.core.context import normalize_tools
-from cluster.core.session_cache import SessionCache
+from cluster.core.render.renderer import template_effort_kwargs
+from cluster.core.render.tokenizer import renderer_for
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.context import normalize_tools
+from cluster.core.turn.controls import check_output_controls, tool_call_limit
 from cluster.engines.parsers import TOOL_FORMATS
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
-from cluster.tokenizer import renderer_for
 
 from .harness import InProcessStack
 

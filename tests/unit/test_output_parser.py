@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from cluster.core.output_parser import ReasoningPiece, StreamingOutputParser, TextPiece, ToolCallPiece
+from cluster.engines.output_parser import ReasoningPiece, StreamingOutputParser, TextPiece, ToolCallPiece
 
 
 def run(parser, chunks):

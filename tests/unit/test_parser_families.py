@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cluster.core.output_parser import StreamingOutputParser, TextPiece, ToolCallPiece
+from cluster.engines.output_parser import StreamingOutputParser, TextPiece, ToolCallPiece
 from cluster.engines.parsers import reasoning_tags, supported_tool_parsers, tool_format, vllm_tool_call_extractor
 
 RECORDED = {
@@ -67,7 +67,7 @@ def test_reasoning_tags_come_from_vllms_reasoning_parser(name, family_tokenizer)
 
 
 def test_prompt_that_opens_think_starts_in_reasoning():
-    from cluster.core.output_parser import ReasoningPiece
+    from cluster.engines.output_parser import ReasoningPiece
 
     parser = StreamingOutputParser(start_in_reasoning=True)
     pieces = stream(parser, "weighing options</think>The answer.")

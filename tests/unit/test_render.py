@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from cluster.core.context import normalize_tools
-from cluster.core.render import IncrementalRenderer, messages_from_items
-from cluster.tokenizer import renderer_for
+from cluster.core.render.renderer import IncrementalRenderer, messages_from_items
+from cluster.core.render.tokenizer import renderer_for
+from cluster.core.turn.context import normalize_tools
 
 TOOLS = normalize_tools(
     [

@@ -18,11 +18,11 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.core.context import normalize_tools
-from cluster.core.render_probe import SCENARIOS, TOOLS, _check, _State, format_step
-from cluster.core.session_cache import SessionCache
+from cluster.core.render.probe import SCENARIOS, TOOLS, _check, _State, format_step
+from cluster.core.render.tokenizer import renderer_for
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.context import normalize_tools
 from cluster.protocol.requests import parse_request
-from cluster.tokenizer import renderer_for
 
 from .harness import InProcessStack
 
@@ -92,7 +92,7 @@ def test_the_served_template_is_proven_exact_everywhere(tiny_model_dir):
 
 
 def test_smollm2s_own_template_from_its_gguf():
-    from cluster.builtin_models import smollm2_gguf
+    from cluster.models.builtin import smollm2_gguf
 
     gguf = smollm2_gguf()
     r = renderer_for(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
@@ -184,7 +184,7 @@ def test_mistral_common_encodings(tmp_path, name, file):
 
 def test_a_probe_check_catches_a_wrong_delta(tiny_model_dir):
     """The check the probe is made of: a delta that differs from the full render is recorded wrong."""
-    from cluster.core.render_probe import ProbeReport
+    from cluster.core.render.probe import ProbeReport
 
     r = renderer_for(tokenizer_with(tiny_model_dir, TOOLS_BEFORE_LAST_USER), probe=False)
     items = [{"type": "message", "role": "user", "content": "hi"},

@@ -4,17 +4,17 @@ import asyncio
 
 import pytest
 
-from cluster.core.post_work import PostWorkQueue, TurnRecord, UsageMeter
-from cluster.core.safety import (
+from cluster.core.safety.classifiers import (
     CombinedClassifier,
-    OutputMonitor,
     PolicyClassifier,
     ProfanityClassifier,
     Verdict,
     guard_verdict,
     parse_guard_output,
 )
-from cluster.core.session_cache import SessionCache
+from cluster.core.safety.gate import OutputMonitor
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.post_work import PostWorkQueue, TurnRecord, UsageMeter
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 
@@ -204,7 +204,7 @@ def test_fast_profanity_path_matches_the_package():
 
 
 async def test_short_output_is_checked_after_the_terminal_event_and_blocks_continuation(tokenizer):
-    from cluster.core.post_work import OutputTailCheck, SafetyLedger
+    from cluster.core.turn.post_work import OutputTailCheck, SafetyLedger
 
     safety = CountingSafety(PolicyClassifier({"leak": [r"task is complete"]}))
     ledger = SafetyLedger()

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cluster.core.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, TurnRecord
-from cluster.core.safety import PolicyClassifier
-from cluster.core.session_cache import SessionCache
+from cluster.core.safety.classifiers import PolicyClassifier
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, TurnRecord
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from cluster.serving.responses import ResponsesService

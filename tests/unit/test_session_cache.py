@@ -1,7 +1,7 @@
 from array import array
 
-from cluster.core.session_cache import SessionCache
-from cluster.core.state import RenderedPrefix, RenderKey, ResponseState
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState
 
 
 def state(rid: str, tokens: int = 10, text: str = "x") -> ResponseState:

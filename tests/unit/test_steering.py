@@ -6,11 +6,11 @@ import asyncio
 import json
 
 import pytest
+from openai.types.responses.responses_server_event import ResponsesServerEvent
 from pydantic import TypeAdapter
 
 from cluster.config import ScriptedEngineConfig
-from cluster.core import steering
-from openai.types.responses.responses_server_event import ResponsesServerEvent
+from cluster.core.websocket import steering
 
 from .harness import InProcessStack
 from .test_ws_session import TOOLS, Peer

@@ -11,9 +11,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from cluster import telemetry
 from cluster.config import TelemetryConfig
-from cluster.core.post_work import PostWorkQueue, UsageMeter
-from cluster.core.safety import PolicyClassifier
-from cluster.core.session_cache import SessionCache
+from cluster.core.safety.classifiers import PolicyClassifier
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.post_work import PostWorkQueue, UsageMeter
 from cluster.protocol.requests import parse_request
 
 from .harness import CountingSafety, InProcessStack

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.core.session_cache import SessionCache
+from cluster.core.turn.cache import SessionCache
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 

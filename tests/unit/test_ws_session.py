@@ -6,8 +6,8 @@ import json
 import pytest
 
 from cluster.config import WebSocketConfig
-from cluster.core.session_cache import SessionCache
-from cluster.core.ws_session import WebSocketSession
+from cluster.core.turn.cache import SessionCache
+from cluster.core.websocket.session import WebSocketSession
 
 from .harness import InProcessStack
 
@@ -264,7 +264,7 @@ async def test_lanes_run_concurrently_each_fifo_and_waiting_creates_are_announce
 
 
 async def test_lane_limits_and_bad_stream_ids(tokenizer):
-    from cluster.core.ws_session import MAX_ACTIVE, MAX_LANES
+    from cluster.core.websocket.session import MAX_ACTIVE, MAX_LANES
 
     stack = InProcessStack(tokenizer, tokens_per_second=200)
     p = Peer(stack)

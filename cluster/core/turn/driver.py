@@ -14,22 +14,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
-from .. import telemetry
-from ..protocol.errors import ApiError, previous_response_not_found, server_error
-from ..engines.parsers import tool_format
-from ..protocol.requests import ResponsesRequest, parse_request
-from .context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
-from .controls import check_output_controls
-from .events import Event, EventAssembler, build_response
-from .ids import new_id
-from .messages import RenderJob
-from .render import RenderResult
-from .post_work import PostWorkQueue
-from .safety import SafetyPort, TurnSafety, turn_input_texts
-from .session_cache import SessionCache
-from .state import RenderKey, ResponseState, items_nbytes
-from .turn_stream import EnginePort, Rendered, Stop, Turn, TurnServices, TurnStream, TurnTiming
-
+from cluster import telemetry
+from cluster.core.events import Event, EventAssembler, build_response
+from cluster.core.messages import RenderJob
+from cluster.core.render.renderer import RenderResult
+from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
+from cluster.core.turn.controls import check_output_controls
+from cluster.core.turn.post_work import PostWorkQueue
+from cluster.core.turn.state import RenderKey, ResponseState, items_nbytes
+from cluster.core.turn.stream import EnginePort, Rendered, Stop, Turn, TurnServices, TurnStream, TurnTiming
+from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
+from cluster.protocol.ids import new_id
+from cluster.protocol.requests import ResponsesRequest, parse_request
 
 _TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -77,22 +75,6 @@ class TurnSettings:
     max_context_bytes: Optional[int] = None
     # The engine can force tool calls (tool_choice required/named) for this model's format.
     can_force_tool_calls: bool = True
-
-    @classmethod
-    def from_config(cls, config: Any) -> "TurnSettings":
-        eng = config.engine
-        return cls(
-            model_name=config.model.name,
-            default_max_tokens=eng.vllm.default_max_tokens if eng.backend == "vllm" else eng.scripted.max_output_tokens,
-            max_model_len=config.model.max_model_len,
-            verify_renders=config.verify_renders,
-            output_chunk_chars=config.safety.output_chunk_chars,
-            classify_tool_outputs=config.safety.classify_tool_outputs,
-            max_input_items=config.limits.max_input_items,
-            max_context_tokens=config.limits.max_context_tokens,
-            max_context_bytes=config.limits.max_context_bytes,
-            can_force_tool_calls=eng.backend == "scripted" or tool_format(config.model.tool_parser).forcible,
-        )
 
     @property
     def context_limit(self) -> int:

@@ -22,16 +22,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from ..config import WebSocketConfig
-from ..protocol.errors import ApiError, server_error
-from ..protocol.requests import json_depth_error, parse_request
-from . import agent, steering
-from .agent import AgentInbox
-from .events import build_response
-from .ids import new_id
-from .session_cache import SessionCache
-from .turn import Lookup, TurnDriver
-from .ws_inflight import InFlight, WsCreate
+from cluster.config import WebSocketConfig
+from cluster.core.events import build_response
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.driver import Lookup, TurnDriver
+from cluster.core.websocket import agent, steering
+from cluster.core.websocket.agent import AgentInbox
+from cluster.core.websocket.inflight import InFlight, WsCreate
+from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.ids import new_id
+from cluster.protocol.requests import json_depth_error, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class WebSocketSession:
         self._worker: Optional[asyncio.Task] = None
         self._timer: Optional[asyncio.Task] = None
         self._lanes: dict[str, _Lane] = {}  # "" = the default lane
-        self._inflight = InFlight()  # running responses; interrupt, steer, inject, forks (ws_inflight.py)
+        self._inflight = InFlight()  # running responses; interrupt, steer, inject, forks (inflight.py)
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.expired = False
         self.draining = False

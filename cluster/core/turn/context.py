@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..protocol.errors import ApiError
-from .state import ResponseState
+from cluster.core.turn.state import ResponseState
+from cluster.protocol.errors import ApiError
 
 
 @dataclass

@@ -5,7 +5,7 @@ the same context. The delta is the render of (anchor + new) minus the render of
 the anchor, where the anchor is the last message already rendered; it is used
 only when (a) the anchor render is a true prefix, (b) every cut is at a special
 token, so the tokenizer cannot merge across it, and (c) the start-up probe
-(`render_probe.py`) proved this shape of delta exact on the served template (a
+(`probe.py`) proved this shape of delta exact on the served template (a
 template may re-render *earlier* messages when a new one arrives: tools moved
 before the last user message, reasoning dropped from earlier turns). Otherwise
 the renderer falls back to a full render (correct, O(history), counted by reason).
@@ -26,8 +26,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-from .controls import template_effort_kwargs
-from .messages import PriorOutput, RenderJob
+from cluster.core.messages import PriorOutput, RenderJob
+from cluster.protocol.errors import ApiError
 
 Message = dict[str, Any]
 Template = Union[str, list[int]]  # a render: text, or token ids for templates that tokenize themselves
@@ -36,7 +36,7 @@ ApplyTemplate = Callable[..., Template]
 Encode = Callable[[str], list[int]]
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     parts = []
@@ -87,14 +87,14 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
             role = item["role"]
             if role == "developer":
                 role = "system"
-            messages.append({"role": role, "content": _content_text(item.get("content"))})
+            messages.append({"role": role, "content": content_text(item.get("content"))})
             if role == "assistant" and reasoning:
                 _attach_reasoning(messages[-1], reasoning)
             reasoning = ""
             starts.append(i)
         elif kind == "reasoning":
             # Templates decide what earlier reasoning they show (Qwen3: only the current turn's).
-            reasoning = _content_text(item.get("content")) or _content_text(item.get("summary"))
+            reasoning = content_text(item.get("content")) or content_text(item.get("summary"))
             continue
         elif kind == "function_call":
             call = {
@@ -113,7 +113,7 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
             reasoning = ""
         elif kind == "function_call_output":
             messages.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": _content_text(item.get("output"))}
+                {"role": "tool", "tool_call_id": item["call_id"], "content": content_text(item.get("output"))}
             )
             starts.append(i)
         elif kind == "compaction":
@@ -203,17 +203,10 @@ class IncrementalRenderer:
         self.reused_outputs = 0
         # Delta steps the start-up probe proved exact (None: no probe ran, trust the local checks).
         self.proven: Optional[frozenset] = None
-        self.probe_report: Optional[Any] = None  # render_probe.ProbeReport
+        self.probe_report: Optional[Any] = None  # probe.ProbeReport
         self.fallbacks: dict[str, int] = {}  # reason -> delta jobs rendered fully
         self.last_fallback = ""
         self.on_fallback: Optional[Callable[[str, tuple], None]] = None
-
-    def warm_up(self) -> None:
-        """Compile the chat template and touch every render path once (a replica's first
-        real turn would otherwise pay for it); the counters start from zero after."""
-        from .render_probe import probe
-
-        probe(self)
 
     def stats(self) -> dict[str, Any]:
         report = self.probe_report
@@ -365,3 +358,18 @@ def render_job(renderer: IncrementalRenderer, job: RenderJob) -> tuple[Optional[
         if want != got:
             return full, True
     return res, False
+
+
+def template_effort_kwargs(template: str, effort: Optional[str]) -> dict[str, Any]:
+    """The chat-template arguments for `reasoning.effort`, or a 400 if the template has none."""
+    if effort is None:
+        return {}
+    if "reasoning_effort" in template:
+        return {"reasoning_effort": effort}
+    if "enable_thinking" in template:
+        return {"enable_thinking": effort != "none"}
+    if effort == "none":
+        return {}
+    raise ApiError(400, "Unsupported parameter: 'reasoning.effort' is not supported with this model (its chat "
+                        "template has no reasoning-effort argument); omit it or send 'none'.",
+                   param="reasoning.effort", code="unsupported_parameter")

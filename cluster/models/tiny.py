@@ -165,7 +165,7 @@ def ensure_tiny_model(path: str | os.PathLike, weights: bool | None = None) -> P
     the tokenizer and config only (the scripted engine and the render path need
     no weights); a folder without weights gets them when an engine asks.
     """
-    from .builtin_models import ensure_folder
+    from cluster.models.folders import ensure_folder
 
     return ensure_folder(Path(path), FORMAT_VERSION, _torch_installed() if weights is None else weights,
                          build_model_dir)

@@ -25,8 +25,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from .messages import PriorOutput
-from .render import IncrementalRenderer, RenderResult, delta_steps, messages_from_items
+from cluster.core.messages import PriorOutput
+from cluster.core.render.renderer import IncrementalRenderer, RenderResult, delta_steps, messages_from_items
 
 log = logging.getLogger("loopserve.render")
 

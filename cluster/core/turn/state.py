@@ -7,7 +7,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .messages import PriorOutput
+from cluster.core.messages import PriorOutput
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Optional
 
-from .retry import RetryPolicy
-from .state import items_nbytes
+from cluster.core.retry import RetryPolicy
+from cluster.core.turn.state import items_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def record_nbytes(record: TurnRecord) -> int:
 class PostWorkQueue:
     def __init__(self, hooks: Optional[dict[str, Hook]] = None, *, retries: int = 3, backoff_s: float = 0.2,
                  tracer: Any = None, max_retry_bytes: int = 256 * 1024 * 1024, attempt_timeout_s: float = 30.0) -> None:
-        from .. import telemetry
+        from cluster import telemetry
 
         self.tracer = tracer or telemetry.tracer()
         self.hooks: dict[str, Hook] = dict(hooks or {})

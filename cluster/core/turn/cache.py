@@ -8,7 +8,7 @@ import weakref
 from collections import OrderedDict
 from typing import Iterator, Optional
 
-from .state import ResponseState
+from cluster.core.turn.state import ResponseState
 
 
 class SessionCache:

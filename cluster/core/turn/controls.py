@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..protocol.errors import ApiError
-from ..protocol.requests import ResponsesRequest
+from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import ResponsesRequest
 
 
 def forces_a_tool_call(tool_choice: Any) -> bool:
@@ -157,18 +157,3 @@ def check_grammar_cost(schema: Any, param: str) -> None:
                 raise ApiError(400, f"The JSON schema's patterns unroll to more than {MAX_SCHEMA_EXPANSION} "
                                     "elements together; simplify them.", param=param, code="invalid_value")
         stack.extend(node.values())
-
-
-def template_effort_kwargs(template: str, effort: Optional[str]) -> dict[str, Any]:
-    """The chat-template arguments for `reasoning.effort`, or a 400 if the template has none."""
-    if effort is None:
-        return {}
-    if "reasoning_effort" in template:
-        return {"reasoning_effort": effort}
-    if "enable_thinking" in template:
-        return {"enable_thinking": effort != "none"}
-    if effort == "none":
-        return {}
-    raise ApiError(400, "Unsupported parameter: 'reasoning.effort' is not supported with this model (its chat "
-                        "template has no reasoning-effort argument); omit it or send 'none'.",
-                   param="reasoning.effort", code="unsupported_parameter")

@@ -3,7 +3,7 @@ response while it runs (PROTOCOL §5, §8): `response.interrupt`, `response.stee
 `response.inject`, and forks across `stream_id` lanes.
 
 Plain logic: each handler takes the event and returns the events to send (or an error for the
-connection's FIFO); the session (ws_session.py) owns the tasks, lanes and the socket.
+connection's FIFO); the session (session.py) owns the tasks, lanes and the socket.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from ..protocol.errors import ApiError
-from . import agent, steering
-from .agent import AgentInbox
-from .session_cache import SessionCache
-from .steering import Steer
-from .turn_stream import Stop
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.stream import Stop
+from cluster.core.websocket import agent, steering
+from cluster.core.websocket.agent import AgentInbox
+from cluster.core.websocket.steering import Steer
+from cluster.protocol.errors import ApiError
 
 Event = dict[str, Any]
 MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)

@@ -17,18 +17,30 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-from .. import telemetry
-from ..protocol.errors import ApiError, server_error
-from ..protocol.requests import ResponsesRequest
-from .context import ResolvedContext, output_as_context, output_call_ids
-from .controls import tool_call_limit
-from .events import Event, EventAssembler, timing_event, usage_object
-from .messages import (PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, PriorOutput,
-                       ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, ToolSpec, EngineQueued)
-from .post_work import PostWorkQueue, TurnRecord
-from .safety import TurnSafety
-from .session_cache import SessionCache
-from .state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
+from cluster import telemetry
+from cluster.core.events import Event, EventAssembler, timing_event, usage_object
+from cluster.core.messages import (
+    PROMPT_BASE_MISSING,
+    EngineChunk,
+    EngineDone,
+    EngineFailure,
+    EngineQueued,
+    EngineRequest,
+    PriorOutput,
+    ReasoningPiece,
+    TextPiece,
+    TokenProgress,
+    ToolCallPiece,
+    ToolSpec,
+)
+from cluster.core.safety.gate import TurnSafety
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.context import ResolvedContext, output_as_context, output_call_ids
+from cluster.core.turn.controls import tool_call_limit
+from cluster.core.turn.post_work import PostWorkQueue, TurnRecord
+from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
+from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.requests import ResponsesRequest
 
 log = logging.getLogger("loopserve.turn")
 

@@ -15,8 +15,8 @@ import asyncio
 import time
 from typing import Any, Optional
 
-from ..protocol.errors import ApiError
-from .state import items_nbytes
+from cluster.core.turn.state import items_nbytes
+from cluster.protocol.errors import ApiError
 
 BETA = "responses_multi_agent=v1"
 # Bytes of injected tool output one connection may hold before its responses take them in: they

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .ids import new_id
+from cluster.protocol.ids import new_id
 
 Event = dict[str, Any]
 
@@ -51,7 +51,7 @@ class Steer:
     @property
     def nbytes(self) -> int:
         """What this steer holds (its input as sent and as items; strings are shared)."""
-        from .state import items_nbytes
+        from cluster.core.turn.state import items_nbytes
 
         return 2 * items_nbytes(self.items)
 

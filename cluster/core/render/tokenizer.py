@@ -11,15 +11,17 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .config import LoopserveConfig
-from .core.render import IncrementalRenderer
+from cluster.config import LoopserveConfig
+from cluster.core.render.probe import format_step
+from cluster.core.render.probe import probe as probe_renderer
+from cluster.core.render.renderer import IncrementalRenderer
 
 log = logging.getLogger("loopserve.render")
 
 
 def load_tokenizer(config: LoopserveConfig):
     if config.model.is_generated:
-        from .builtin_models import ensure_builtin
+        from cluster.models.builtin import ensure_builtin
 
         # Weights only where an engine loads them (or torch is there anyway).
         ensure_builtin(config.model.builtin, weights=True if config.engine.backend == "vllm" else None)
@@ -53,7 +55,8 @@ def token_codec(tokenizer) -> TokenCodec:
 
 
 def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
-    """The incremental renderer for `tokenizer`, probed on its template (`render_probe.py`)."""
+    """The incremental renderer for `tokenizer`, probed on its template (`probe.py`; this also
+    compiles the template and touches every render path, so a replica's first turn does not pay)."""
     if getattr(tokenizer, "IS_MISTRAL_TOKENIZER", False):
         renderer = mistral_renderer(tokenizer)
     else:
@@ -69,7 +72,7 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
         renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()), decode=decode,
                                        eos=tokenizer.eos_token, template_source=template)
     if probe:
-        renderer.warm_up()
+        probe_renderer(renderer)
     return renderer
 
 
@@ -81,8 +84,6 @@ def watch_fallbacks(renderer: IncrementalRenderer, metrics) -> None:
         metrics.render_fell_back(reason)
         if (reason, steps) not in logged and len(logged) < 256:
             logged.add((reason, steps))
-            from .core.render_probe import format_step
-
             log.info("delta render rendered fully (%s): %s", reason, "; ".join(map(format_step, steps)))
 
     renderer.on_fallback = on_fallback

@@ -9,27 +9,10 @@ token by token and a tool call is released once its block is complete.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
+from cluster.core.messages import Piece, ReasoningPiece, TextPiece, ToolCallPiece
 
-@dataclass(frozen=True)
-class TextPiece:
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningPiece:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallPiece:
-    name: str
-    arguments: str  # a JSON string
-
-
-Piece = Union[TextPiece, ReasoningPiece, ToolCallPiece]
 # tool-call section (with its tags) -> [(name, arguments json)] or None when malformed
 ToolCallExtractor = Callable[[str], Optional[list[tuple[str, str]]]]
 

@@ -1,0 +1,1 @@
+"""Safety: classifiers and the per-turn gate."""

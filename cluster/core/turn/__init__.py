@@ -1,0 +1,1 @@
+"""One turn: driver, event stream, context resolution, output controls, response state and its cache."""

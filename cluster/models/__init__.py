@@ -1,0 +1,1 @@
+"""Model folders loopserve makes or converts itself (nothing downloaded at run time)."""

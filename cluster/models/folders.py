@@ -1,0 +1,45 @@
+"""Where model folders live, and building one once, atomically, across processes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+MODEL_CACHE = Path(os.environ.get("LOOPSERVE_MODEL_CACHE", Path.home() / ".cache" / "loopserve"))
+DEFAULT_MODEL_DIR = Path(
+    os.environ.get("LOOPSERVE_MODEL_DIR", Path.home() / ".cache" / "loopserve" / "tiny-chat")
+)
+
+
+def _complete(marker: Path, fmt: str, weights: bool) -> bool:
+    if not marker.exists():
+        return False
+    meta = json.loads(marker.read_text())
+    return meta.get("format") == fmt and (meta.get("weights", True) or not weights)
+
+
+def ensure_folder(path: Path, fmt: str, weights: bool, build: Callable[[Path, bool], None]) -> Path:
+    """Build a model folder once, atomically, safe across processes (replicas start together)."""
+    marker = path / "loopserve_model.json"
+    if _complete(marker, fmt, weights):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(marker, fmt, weights):
+            return path
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            build(tmp, weights)
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return path
