@@ -21,8 +21,9 @@ from starlette.websockets import WebSocketDisconnect
 
 from actors.http import app, error_response, json_body, peak_rss_bytes, rss_bytes, sse
 from cluster import telemetry
+from cluster.core.events import TERMINAL_EVENTS
 from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.stream import cache_salt
+from cluster.core.turn.turn import cache_salt
 from cluster.core.websocket.agent import reject_over_http as reject_multi_agent_over_http
 from cluster.core.websocket.session import WebSocketSession
 from cluster.protocol import ids
@@ -205,7 +206,7 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
     final: Optional[dict[str, Any]] = None
     error: Optional[dict[str, Any]] = None
     async for ev in events:
-        if ev["type"] in ("response.completed", "response.incomplete", "response.failed"):
+        if ev["type"] in TERMINAL_EVENTS:
             final = ev["response"]
         elif ev["type"] == "error":
             error = ev

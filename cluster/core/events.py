@@ -8,12 +8,18 @@ Unit tests check each event against `openai.types.responses.ResponseStreamEvent`
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Optional, get_args
+
+from openai.types.responses import ResponseCompletedEvent, ResponseFailedEvent, ResponseIncompleteEvent
 
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
 
-Event = dict[str, Any]
+Event = dict[str, Any]  # a stream event as JSON, shaped as `openai.types.responses.ResponseStreamEvent`
+
+# The events that end a response, as the `openai` package names them.
+TERMINAL_EVENTS = frozenset(get_args(t.model_fields["type"].annotation)[0]
+                            for t in (ResponseCompletedEvent, ResponseIncompleteEvent, ResponseFailedEvent))
 
 
 def build_response(

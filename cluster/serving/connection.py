@@ -27,7 +27,8 @@ from cluster.core.safety.classifiers import SafetyService, local_classifier
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver, TurnSettings
 from cluster.core.turn.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
-from cluster.core.websocket.session import WebSocketSession, frame_too_large
+from cluster.core.websocket.protocol import frame_too_large
+from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.channel import tls_contexts
 from cluster.engines.parsers import tool_format
 from cluster.protocol.errors import ApiError

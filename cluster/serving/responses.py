@@ -26,7 +26,6 @@ from cluster.protocol.requests import parse_request
 from cluster.store import ResponseStore, StoredResponse, state_from_chain
 
 log = logging.getLogger(__name__)
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
              "compaction": "cmp"}
 

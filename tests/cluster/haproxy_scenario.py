@@ -118,6 +118,7 @@ def main(argv=None) -> int:
         report["drain"] = [{"completed": len(log["completed"]), "close_error": log["close_error"],
                             "close_code": log["close_code"], "created_without_terminal": log["created_without_terminal"],
                             "after_reconnect": log["after_reconnect"]["type"],
+                            "error": log["after_reconnect"].get("error"),
                             "continues": (log["after_reconnect"].get("response") or {}).get("previous_response_id")
                             == (log["completed"] or [None])[-1]} for log in logs]
     finally:

@@ -34,4 +34,4 @@ def test_websockets_http_stickiness_and_drain_through_haproxy(tmp_path):
         assert log["close_error"] == "websocket_connection_limit_reached", log
         assert log["close_code"] == 1001, log
         assert log["created_without_terminal"] == [], log
-        assert log["after_reconnect"] == "response.completed" and log["continues"], log
+        assert log["after_reconnect"] == "response.completed" and log["continues"], (log.get("error"), log)

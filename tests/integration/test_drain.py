@@ -86,6 +86,10 @@ async def agent(url: str, n: int) -> dict:
                     ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
                     if ev["type"] in TERMINAL or ev["type"] == "error":
                         break
+                if ev["type"] == "error" and ev["error"]["code"] == "websocket_connection_limit_reached":
+                    # It reached a replica as that one began draining: reconnect, as Codex does.
+                    log["told_to_reconnect_again"] = log.get("told_to_reconnect_again", 0) + 1
+                    continue
                 log["after_reconnect"] = ev
                 return log
         except InvalidStatus as refused:

@@ -181,6 +181,19 @@ def test_a_required_key_that_is_missing_refuses_the_start_with_how_to_fix_it(tmp
     assert [k.tenant for k in resolved.keys] == ["t"] and resolved.admin_keys == ["cd" * 32]
 
 
+def test_admin_keys_in_clear_are_refused_in_the_config_and_in_the_keys_file(tmp_path):
+    from pydantic import ValidationError
+
+    from cluster.config import AuthConfig
+
+    with pytest.raises(ValidationError, match="never keys in clear"):
+        AuthConfig(admin_keys=["sk-admin-in-clear"])
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"admin_keys": ["sk-admin-in-clear"]}))
+    with pytest.raises(ValidationError, match="never keys in clear"):
+        AuthConfig(keys_file=str(keys)).resolved()
+
+
 def test_the_cli_refuses_to_bind_beyond_loopback_without_keys(tmp_path):
     import subprocess
     import sys

@@ -181,7 +181,7 @@ async def test_invalid_frames_behind_a_running_response_are_bounded_then_the_soc
     for _ in range(50):
         await p.frame("x")
         await asyncio.sleep(0.01)  # the worker moves each frame to the lane as its error
-        assert p.session._deferred_errors <= 8
+        assert p.session.protocol.deferred_errors <= 8
     assert p.closed == 1008
     assert [e["error"]["code"] for e in p.sent if e["type"] == "error"][-1] == "too_many_errors"
     await p.session.shutdown()

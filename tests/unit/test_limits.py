@@ -75,21 +75,23 @@ async def test_oversized_frames_are_never_queued_and_queued_bytes_are_bounded(to
     big = "x" * (1024 * 1024)
     for _ in range(64):
         await session.on_frame(big)  # 64 MiB offered with a 1 KiB limit
-    # nothing of them is held: only small error markers wait in the FIFO
-    assert session._queued_bytes < 1024
-    assert all(isinstance(data, ApiError) for data, _ in list(session._queue._queue)[1:])
-    small = json.dumps({"type": "response.create", "input": "y" * 900})
-    for _ in range(8):
-        await session.on_frame(small)  # 4 fit in 4 KiB, the rest are refused at once
-    assert session._queued_bytes <= 4096
-    refused = [e for e in sent if e.get("error", {}).get("code") == "rate_limit_exceeded"]
-    assert len(refused) >= 3
+    # nothing of them is held: only their errors wait in the FIFO, each a few hundred bytes
+    assert session.protocol.deferred_errors == 64 and session.protocol.queued_bytes < 64 * 512
     await asyncio.wait_for(session.wait_idle(), 30)
     too_large = [e for e in sent if e.get("error", {}).get("code") == "websocket_message_too_large"]
     assert len(too_large) == 64
     # FIFO order: the errors come after the response that was in flight when they arrived
     first_terminal = next(i for i, e in enumerate(sent) if e["type"] == "response.completed")
     assert sent.index(too_large[0]) > first_terminal
+    assert session.protocol.queued_bytes == 0
+    small = json.dumps({"type": "response.create", "input": "y" * 900})
+    for _ in range(8):
+        await session.on_frame(small)  # 4 fit in 4 KiB, the rest are refused at once
+    assert session.protocol.queued_bytes <= 4096
+    refused = [e for e in sent if e.get("error", {}).get("code") == "rate_limit_exceeded"]
+    assert len(refused) == 4
+    await asyncio.wait_for(session.wait_idle(), 30)
+    assert len([e for e in sent if e["type"] == "response.completed"]) == 5
     await session.shutdown()
 
 
@@ -151,7 +153,7 @@ def test_named_tool_choice_must_name_an_offered_tool():
 
 
 def test_text_frames_are_measured_in_utf8_bytes():
-    from cluster.core.websocket.session import frame_bytes
+    from cluster.core.websocket.protocol import frame_bytes
 
     assert frame_bytes("abc") == 3 and frame_bytes(b"abc") == 3
     assert frame_bytes("é" * 1000) == 2000  # a limit in bytes is not dodged with multi-byte text

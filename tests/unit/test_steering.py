@@ -151,10 +151,9 @@ async def test_too_many_steers_and_a_failed_successor_return_the_input(tokenizer
     rid = of_type(p, "response.created")[0]["response"]["id"]
     # Queued in one go (the frames are handled before the response stops): 8 fit, the 9th does not.
     big = "word " * 120  # the successor's prompt then exceeds the 400-token context
-    for n in range(steering.MAX_STEERS_PER_RESPONSE + 1):
-        p.session._queue.put_nowait(
-            (json.dumps({"type": "response.steer", "previous_response_id": rid,
-                                       "input": f"{n} {big}"}), 0.0))
+    for n in range(steering.MAX_STEERS_PER_RESPONSE + 1):  # nothing between them yields to the response
+        await p.session.on_frame(json.dumps({"type": "response.steer", "previous_response_id": rid,
+                                             "input": f"{n} {big}"}))
     await p.idle()
     assert len(of_type(p, "response.steer.accepted")) == steering.MAX_STEERS_PER_RESPONSE
     failed = of_type(p, "response.steer.failed")

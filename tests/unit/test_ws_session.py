@@ -264,7 +264,7 @@ async def test_lanes_run_concurrently_each_fifo_and_waiting_creates_are_announce
 
 
 async def test_lane_limits_and_bad_stream_ids(tokenizer):
-    from cluster.core.websocket.session import MAX_ACTIVE, MAX_LANES
+    from cluster.core.websocket.protocol import MAX_ACTIVE, MAX_LANES
 
     stack = InProcessStack(tokenizer, tokens_per_second=200)
     p = Peer(stack)
@@ -319,13 +319,13 @@ async def test_creates_waiting_on_lanes_stay_bounded(tokenizer):
     peak = 0
     for n in range(60):
         await p.frame({"type": "response.create", "input": f"q{n}", "stream_id": f"lane{n % 3}", "store": False})
-        peak = max(peak, p.session._waiting_creates)
+        peak = max(peak, p.session.protocol.waiting_creates)
         await asyncio.sleep(0)
     assert peak <= 10
     refused = [e for e in p.sent if e["type"] == "error" and e["error"]["code"] == "rate_limit_exceeded"]
     assert refused  # the rest were refused at once, not held
     await p.idle()
-    assert p.session._waiting_creates == 0 and p.session._queued_bytes == 0
+    assert p.session.protocol.waiting_creates == 0 and p.session.protocol.queued_bytes == 0
     await p.session.shutdown()
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from cluster import telemetry
-from cluster.core.events import Event, EventAssembler, build_response
+from cluster.core.events import TERMINAL_EVENTS, Event, EventAssembler, build_response
 from cluster.core.messages import RenderJob
 from cluster.core.render.renderer import RenderResult
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
@@ -24,12 +24,11 @@ from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_n
 from cluster.core.turn.controls import check_output_controls
 from cluster.core.turn.post_work import PostWorkQueue
 from cluster.core.turn.state import RenderKey, ResponseState, items_nbytes
-from cluster.core.turn.stream import EnginePort, Rendered, Stop, Turn, TurnServices, TurnStream, TurnTiming
+from cluster.core.turn.stream import TurnStream
+from cluster.core.turn.turn import EnginePort, Rendered, Stop, Turn, TurnServices, TurnTiming
 from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import ResponsesRequest, parse_request
-
-_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _is_input_error(exc: BaseException) -> bool:
@@ -158,7 +157,7 @@ class TurnDriver:
             async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
                                       timing, root, tctx, include_timing, stop, keep_parent, agent,
                                       transport == "websocket"):
-                if ev["type"] in _TERMINAL:
+                if ev["type"] in TERMINAL_EVENTS:
                     status = ev["response"]["status"]
                 yield ev
         except ApiError as err:

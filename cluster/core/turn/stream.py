@@ -1,6 +1,6 @@
-"""One turn (`Turn`), and its streaming part (`TurnStream`): engine output -> events.
+"""The streaming part of one turn (`TurnStream`): engine output -> events.
 
-`TurnDriver.run` resolves and renders a request into a `Turn`; a `TurnStream`
+`TurnDriver.run` resolves and renders a request into a `Turn` (turn.py); a `TurnStream`
 runs the engine call, releases output only after the input verdict, stops on a
 flagged output chunk, commits the new state before the terminal event and
 schedules post-inference work. Both talk to the rest of the replica only through
@@ -10,12 +10,10 @@ schedules post-inference work. Both talk to the rest of the replica only through
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-from array import array
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
 
 from cluster import telemetry
 from cluster.core.events import Event, EventAssembler, timing_event, usage_object
@@ -25,89 +23,19 @@ from cluster.core.messages import (
     EngineDone,
     EngineFailure,
     EngineQueued,
-    EngineRequest,
-    PriorOutput,
     ReasoningPiece,
     TextPiece,
     TokenProgress,
     ToolCallPiece,
-    ToolSpec,
 )
 from cluster.core.safety.gate import TurnSafety
-from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.context import ResolvedContext, output_as_context, output_call_ids
 from cluster.core.turn.controls import tool_call_limit
-from cluster.core.turn.post_work import PostWorkQueue, TurnRecord
-from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
+from cluster.core.turn.post_work import TurnRecord
+from cluster.core.turn.turn import Turn, TurnServices
 from cluster.protocol.errors import ApiError, server_error
-from cluster.protocol.requests import ResponsesRequest
 
 log = logging.getLogger("loopserve.turn")
 
-# An engine replica's stream: EngineRequest -> chunks (a Ray handle stream in production).
-EnginePort = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
-
-
-@dataclass
-class Rendered:
-    prefix_token_ids: array  # the context without generation prompt (cached for the next turn)
-    prompt_token_ids: array  # what the engine gets
-    anchor_start: int
-    # The prefix was extended, not re-rendered: the prompt starts with the parent's prompt.
-    extends_parent: bool = False
-    prompt_extends_prefix: bool = True  # prompt = prefix + generation prompt
-
-
-@dataclass
-class TurnTiming:
-    """Server-side timings of one turn, in seconds (for stats and benchmarks)."""
-
-    response_id: str = ""
-    started: float = field(default_factory=time.perf_counter)
-    resolve: float = 0.0
-    render: float = 0.0
-    first_event: float = 0.0
-    first_token: float = 0.0
-    engine: float = 0.0
-    total: float = 0.0
-    tool_wait: float = 0.0  # a multi-agent response waiting for injected tool outputs (client time)
-    full_render: bool = False
-    new_items: int = 0
-    context_items: int = 0
-    prompt_tokens: int = 0
-    prompt_tokens_sent: int = 0  # of them, what travelled to the engine (the rest: its session's base)
-    cached_tokens: int = 0
-    delta_tokens: int = 0
-    safety_input_ms: float = 0.0  # the input check's own duration (it overlaps prefill)
-    safety_input_chars: int = 0
-    safety_output_chars: int = 0
-    engine_replica: str = ""
-    engine_inner: float = 0.0  # the engine replica's own time for the request (engine - this = hop cost)
-    engine_first_token: float = 0.0  # engine-side time to the first output token (prefill)
-    # From the engine call to the replica starting it (router, handle, queue): the rest of
-    # `engine - engine_inner` is the way back (the stream's items and its end).
-    engine_dispatch: float = 0.0
-    session_moved: bool = False  # the previous turn ran on another engine replica
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "started"}
-
-
-class Stop:
-    """Stops a running response from outside it (WebSocket mode): `response.interrupt` ends it
-    without its partial output ("interrupted"), `response.steer` with it ("steered")."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.reason: Optional[str] = None
-
-    def set(self, reason: str) -> None:
-        if not self.event.is_set():  # the first reason wins
-            self.reason = reason
-            self.event.set()
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
 
 
 async def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Event]) -> AsyncIterator[EngineChunk]:
@@ -142,155 +70,6 @@ async def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Even
         stopper.cancel()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-
-
-def cache_salt(tenant: Optional[str]) -> str:
-    """The engine's prefix-cache namespace for a tenant (a hash: tenant names stay in this process)."""
-    # No tenant is its own namespace: it never shares a prefix with tenant "default".
-    name = "loopserve-no-tenant" if tenant is None else f"loopserve-tenant:{tenant}"
-    return hashlib.sha256(name.encode()).hexdigest()[:32]
-
-
-@dataclass
-class TurnServices:
-    """What a turn reaches outside itself (injected by the composition root)."""
-
-    engine: EnginePort
-    metrics: telemetry.Metrics
-    tracer: Any
-    post_work: Optional[PostWorkQueue] = None
-
-
-@dataclass
-class Turn:
-    """One turn: the request resolved against its parent and rendered, then what it produced."""
-
-    request: ResponsesRequest
-    response_id: str
-    model: str
-    session_key: str  # the engine routing key (the chain's affinity key)
-    owner: Optional[str]
-    parent: Optional[ResponseState]
-    context: ResolvedContext
-    rendered: Rendered
-    render_key: RenderKey
-    tools: list[ToolSpec]
-    max_tokens: int
-    cache: SessionCache
-    timing: TurnTiming
-    on_state: Optional[Callable[[ResponseState], None]] = None
-    trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
-    include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
-    stop: Optional[Stop] = None  # set by `response.interrupt` / `response.steer` (WebSocket mode)
-    keep_parent: bool = False  # a fork from another WebSocket lane: its failure leaves the parent cached
-    expect_back: bool = False  # its socket stays open: the engine keeps the session's prefix through the pause
-    # Multi-agent responses (agent.py): the inbox of injected tool outputs, and how the driver
-    # prepares the next engine call once a step's calls are answered.
-    agent: Optional[Any] = None
-    next_step: Optional[Callable[[ResponseState, list], Awaitable[tuple[ResolvedContext, Rendered]]]] = None
-    step: int = 0  # engine calls before the current one
-    step_output_start: int = 0  # where the current step's output begins in the response's output
-    first_span: tuple[int, int] = (0, 0)  # (input_start, output_start) of the first step's context
-    used: tuple[int, int, int] = (0, 0, 0)  # input, cached and output tokens of the earlier steps
-    # What it produced
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    status: str = "cancelled"  # until a terminal event says otherwise
-    state: Optional[ResponseState] = None
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.rendered.prompt_token_ids)
-
-    @property
-    def engine_id(self) -> str:
-        """The engine request id of the current step (each engine call needs its own)."""
-        return self.response_id if not self.step else f"{self.response_id}.{self.step}"
-
-    def engine_request(self, *, whole: bool = False) -> EngineRequest:
-        """The engine call; a continuation whose prompt extends its parent's sends only the tail."""
-        req = self.request
-        prompt = self.rendered.prompt_token_ids
-        base = self.parent.rendered if self.parent is not None else None
-        base_id = base.engine_request_id if base is not None else None
-        base_len = len(base.token_ids) if base is not None else 0
-        tail = not whole and base_id is not None and self.rendered.extends_parent and base_len < len(prompt)
-        return EngineRequest(
-            request_id=self.engine_id,
-            session_key=self.session_key,
-            prompt_token_ids=prompt[base_len:] if tail else prompt,
-            max_tokens=self.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            tools=self.tools,
-            tool_choice=req.tool_choice,
-            parallel_tool_calls=req.parallel_tool_calls is not False,
-            text_format=req.text.format.model_dump(by_alias=True, exclude_none=True)
-            if req.text is not None and req.text.format is not None and req.text.format.type != "text" else None,
-            # Tenants never share prefix-cache blocks: `cached_tokens` is exact, so a
-            # shared cache would let one tenant probe another's prompts.
-            cache_salt=cache_salt(self.owner),
-            base_request_id=base_id if tail else None,
-            base_len=base_len if tail else 0,
-            expect_back=self.expect_back,
-        )
-
-    def evict_parent(self) -> None:
-        """A failed turn: the next try starts from a fresh lookup of its parent."""
-        if self.request.previous_response_id and not self.keep_parent:
-            self.cache.evict(self.request.previous_response_id)
-
-    def commit(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
-               engine_ran: bool = False, done: Optional[EngineDone] = None) -> ResponseState:
-        """The next turn's state, in the cache before the terminal event leaves. `output` is the
-        current step's (the whole response's output is in `response`)."""
-        state = self.state = self.snapshot(output, response, replica, engine_ran, done)
-        self.cache.put(state)
-        if self.on_state:
-            self.on_state(state)
-        return state
-
-    def snapshot(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
-                 engine_ran: bool = False, done: Optional[EngineDone] = None) -> ResponseState:
-        """The state after the current step's `output` (the next step's parent)."""
-        req, ctx, rendered = self.request, self.context, self.rendered
-        out_items = output_as_context(output)
-        calls = output_call_ids(output)
-        inherited = ctx.parent.context_bytes if ctx.parent is not None else 0
-        # The engine replica keeps this turn's prompt: the next one sends only its tail.
-        engine_request_id = self.engine_id if engine_ran and rendered.prompt_extends_prefix else None
-        prior = None
-        if done is not None and done.output_ids and rendered.prompt_extends_prefix:
-            prior = PriorOutput(rendered.prompt_token_ids[len(rendered.prefix_token_ids):], done.output_token_ids,
-                                done.output_text)
-        # A multi-step response's own input and output start where its first step's did.
-        input_start, output_start = self.first_span if self.step else (ctx.new_start, len(ctx.items))
-        return ResponseState(
-            response_id=self.response_id,
-            model=self.model,
-            items=ctx.items + out_items,
-            output_start=output_start,
-            instructions=req.instructions,
-            tools=list(req.tools or []),
-            rendered=RenderedPrefix(self.render_key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start,
-                                    engine_request_id, prior),
-            known_call_ids=ctx.known_call_ids | frozenset(calls),
-            pending_call_ids=ctx.pending_call_ids + tuple(calls),
-            store=req.store is not False,
-            owner=self.owner,
-            input_start=input_start,
-            affinity_key=self.session_key,
-            context_bytes=inherited + items_nbytes(ctx.items[ctx.new_start:]) + items_nbytes(out_items),
-            engine_replica=replica,
-            response=response,
-        )
-
-    def finish_timing(self) -> TurnTiming:
-        t = self.timing
-        t.total = time.perf_counter() - t.started
-        t.prompt_tokens = self.prompt_len
-        t.cached_tokens = self.cached_tokens
-        return t
 
 
 @dataclass

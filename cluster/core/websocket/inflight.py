@@ -14,14 +14,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from cluster.core.events import Event
 from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.stream import Stop
+from cluster.core.turn.turn import Stop
 from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
 
-Event = dict[str, Any]
 MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)
 
 

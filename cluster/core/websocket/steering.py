@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from cluster.core.events import Event
 from cluster.protocol.ids import new_id
-
-Event = dict[str, Any]
 
 MAX_STEERS_PER_RESPONSE = 8
 MAX_PENDING_PARENTS = 16  # responses with steers waiting for tool output, per connection

@@ -1,0 +1,356 @@
+"""WebSocket mode's per-connection rules as a state machine without I/O (PROTOCOL §5, §8).
+
+Frames and lane progress go in, with the time they happened; actions come out (send this
+event, send this error, run this lane, close). The asyncio session (`session.py`) performs
+the actions: it owns the tasks, the timer and the socket, and decides nothing.
+
+What the rules are:
+- Frames are handled in arrival order. A `response.create` goes to the lane its `stream_id`
+  names (none: the connection's default lane); each lane is FIFO, lanes run concurrently, at
+  most `MAX_ACTIVE` responses at once; at most `MAX_LANES` named lanes exist at a time. A create
+  that has to wait is announced with `response.queued`.
+- A frame's error keeps its place: it goes out on the default lane after the responses queued
+  before it (a client without lanes must not read it as the failure of the response in flight).
+- `response.interrupt`, `response.steer` and `response.inject` act on a response in flight at
+  once (`inflight.py` holds their bookkeeping).
+- Everything a client can make the connection hold is bounded: creates waiting on lanes and
+  errors waiting to be sent count against `max_queued_creates` and `max_queued_bytes`; a
+  client that sends invalid frames faster than it reads their errors is closed with 1008.
+- The connection ends after `max_connection_seconds`, after `idle_timeout_seconds` without
+  activity, or when the server drains; a response in flight finishes first.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from cluster.config import WebSocketConfig
+from cluster.core.events import Event, build_response
+from cluster.core.turn.cache import SessionCache
+from cluster.core.websocket.inflight import InFlight, WsCreate
+from cluster.protocol.errors import ApiError
+from cluster.protocol.ids import new_id
+from cluster.protocol.requests import json_depth_error, parse_request
+
+IGNORED_TYPES = frozenset({"response.processed", "response.append"})
+MAX_ACTIVE = 16  # responses running at once on one connection
+MAX_LANES = 32  # named lanes (stream_id) at once on one connection
+_STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
+
+
+
+class State(enum.Enum):
+    OPEN = "open"  # taking frames
+    ENDING = "ending"  # limit reached, idle or draining: frames are dropped, responses in flight finish
+    CLOSED = "closed"  # the closing error and close frame are out (or the client left)
+
+
+class End(enum.Enum):
+    LIFETIME = "lifetime"
+    IDLE = "idle"
+    DRAIN = "drain"
+    FLOOD = "flood"
+
+
+# -- actions --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendEvent:
+    event: Event
+
+
+@dataclass(frozen=True)
+class SendError:
+    error: ApiError
+    stream_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """A create is on its lane: send `announce` (its `response.queued`, when it has to wait)
+    before the lane may start it, then mark it announced."""
+
+    create: WsCreate
+    announce: Optional[Event]
+
+
+@dataclass(frozen=True)
+class RunLane:
+    """The lane has work: run it unless it is running already."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Close:
+    code: int
+    reason: str
+
+
+Action = Union[SendEvent, SendError, Enqueued, RunLane, Close]
+
+
+@dataclass(frozen=True)
+class DeferredError:
+    """A frame's error waiting for its place in the FIFO (on the default lane)."""
+
+    error: ApiError
+    stream_id: Optional[str] = None
+
+    @property
+    def nbytes(self) -> int:
+        return 256 + len(self.error.message) + len(self.error.param or "")  # it may quote the client
+
+
+@dataclass
+class Lane:
+    pending: deque = field(default_factory=deque)  # WsCreate | DeferredError
+    current: Optional[WsCreate] = None  # taken from `pending`, until its turn ends
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None or bool(self.pending)
+
+    @property
+    def has_creates(self) -> bool:
+        return self.current is not None or any(isinstance(item, WsCreate) for item in self.pending)
+
+
+def frame_bytes(data: Union[str, bytes]) -> int:
+    """A frame's size in bytes as it came over the wire (UTF-8 for text frames)."""
+    if isinstance(data, bytes):
+        return len(data)
+    return len(data) if data.isascii() else len(data.encode())
+
+
+def frame_too_large(size: int, limit: int) -> ApiError:
+    # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
+    return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
+                    code="websocket_message_too_large")
+
+
+class WebSocketProtocol:
+    def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
+                 cache: SessionCache, now: float) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.max_input_items = max_input_items
+        self.cache = cache  # the connection's responses (steers and injects read their state)
+        self.state = State.OPEN
+        self.end: Optional[End] = None
+        self.inflight = InFlight()
+        self.lanes: dict[str, Lane] = {}  # "" = the default lane
+        self.queued_bytes = 0  # creates waiting on their lanes and errors waiting to be sent
+        self.waiting_creates = 0
+        self.deferred_errors = 0
+        self.started_at = now
+        self.last_activity = now
+
+    # -- frames -----------------------------------------------------------------------
+    def receive(self, data: Union[str, bytes], now: float, received_at: Optional[float] = None) -> list[Action]:
+        if self.state is not State.OPEN:
+            return []  # closed, or ending: the connection takes nothing more
+        cfg = self.config
+        if self.deferred_errors >= cfg.max_queued_creates:
+            # Invalid frames faster than their errors are read: nothing more is held for this client.
+            return self._close(End.FLOOD)
+        if self.waiting_creates + self.deferred_errors >= cfg.max_queued_creates:
+            return [SendError(ApiError(429, "Too many queued requests on this connection.",
+                                       code="rate_limit_exceeded"))]
+        self.last_activity = now
+        size = frame_bytes(data)
+        if size > cfg.max_frame_bytes:  # never parsed nor held; its error keeps its FIFO place
+            return self._defer(frame_too_large(size, cfg.max_frame_bytes))
+        if self.queued_bytes + len(data) > cfg.max_queued_bytes:
+            return [SendError(ApiError(
+                429, f"Too many bytes queued on this connection (limit {cfg.max_queued_bytes}); wait for the "
+                     "responses in flight.", code="rate_limit_exceeded"))]
+        try:
+            event = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return self._defer(ApiError(400, f"The message is not valid JSON: {reason}.", code="invalid_json"))
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            return self._defer(ApiError(400, "Each message must be a JSON object with a 'type'.", param="type",
+                                        code="missing_required_parameter"))
+        too_deep = json_depth_error(event)  # steers and injects too, before anything holds them
+        if too_deep is not None:
+            return self._defer(too_deep)
+        return self._event(event, len(data), received_at)
+
+    def _event(self, event: Event, nbytes: int, received_at: Optional[float]) -> list[Action]:
+        kind = event["type"]
+        if kind in IGNORED_TYPES:
+            return []
+        # Events acting on a response in flight: answered at once, never queued behind it.
+        if kind == "response.interrupt":
+            # A response announced as queued (or starting) stops too, as soon as it starts.
+            err = self.inflight.interrupt(event, [*self.queued(), *self.starting()])
+            return self._defer(err) if err is not None else []
+        if kind in ("response.steer", "response.inject"):
+            try:
+                events = (self.inflight.steer(event, self.cache, self.queued()) if kind == "response.steer"
+                          else self.inflight.inject(event, self.cache))
+            except ApiError as err:
+                return self._defer(err)
+            return [SendEvent(ev) for ev in events]
+        if kind != "response.create":
+            return self._defer(ApiError(
+                400, f"Invalid event type '{kind}'. Supported: 'response.create', 'response.steer', "
+                     "'response.interrupt', 'response.inject'.", param="type", code="invalid_value"))
+        body = {k: v for k, v in event.items() if k != "type"}
+        if isinstance(body.get("response"), dict) and "input" not in body:
+            # Tolerate the nested form some clients send: {"type", "response": {...}}.
+            body = {**body.pop("response"), **body}
+        return self._enqueue(body, nbytes, received_at)
+
+    def _enqueue(self, body: dict[str, Any], nbytes: int, received_at: Optional[float]) -> list[Action]:
+        stream_id = body.get("stream_id")
+        if stream_id is not None and not (isinstance(stream_id, str) and _STREAM_ID.match(stream_id)):
+            return self._defer(ApiError(400, "stream_id must be 1-256 characters of [A-Za-z0-9_.-].",
+                                        param="stream_id", code="invalid_stream_id"))
+        key = stream_id or ""
+        if key not in self.lanes and key and sum(1 for k in self.lanes if k) >= MAX_LANES:
+            return self._defer(ApiError(
+                400, f"This connection already has {MAX_LANES} active stream_id lanes; wait for one to finish.",
+                param="stream_id", code="websocket_stream_limit_reached"), stream_id=stream_id)
+        lane = self._lane(key)
+        create = WsCreate(body, received_at, stream_id, nbytes=nbytes)
+        # Each lane with creates holds (or waits for) one of the MAX_ACTIVE slots.
+        waits = lane.has_creates or sum(1 for other in self.lanes.values() if other.has_creates) >= MAX_ACTIVE
+        lane.pending.append(create)
+        self.queued_bytes += nbytes
+        self.waiting_creates += 1
+        return [Enqueued(create, self._queued_event(create) if waits else None), RunLane(key)]
+
+    def _queued_event(self, create: WsCreate) -> Optional[Event]:
+        try:
+            req = parse_request(create.body, max_input_items=self.max_input_items)
+        except ApiError:
+            return None  # its error is sent when its turn comes, in lane order
+        create.response_id = new_id("resp")
+        response = build_response(response_id=create.response_id, model=self.model_name, request=req,
+                                  previous_response_id=req.previous_response_id)
+        response["status"] = "queued"
+        event: Event = {"type": "response.queued", "sequence_number": 0, "response": response}
+        if create.stream_id:
+            event["stream_id"] = create.stream_id
+        return event
+
+    def _defer(self, err: ApiError, stream_id: Optional[str] = None) -> list[Action]:
+        deferred = DeferredError(err, stream_id)
+        self.deferred_errors += 1
+        self.queued_bytes += deferred.nbytes
+        self._lane("").pending.append(deferred)
+        return [RunLane("")]
+
+    # -- lanes ------------------------------------------------------------------------
+    def next_on_lane(self, key: str) -> Union[WsCreate, DeferredError, None]:
+        """What the lane does next (None: nothing, or the connection is closed). A create is the
+        lane's current one until `turn_ended`."""
+        lane = self.lanes.get(key)
+        if lane is None or not lane.pending or self.state is State.CLOSED:
+            return None
+        item = lane.pending.popleft()
+        self.queued_bytes -= item.nbytes
+        if isinstance(item, DeferredError):
+            self.deferred_errors -= 1
+        else:
+            self.waiting_creates -= 1
+            lane.current = item
+        return item
+
+    def turn_ended(self, key: str, now: float) -> None:
+        lane = self.lanes.get(key)
+        if lane is not None:
+            lane.current = None
+        self.last_activity = now
+
+    def lane_stopped(self, key: str) -> list[Action]:
+        """The lane's runner ran out of work: forget the lane, and end the connection if it was
+        waiting for the responses in flight."""
+        lane = self.lanes.get(key)
+        if lane is not None and lane.busy:
+            return [RunLane(key)]  # work arrived as it stopped
+        self.lanes.pop(key, None)
+        if self.state is State.ENDING and not self.busy:
+            return self._close(self.end)
+        return []
+
+    @property
+    def busy(self) -> bool:
+        """A response is running or waiting on some lane (or an error waits for its turn)."""
+        return any(lane.busy for lane in self.lanes.values())
+
+    def queued(self) -> list[WsCreate]:
+        return [c for lane in self.lanes.values() for c in lane.pending if isinstance(c, WsCreate)]
+
+    def starting(self) -> list[WsCreate]:
+        return [lane.current for lane in self.lanes.values() if lane.current is not None]
+
+    def _lane(self, key: str) -> Lane:
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = Lane()
+        return lane
+
+    # -- the connection's life ----------------------------------------------------------
+    def tick(self, now: float) -> tuple[list[Action], Optional[float]]:
+        """The lifetime limit and the idle timeout: actions now, and seconds until the next
+        tick is due (None: no more ticks)."""
+        if self.state is not State.OPEN:
+            return [], None
+        cfg = self.config
+        life_left = cfg.max_connection_seconds - (now - self.started_at)
+        idle_left = cfg.idle_timeout_seconds - (now - self.last_activity)
+        if life_left <= 0:
+            return self._ending(End.LIFETIME), None
+        if idle_left <= 0 and not self.busy:
+            return self._close(End.IDLE), None
+        return [], max(0.05, min(life_left, idle_left if idle_left > 0 else 0.5))
+
+    def drain(self) -> list[Action]:
+        """The server is going away: finish the responses in flight, then tell the client to
+        reconnect (the connection-limit error it already handles) and close with 1001."""
+        if self.state is State.CLOSED:
+            return []
+        return self._ending(End.DRAIN)
+
+    def client_left(self) -> None:
+        """The socket is gone: nothing more is sent, what waited is dropped."""
+        self.state = State.CLOSED
+        self.lanes.clear()
+        self.queued_bytes = self.waiting_creates = self.deferred_errors = 0
+
+    def _ending(self, why: End) -> list[Action]:
+        self.state = State.ENDING
+        self.end = why
+        return [] if self.busy else self._close(why)
+
+    def _close(self, why: Optional[End]) -> list[Action]:
+        if self.state is State.CLOSED:
+            return []
+        self.state = State.CLOSED
+        self.end = why
+        if why is End.FLOOD:
+            return [SendError(ApiError(400, f"More than {self.config.max_queued_creates} invalid messages are "
+                                            "waiting for their errors to be read; closing this connection.",
+                                       code="too_many_errors")), Close(1008, "too many errors not read")]
+        if why is End.DRAIN:
+            message = ("This server is shutting down this connection (scale-down or restart). "
+                       "Create a new websocket connection to continue.")
+        elif why is End.IDLE:
+            message = (f"This websocket connection was closed after {self.config.idle_timeout_seconds:.0f} "
+                       "seconds without activity. Create a new websocket connection to continue.")
+        else:
+            message = ("Responses websocket connection limit reached (60 minutes). "
+                       "Create a new websocket connection to continue.")
+        error = SendError(ApiError(400, message, code="websocket_connection_limit_reached"))
+        return [error, Close(1001, "server draining: reconnect") if why is End.DRAIN
+                else Close(1000, "connection limit reached")]

@@ -1,0 +1,171 @@
+"""WebSocket mode's rules on the sans-I/O protocol alone: frames and lane progress in, actions
+out, time from a fake clock. No driver, no tasks, no socket."""
+
+from __future__ import annotations
+
+import json
+
+from cluster.config import WebSocketConfig
+from cluster.core.turn.cache import SessionCache
+from cluster.core.websocket.inflight import WsCreate
+from cluster.core.websocket.protocol import (MAX_ACTIVE, MAX_LANES, Close, DeferredError, Enqueued, RunLane,
+                                             SendError, SendEvent, State, WebSocketProtocol)
+
+
+def protocol(**cfg) -> WebSocketProtocol:
+    return WebSocketProtocol(WebSocketConfig(**cfg), model_name="m", max_input_items=None, cache=SessionCache(),
+                             now=0.0)
+
+
+def create(input="hi", **extra) -> str:
+    return json.dumps({"type": "response.create", "input": input, **extra})
+
+
+def enqueued(actions) -> Enqueued:
+    [e] = [a for a in actions if isinstance(a, Enqueued)]
+    return e
+
+
+def errors(actions) -> list[str]:
+    return [a.error.code for a in actions if isinstance(a, SendError)]
+
+
+def test_creates_on_a_lane_run_in_order_and_one_that_waits_is_announced_with_its_id():
+    p = protocol()
+    first = p.receive(create("a"), now=1.0)
+    assert enqueued(first).announce is None and RunLane("") in first
+    second = enqueued(p.receive(create("b"), now=1.1))
+    assert second.announce["type"] == "response.queued" and second.announce["response"]["status"] == "queued"
+    assert second.announce["response"]["id"] == second.create.response_id
+    taken = p.next_on_lane("")
+    assert isinstance(taken, WsCreate) and taken.body["input"] == "a" and p.busy
+    assert p.next_on_lane("").body["input"] == "b"
+    assert p.next_on_lane("") is None and p.waiting_creates == 0 and p.queued_bytes == 0
+
+
+def test_a_frames_error_keeps_its_place_behind_the_response_before_it():
+    p = protocol()
+    p.receive(create("a"), now=1.0)
+    assert p.receive("{not json", now=1.1) == [RunLane("")]
+    assert p.receive(json.dumps({"type": "response.cancel_everything"}), now=1.2) == [RunLane("")]
+    assert isinstance(p.next_on_lane(""), WsCreate)
+    bad_json, bad_type = p.next_on_lane(""), p.next_on_lane("")
+    assert isinstance(bad_json, DeferredError) and bad_json.error.code == "invalid_json"
+    assert bad_type.error.code == "invalid_value" and bad_type.error.param == "type"
+    assert p.deferred_errors == 0 and p.queued_bytes == 0
+
+
+def test_ignored_events_do_nothing():
+    p = protocol()
+    assert p.receive(json.dumps({"type": "response.processed", "response_id": "x"}), now=1.0) == []
+    assert not p.busy
+
+
+def test_lanes_are_bounded_and_named_correctly():
+    p = protocol(max_queued_creates=1000)
+    assert p.receive(create(stream_id="no spaces"), now=1.0) == [RunLane("")]
+    assert p.next_on_lane("").error.code == "invalid_stream_id"
+    for n in range(MAX_LANES):
+        enqueued(p.receive(create(stream_id=f"lane{n}"), now=1.0))
+    assert p.receive(create(stream_id="one-too-many"), now=1.0) == [RunLane("")]
+    refused = p.next_on_lane("")
+    assert refused.error.code == "websocket_stream_limit_reached" and refused.stream_id == "one-too-many"
+
+
+def test_past_max_active_lanes_a_create_waits_and_is_announced():
+    p = protocol(max_queued_creates=1000)
+    for n in range(MAX_ACTIVE):
+        assert enqueued(p.receive(create(stream_id=f"lane{n}"), now=1.0)).announce is None
+    late = enqueued(p.receive(create(stream_id="late"), now=1.0))
+    assert late.announce is not None and late.announce["stream_id"] == "late"
+
+
+def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
+    p = protocol(max_queued_creates=3, max_queued_bytes=10_000)
+    for _ in range(3):
+        enqueued(p.receive(create(), now=1.0))
+    assert errors(p.receive(create(), now=1.0)) == ["rate_limit_exceeded"]
+    q = protocol(max_queued_bytes=1000)
+    enqueued(q.receive(create("x" * 600), now=1.0))
+    assert errors(q.receive(create("y" * 600), now=1.0)) == ["rate_limit_exceeded"]
+    assert q.waiting_creates == 1
+
+
+def test_an_oversized_frame_is_never_held_and_errors_nobody_reads_end_the_connection():
+    p = protocol(max_frame_bytes=100, max_queued_creates=4)
+    p.receive(create("a"), now=1.0)  # in flight: the errors below wait behind it
+    for _ in range(3):
+        assert p.receive("x" * 10_000, now=1.0) == [RunLane("")]
+    assert p.queued_bytes < 4 * 512
+    assert errors(p.receive("x", now=1.0)) == ["rate_limit_exceeded"]  # 1 create + 3 errors waiting
+    q = protocol(max_frame_bytes=100, max_queued_creates=4)
+    for _ in range(4):
+        q.receive("x" * 10_000, now=1.0)
+    flood = q.receive("x", now=1.0)
+    assert errors(flood) == ["too_many_errors"] and flood[-1] == Close(1008, "too many errors not read")
+    assert q.state is State.CLOSED and q.receive(create(), now=1.0) == []
+
+
+def test_the_lifetime_limit_waits_for_the_response_in_flight_then_closes():
+    p = protocol(max_connection_seconds=60, idle_timeout_seconds=1000)
+    actions, wait = p.tick(0.0)
+    assert actions == [] and wait == 60
+    p.receive(create(), now=10.0)
+    p.next_on_lane("")
+    actions, wait = p.tick(60.0)
+    assert actions == [] and wait is None and p.state is State.ENDING
+    assert p.receive(create(), now=61.0) == []  # an ending connection takes nothing more
+    p.turn_ended("", now=70.0)
+    closing = p.lane_stopped("")
+    assert errors(closing) == ["websocket_connection_limit_reached"] and "60 minutes" in closing[0].error.message
+    assert closing[-1] == Close(1000, "connection limit reached") and p.state is State.CLOSED
+
+
+def test_an_idle_connection_closes_but_not_while_a_response_runs():
+    p = protocol(max_connection_seconds=3600, idle_timeout_seconds=30)
+    p.receive(create(), now=1.0)
+    p.next_on_lane("")
+    actions, wait = p.tick(40.0)
+    assert actions == [] and wait == 0.5  # busy: checked again shortly
+    p.turn_ended("", now=40.0)
+    assert p.lane_stopped("") == []
+    assert p.tick(50.0) == ([], 20.0)
+    actions, wait = p.tick(70.0)
+    assert errors(actions) == ["websocket_connection_limit_reached"] and "30 seconds" in actions[0].error.message
+    assert wait is None and p.state is State.CLOSED
+
+
+def test_a_drain_finishes_the_response_in_flight_and_closes_with_1001():
+    p = protocol()
+    p.receive(create(), now=1.0)
+    p.next_on_lane("")
+    assert p.drain() == [] and p.state is State.ENDING
+    p.turn_ended("", now=2.0)
+    closing = p.lane_stopped("")
+    assert closing[-1] == Close(1001, "server draining: reconnect")
+    idle = protocol()
+    assert idle.drain()[-1].code == 1001
+
+
+def test_interrupts_and_steers_act_at_once_never_queued():
+    p = protocol()
+    # An interrupt without an id is an error in FIFO order; one for a response that ended is ignored
+    # (an error would be read as the next turn's first event).
+    assert p.receive(json.dumps({"type": "response.interrupt"}), now=1.0) == [RunLane("")]
+    assert p.next_on_lane("").error.code == "missing_required_parameter"
+    assert p.receive(json.dumps({"type": "response.interrupt", "response_id": "resp_gone"}), now=1.0) == []
+    # A steer is answered at once, even with a response waiting on the lane.
+    p.receive(create("a"), now=1.0)
+    [answer] = p.receive(json.dumps({"type": "response.steer", "previous_response_id": "resp_nope",
+                                     "input": "x"}), now=1.0)
+    assert isinstance(answer, SendEvent) and answer.event["type"] == "response.steer.failed"
+    assert answer.event["error"]["code"] == "response_not_found"
+
+
+def test_when_the_client_leaves_nothing_waits():
+    p = protocol()
+    p.receive(create(), now=1.0)
+    p.receive("{", now=1.0)
+    p.client_left()
+    assert p.state is State.CLOSED and p.next_on_lane("") is None
+    assert (p.queued_bytes, p.waiting_creates, p.deferred_errors) == (0, 0, 0)
