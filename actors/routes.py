@@ -23,7 +23,7 @@ from actors.http import app, error_response, json_body, peak_rss_bytes, rss_byte
 from cluster import telemetry
 from cluster.core.events import TERMINAL_EVENTS
 from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.turn import cache_salt
+from cluster.core.turn.turn import TurnRequest, cache_salt
 from cluster.core.websocket.agent import reject_over_http as reject_multi_agent_over_http
 from cluster.core.websocket.session import WebSocketSession
 from cluster.protocol import ids
@@ -184,7 +184,7 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
             return JSONResponse(conn.responses.start_background(req, p.tenant, session_key))
     except ApiError as err:
         return error_response(err)
-    events = conn.driver.run(
+    events = conn.driver.run(TurnRequest(
         req,
         SessionCache(1),  # HTTP has no connection: state goes to the registry
         session_key=session_key,
@@ -195,7 +195,7 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
         parsed_at=parsed_at,
         trace_parent=telemetry.extract_headers(request.headers),
         transport="http",
-    )
+    ))
     try:
         first = await events.__anext__()
     except ApiError as err:

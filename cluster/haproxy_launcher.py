@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import sys
 from typing import Optional
 

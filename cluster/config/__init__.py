@@ -6,7 +6,6 @@ holds the top level and names every section, so `from cluster.config import X` f
 
 from __future__ import annotations
 
-
 from pydantic import Field
 
 from cluster.config.auth import ApiKey, AuthConfig, KeysMissing

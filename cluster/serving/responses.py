@@ -20,6 +20,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import TurnRecord
 from cluster.core.turn.state import ResponseState
+from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.errors import ApiError, previous_response_not_found
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import parse_request
@@ -260,8 +261,9 @@ class ResponsesService:
             self.remember(state)
 
         try:
-            async for ev in self.driver.run(req, SessionCache(1), session_key=session_key, owner=tenant,
-                                            lookup=self.lookup_for(tenant), on_state=remember, response_id=rid):
+            async for ev in self.driver.run(TurnRequest(req, SessionCache(1), session_key=session_key, owner=tenant,
+                                                        lookup=self.lookup_for(tenant), on_state=remember,
+                                                        response_id=rid)):
                 if "response" in ev:
                     entry["response"] = ev["response"]
         except ApiError as err:

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.ingress import HAPROXY_BINARY_ENV, LAUNCHER, ingress_env
 from cluster.config import LoopserveConfig, TelemetryConfig
+from cluster.ingress import HAPROXY_BINARY_ENV, LAUNCHER, ingress_env
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"

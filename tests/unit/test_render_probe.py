@@ -22,6 +22,7 @@ from cluster.core.render.probe import SCENARIOS, TOOLS, _check, _State, format_s
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import normalize_tools
+from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.requests import parse_request
 
 from .harness import InProcessStack
@@ -215,7 +216,7 @@ async def test_continuations_reuse_the_generated_tokens(tokenizer):
                 {"type": "function_call_output", "call_id": resp["output"][0]["call_id"], "output": f"line {n}\n" * 50}]}
         else:  # ... and answers after a tool result
             body = {"previous_response_id": resp["id"], "tools": TOOL, "input": f"now step {n}"}
-        evs = [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s1")]
+        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s1"))]
         resp = evs[-1]["response"]
         prompts.append((resp["usage"]["input_tokens"], resp["usage"]["input_tokens_details"]["cached_tokens"],
                         resp["usage"]["output_tokens"]))

@@ -15,6 +15,7 @@ from cluster.core.safety.classifiers import (
 from cluster.core.safety.gate import OutputMonitor
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.post_work import PostWorkQueue, TurnRecord, UsageMeter
+from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 
@@ -28,7 +29,7 @@ ANSWER = ("Here is the plan. First we read the config and the tests. " * 3
 
 async def run(stack, body, cache=None):
     cache = SessionCache() if cache is None else cache
-    return [ev async for ev in stack.driver.run(parse_request(body), cache, session_key="s")]
+    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
 
 
 def test_classifiers():

@@ -8,8 +8,18 @@ import json
 from cluster.config import WebSocketConfig
 from cluster.core.turn.cache import SessionCache
 from cluster.core.websocket.inflight import WsCreate
-from cluster.core.websocket.protocol import (MAX_ACTIVE, MAX_LANES, Close, DeferredError, Enqueued, RunLane,
-                                             SendError, SendEvent, State, WebSocketProtocol)
+from cluster.core.websocket.protocol import (
+    MAX_ACTIVE,
+    MAX_LANES,
+    Close,
+    DeferredError,
+    Enqueued,
+    RunLane,
+    SendError,
+    SendEvent,
+    State,
+    WebSocketProtocol,
+)
 
 
 def protocol(**cfg) -> WebSocketProtocol:

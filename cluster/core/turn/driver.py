@@ -19,13 +19,12 @@ from cluster.core.events import TERMINAL_EVENTS, Event, EventAssembler, build_re
 from cluster.core.messages import RenderJob
 from cluster.core.render.renderer import RenderResult
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
-from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
 from cluster.core.turn.controls import check_output_controls
 from cluster.core.turn.post_work import PostWorkQueue
 from cluster.core.turn.state import RenderKey, ResponseState, items_nbytes
 from cluster.core.turn.stream import TurnStream
-from cluster.core.turn.turn import EnginePort, Rendered, Stop, Turn, TurnServices, TurnTiming
+from cluster.core.turn.turn import EnginePort, Rendered, Turn, TurnRequest, TurnServices, TurnTiming
 from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import ResponsesRequest, parse_request
@@ -45,7 +44,6 @@ class RenderPort(Protocol):
     async def __call__(self, job: RenderJob) -> Optional[RenderResult]: ...
 
 
-Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
 # Item references one request may hold (each is a store read).
 MAX_ITEM_REFERENCES = 256
 
@@ -114,26 +112,7 @@ class TurnDriver:
                 type="invalid_request_error",
             )
 
-    async def run(
-        self,
-        req: ResponsesRequest,
-        cache: SessionCache,
-        *,
-        session_key: str,
-        lookup: Optional[Lookup] = None,
-        on_state: Optional[Callable[[ResponseState], None]] = None,
-        stream_id: Optional[str] = None,
-        owner: Optional[str] = None,
-        response_id: Optional[str] = None,
-        received_at: Optional[float] = None,
-        parsed_at: Optional[float] = None,
-        trace_parent: Optional[Any] = None,
-        transport: str = "http",
-        include_timing: bool = False,
-        stop: Optional[Stop] = None,
-        keep_parent: bool = False,
-        agent: Optional[Any] = None,
-    ) -> AsyncIterator[Event]:
+    async def run(self, t: TurnRequest) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
 
         `received_at`/`parsed_at` (perf_counter) are when the request arrived and
@@ -142,21 +121,20 @@ class TurnDriver:
         context (an incoming `traceparent`); the turn is one span tree under it.
         """
         timing = TurnTiming()
-        if received_at is not None:
-            timing.started = received_at
-        root = self.tracer.start_span("response.create", context=trace_parent, kind=telemetry.SpanKind.SERVER,
+        if t.received_at is not None:
+            timing.started = t.received_at
+        root = self.tracer.start_span("response.create", context=t.trace_parent, kind=telemetry.SpanKind.SERVER,
                                       start_time=telemetry.ns_at(timing.started))
         tctx = telemetry.context_of(root)
-        root.set_attribute("loopserve.transport", transport)
+        root.set_attribute("loopserve.transport", t.transport)
         root.set_attribute("gen_ai.request.model", self.model_name)
-        root.set_attribute("loopserve.session", telemetry.hash_key(session_key))
-        if parsed_at is not None:
-            telemetry.span_between(self.tracer, "parse", tctx, telemetry.ns_at(timing.started), telemetry.ns_at(parsed_at))
+        root.set_attribute("loopserve.session", telemetry.hash_key(t.session_key))
+        if t.parsed_at is not None:
+            telemetry.span_between(self.tracer, "parse", tctx, telemetry.ns_at(timing.started),
+                                   telemetry.ns_at(t.parsed_at))
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         try:
-            async for ev in self._run(req, cache, session_key, lookup, on_state, stream_id, owner, response_id,
-                                      timing, root, tctx, include_timing, stop, keep_parent, agent,
-                                      transport == "websocket"):
+            async for ev in self._run(t, timing, root, tctx):
                 if ev["type"] in TERMINAL_EVENTS:
                     status = ev["response"]["status"]
                 yield ev
@@ -167,12 +145,11 @@ class TurnDriver:
             raise
         finally:
             root.set_attribute("loopserve.status", status)
-            self.metrics.turn_ended(transport, status)
+            self.metrics.turn_ended(t.transport, status)
             root.end()
 
-    async def _run(self, req, cache, session_key, lookup, on_state, stream_id, owner, response_id, timing,
-                   root, tctx, include_timing=False, stop=None, keep_parent=False,
-                   agent=None, expect_back=False) -> AsyncIterator[Event]:
+    async def _run(self, t: TurnRequest, timing: TurnTiming, root: Any, tctx: Any) -> AsyncIterator[Event]:
+        req, cache, session_key, owner, agent = t.request, t.cache, t.session_key, t.owner, t.agent
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -181,8 +158,8 @@ class TurnDriver:
             if parent is not None and parent.owner != owner:
                 parent = None  # another tenant's response: as if it did not exist
             found = "hit" if parent is not None else "miss"
-            if parent is None and lookup is not None:
-                parent = await lookup(prev_id)
+            if parent is None and t.lookup is not None:
+                parent = await t.lookup(prev_id)
                 found = "store" if parent is not None else "miss"
             root.set_attribute("loopserve.cache", found)
             self.metrics.cache_lookup(found)
@@ -202,11 +179,11 @@ class TurnDriver:
         try:
             prep = await self._prepare(req, parent, timing, tctx, owner)
         except ApiError:
-            if prev_id and not keep_parent:
+            if prev_id and not t.keep_parent:
                 cache.evict(prev_id)
             raise
         except Exception as exc:
-            if prev_id and not keep_parent:
+            if prev_id and not t.keep_parent:
                 cache.evict(prev_id)
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the render's own error
             if isinstance(cause, ApiError):
@@ -224,17 +201,17 @@ class TurnDriver:
                                      parent.instructions if parent is not None else None,
                                      st.classify_tool_outputs) if self._safety else []
         safety = TurnSafety(self._safety, new_texts, st.output_chunk_chars, tracer=self.tracer, trace_parent=tctx)
-        response_id = response_id or new_id("resp")
+        response_id = t.response_id or new_id("resp")
         timing.response_id = response_id
         root.set_attribute("loopserve.response_id", response_id)
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)
-        asm = EventAssembler(response, stream_id=stream_id)
+        asm = EventAssembler(response, stream_id=t.stream_id)
         room = st.max_model_len - len(rendered.prompt_token_ids)
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
-                    timing=timing, on_state=on_state, trace=tctx, include_timing=include_timing,
-                    stop=stop, keep_parent=keep_parent, agent=agent, expect_back=expect_back)
+                    timing=timing, on_state=t.on_state, trace=tctx, include_timing=t.include_timing,
+                    stop=t.stop, keep_parent=t.keep_parent, agent=agent, expect_back=t.transport == "websocket")
         if agent is not None:
             async def next_step(state: ResponseState, injected: list[dict[str, Any]]):
                 # The next engine call of a multi-agent response: a continuation of `state`

@@ -240,3 +240,27 @@ class Turn:
         return t
 
 
+# A parent response not in the connection's cache: the store, or the replica's registry.
+Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
+
+
+@dataclass
+class TurnRequest:
+    """One request for a response, as a transport hands it to the driver."""
+
+    request: ResponsesRequest
+    cache: SessionCache  # the connection's (WebSocket) or a one-turn cache (HTTP)
+    session_key: str  # keeps the session's turns on the engine replica holding its prefix
+    transport: str = "http"  # "http" | "websocket"
+    owner: Optional[str] = None  # the tenant
+    lookup: Optional[Lookup] = None  # a parent not in `cache` (the store, the replica's registry)
+    on_state: Optional[Callable[[ResponseState], None]] = None  # the new state, before the terminal event
+    stream_id: Optional[str] = None  # the WebSocket lane, echoed on every event
+    response_id: Optional[str] = None  # given in advance (a `response.queued` announced it)
+    received_at: Optional[float] = None  # perf_counter when the request arrived (the turn's time counts from it)
+    parsed_at: Optional[float] = None
+    trace_parent: Any = None  # an incoming `traceparent`: the turn is one span tree under it
+    include_timing: bool = False  # send Codex's timing event
+    stop: Optional[Stop] = None  # interrupt or steer
+    keep_parent: bool = False  # a failed fork from another lane leaves that lane's response cached
+    agent: Optional[Any] = None  # a multi-agent response's inbox of injected tool outputs

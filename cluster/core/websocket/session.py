@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable, Optional, Union
 from cluster.config import WebSocketConfig
 from cluster.core.events import TERMINAL_EVENTS, Event
 from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.driver import Lookup, TurnDriver
+from cluster.core.turn.driver import TurnDriver
+from cluster.core.turn.turn import Lookup, TurnRequest
 from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
 from cluster.core.websocket.inflight import WsCreate
@@ -208,7 +209,7 @@ class WebSocketSession:
             if req.background:
                 raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")
             stream_id = req.stream_id
-            async for ev in self.driver.run(
+            async for ev in self.driver.run(TurnRequest(
                 req,
                 self.cache,
                 session_key=self.session_key,
@@ -226,7 +227,7 @@ class WebSocketSession:
                 # A fork from another lane that fails leaves that lane's response in the cache.
                 keep_parent=self.protocol.inflight.from_other_lane(parent, stream_id),
                 agent=create.inbox,
-            ):
+            )):
                 kind = ev["type"]
                 if kind == "response.created":
                     rid = ev["response"]["id"]
