@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+from tests.support.ws import TERMINAL, ws_url
 
 
 async def websocket_loop(url: str, turns: int) -> list[str]:
@@ -31,7 +31,7 @@ async def websocket_loop(url: str, turns: int) -> list[str]:
 
     statuses = []
     prev = None
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=60, close_timeout=5,
+    async with connect(ws_url(url), open_timeout=60, close_timeout=5,
                        additional_headers={"authorization": "Bearer sk-local", "x-session-id": "hap-ws"}) as ws:
         for n in range(turns):
             body = {"type": "response.create", "model": "loopserve-tiny", "store": False, "input": f"turn {n}"}

@@ -21,8 +21,9 @@ import sys
 import tempfile
 import time
 
+from tests.support.ws import TERMINAL, ws_url
+
 SESSIONS = 4
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 async def session(url: str, n: int, turns: int, log: list) -> dict:
@@ -34,7 +35,7 @@ async def session(url: str, n: int, turns: int, log: list) -> dict:
     deadline = time.time() + 240
     while done < turns and time.time() < deadline:
         try:
-            async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=60, close_timeout=5,
+            async with connect(ws_url(url), open_timeout=60, close_timeout=5,
                                additional_headers={"x-session-id": f"multinode-{n}"}) as ws:
                 while done < turns:
                     body = {"type": "response.create", "model": "loopserve-tiny", "store": True,

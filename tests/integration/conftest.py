@@ -6,12 +6,19 @@ from pathlib import Path
 
 import pytest
 
-# A prompt holding LONG_ONE gets a long answer (a response still running when cancelled).
-LONG_ONE = "long one"
-LONG_RULE = {"contains": LONG_ONE, "text": "word " * 400}
-SCRIPTED_ANSWER = (
-    "I looked at the files you asked about and the change is done; the tests pass and nothing else "
-    "needs to be edited in this repository right now."
+from tests.support.apps import (
+    CODEX_RULES,
+    GUARD_GARBLED,
+    GUARD_UNSAFE,
+    KEY_A,
+    KEY_B,
+    LONG_RULE,
+    SCRIPTED_ANSWER,
+    SMOLLM2,
+    deploy_app,
+    module_app,
+    pg_app_args,
+    scripted_app,
 )
 
 
@@ -26,44 +33,21 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
         stop_local_serve()
 
 
-def _deploy(name: str, prefix: str, args: dict, base: str, timeout: float, admin: bool = True) -> str:
-    from cluster.bench.local import deploy
-
-    return deploy(base, name, prefix, args, timeout, admin=admin)
-
-
-def _module_app(name: str, prefix: str, args: dict, base: str, timeout: float, admin: bool = True):
-    """An app one test module uses: deleted after it, so the session's apps never all hold
-    memory at once (with every app alive, Ray's memory monitor killed the Serve controller)."""
-    url = _deploy(name, prefix, args, base, timeout, admin)
-    try:
-        yield url
-    finally:
-        from ray import serve
-
-        try:
-            serve.delete(name)
-        except Exception:  # noqa: BLE001 - the cluster may be going down with the session
-            pass
-
-
 @pytest.fixture(scope="session")
 def scripted_url(serve_instance, tmp_path_factory):
     """The app with the scripted engine (stands in for a GPU engine), at the root; SQLite store."""
-    args = {
-        "store": {"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("store") / "responses.db")},
-        "engine": {"backend": "scripted",
-                   "scripted": {"tokens_per_second": 100, "prefill_tokens_per_second": 1_000_000,
-                                "answer_text": SCRIPTED_ANSWER, "max_output_tokens": 128,
-                                "answer_rules": [LONG_RULE]}},
-        "websocket": {"max_frame_bytes": 256 * 1024},
-        "safety": {"classifier": "default", "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
+    args = scripted_app(
+        {"tokens_per_second": 100, "prefill_tokens_per_second": 1_000_000, "answer_text": SCRIPTED_ANSWER,
+         "max_output_tokens": 128, "answer_rules": [LONG_RULE]},
+        store={"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("store") / "responses.db")},
+        websocket={"max_frame_bytes": 256 * 1024},
+        safety={"classifier": "default", "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
         # Production settings otherwise: delta renders inline in the connection actor
         # (no verify_renders); exactness is checked from outside (test_render_exactness).
-        "ops": {"echo_route": True},
-        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.1},
-    }
-    return _deploy("scripted", "/", args, serve_instance, 180)
+        ops={"echo_route": True},
+        connection={"num_cpus": 0.1}, render={"num_cpus": 0.1}, engine_deployment={"num_cpus": 0.1},
+    )
+    return deploy_app("scripted", "/", args, serve_instance, 180)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +67,7 @@ def vllm_url(serve_instance):
                           {"sha256": key_sha256(KEY_B), "tenant": "tenant-b"}]},
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
     }
-    yield from _module_app("vllm", "/vllm", args, serve_instance, 400)
-
-
-SMOLLM2 = "smollm2-135m-instruct"
+    yield from module_app("vllm", "/vllm", args, serve_instance, 400)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +82,7 @@ def smollm2_url(serve_instance):
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 64, "cpu_kvcache_space_gib": 1}},
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
     }
-    yield from _module_app("smollm2", "/smollm2", args, serve_instance, 500)
+    yield from module_app("smollm2", "/smollm2", args, serve_instance, 500)
 
 
 @pytest.fixture
@@ -117,27 +98,17 @@ def client_for():
 @pytest.fixture(scope="session")
 def short_limit_url(serve_instance):
     """A scripted app whose WebSocket connections are limited to 2 seconds."""
-    args = {
-        "engine": {"backend": "scripted"},
-        "websocket": {"max_connection_seconds": 2},
-        "store": {"backend": "none"},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-    }
+    args = scripted_app(websocket={"max_connection_seconds": 2})
     # Deployed as an operator would by default: no admin key, so the ops routes are closed.
-    return _deploy("shortlimit", "/short", args, serve_instance, 180, admin=False)
+    return deploy_app("shortlimit", "/short", args, serve_instance, 180, admin=False)
 
 
 @pytest.fixture(scope="module")
 def affinity_url(serve_instance):
     """Scripted engine with 3 replicas behind the session-affine (consistent-hash) router."""
-    args = {
-        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000}},
-        "routing": {"policy": "session_affinity", "num_fallback_replicas": 1},
-        "store": {"backend": "none"},
-        "engine_deployment": {"num_replicas": 3, "num_cpus": 0.05},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05},
-    }
-    yield from _module_app("affinity", "/affinity", args, serve_instance, 240)
+    args = scripted_app({"tokens_per_second": 2000}, routing={"policy": "session_affinity", "num_fallback_replicas": 1},
+                        engine_deployment={"num_replicas": 3, "num_cpus": 0.05})
+    yield from module_app("affinity", "/affinity", args, serve_instance, 240)
 
 
 @pytest.fixture(scope="module")
@@ -148,70 +119,18 @@ def guard_url(serve_instance):
     fake: no Llama Guard weights on this machine): it answers `unsafe / S10` for
     content with GUARD_UNSAFE, an unparseable answer for GUARD_GARBLED, else `safe`.
     """
-    args = {
-        "engine": {"backend": "scripted"},
-        "store": {"backend": "none"},
-        "safety": {"classifier": "guard", "guard": {
-            "engine": {"backend": "scripted", "scripted": {"answer_text": "safe", "answer_rules": [
-                {"contains": GUARD_UNSAFE, "text": "unsafe\nS10"},
-                {"contains": GUARD_GARBLED, "text": "I am not sure what you mean"}]}},
-            "deployment": {"num_cpus": 0.05}}, "deployment": {"num_cpus": 0.05}},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-    }
-    yield from _module_app("guard", "/guard", args, serve_instance, 240)
-
-
-GUARD_UNSAFE, GUARD_GARBLED = "hateful-marker-7731", "garbled-marker-4419"
-KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
-PG_DATABASE = "loopserve_test"
-ALLOWED_ORIGIN = "https://app.example"
-
-
-def _ensure_pg_database() -> str:
-    import asyncio
-
-    import asyncpg
-
-    async def create():
-        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
-        try:
-            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", PG_DATABASE):
-                await conn.execute(f"CREATE DATABASE {PG_DATABASE}")
-        finally:
-            await conn.close()
-
-    # (callable from async tests too: run on a thread with its own loop)
-    import threading
-
-    t = threading.Thread(target=lambda: asyncio.run(create()))
-    t.start()
-    t.join(30)
-    return f"postgresql://postgres@127.0.0.1:5432/{PG_DATABASE}"
-
-
-def pg_app_args() -> dict:
-    from cluster.auth import key_sha256
-
-    return {
-        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 200, "max_output_tokens": 256,
-                                                       "answer_rules": [LONG_RULE]}},
-        "store": {"backend": "postgres", "postgres_dsn": _ensure_pg_database()},
-        "auth": {"keys": [
-            {"sha256": key_sha256(KEY_A), "tenant": "tenant-a"},
-            {"sha256": key_sha256(KEY_B), "tenant": "tenant-b"},
-            {"sha256": key_sha256(KEY_LIMITED), "tenant": "tenant-c", "max_connections": 1,
-             "requests_per_minute": 3},
-        ]},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-        "safety": {"deployment": {"num_cpus": 0.05}, "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
-        "websocket": {"allowed_origins": [ALLOWED_ORIGIN]},
-    }
+    args = scripted_app(safety={"classifier": "guard", "deployment": {"num_cpus": 0.05}, "guard": {
+        "engine": {"backend": "scripted", "scripted": {"answer_text": "safe", "answer_rules": [
+            {"contains": GUARD_UNSAFE, "text": "unsafe\nS10"},
+            {"contains": GUARD_GARBLED, "text": "I am not sure what you mean"}]}},
+        "deployment": {"num_cpus": 0.05}}})
+    yield from module_app("guard", "/guard", args, serve_instance, 240)
 
 
 @pytest.fixture(scope="session")
 def pg_url(serve_instance):
     """Scripted engine + PostgreSQL store (127.0.0.1:5432) + API keys for three tenants."""
-    return _deploy("pg", "/pg", pg_app_args(), serve_instance, 240)
+    return deploy_app("pg", "/pg", pg_app_args(), serve_instance, 240)
 
 
 @pytest.fixture(scope="session")
@@ -226,16 +145,12 @@ def otlp_receiver():
 @pytest.fixture(scope="module")
 def otel_url(serve_instance, otlp_receiver):
     """Scripted engine, safety on, traces and metrics exported over OTLP/HTTP to `otlp_receiver`."""
-    args = {
-        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000}},
-        "store": {"backend": "none"},
-        "telemetry": {"enabled": True, "protocol": "http", "endpoint": otlp_receiver.url,
-                      "export_delay_ms": 100, "metrics_interval_ms": 500},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-        # The SafetyActor path, so one turn's trace spans four processes.
-        "safety": {"placement": "actor", "deployment": {"num_cpus": 0.05}},
-    }
-    yield from _module_app("otel", "/otel", args, serve_instance, 240)
+    args = scripted_app({"tokens_per_second": 2000},
+                        telemetry={"enabled": True, "protocol": "http", "endpoint": otlp_receiver.url,
+                                   "export_delay_ms": 100, "metrics_interval_ms": 500},
+                        # The SafetyActor path, so one turn's trace spans four processes.
+                        safety={"placement": "actor", "deployment": {"num_cpus": 0.05}})
+    yield from module_app("otel", "/otel", args, serve_instance, 240)
 
 
 CLIENTS_DIR = Path(__file__).resolve().parents[1] / "clients"
@@ -256,33 +171,8 @@ def node_clients() -> Path:
     return CLIENTS_DIR
 
 
-# What the scripted engine answers Codex (a named fake model: rules on the prompt's text).
-# A task asks for a marker file; the engine calls Codex's exec_command tool, and answers once
-# the command's output (only there: the command computes it) is in the prompt.
-CODEX_MARK, CODEX_SECOND = "LOOPSERVE_MARK_42", "LOOPSERVE_SECOND_7"
-
-
-def _exec_call(cmd: str) -> str:
-    import json
-
-    return "<tool_call>\n" + json.dumps({"name": "exec_command", "arguments": {"cmd": cmd}}) + "\n</tool_call>"
-
-
-CODEX_RULES = [
-    {"contains": CODEX_SECOND, "text": "The file still holds the marker. All done."},
-    {"contains": "now read it back", "text": _exec_call("cat marker.txt; echo LOOPSERVE_SECOND_$((3+4))")},
-    {"contains": CODEX_MARK, "text": "I wrote the marker file. Done."},
-    {"contains": "write the marker", "text": _exec_call("echo LOOPSERVE_MARK_$((6*7)) > marker.txt && cat marker.txt")},
-]
-
-
 @pytest.fixture(scope="module")
 def codex_url(serve_instance):
     """The scripted engine scripted for a Codex task (CODEX_RULES), as Codex would reach it."""
-    args = {
-        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000, "max_output_tokens": 512,
-                                                       "answer_rules": CODEX_RULES}},
-        "store": {"backend": "none"},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-    }
-    yield from _module_app("codex", "/codex", args, serve_instance, 240)
+    args = scripted_app({"tokens_per_second": 2000, "max_output_tokens": 512, "answer_rules": CODEX_RULES})
+    yield from module_app("codex", "/codex", args, serve_instance, 240)

@@ -26,24 +26,21 @@ from websockets.asyncio.client import connect
 from cluster.bench.local import stats as server_stats
 from cluster.core.websocket.agent import MAX_INJECTED_BYTES
 from cluster.core.websocket.steering import MAX_STEER_BYTES
-
-from .conftest import _module_app
+from tests.support.apps import module_app, scripted_app
+from tests.support.ws import TERMINAL, ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 SOCKETS = 64
 FRAME = 1024 * 1024
 QUEUE = 4 * 1024 * 1024
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 @pytest.fixture(scope="module")
 def hostile_url(serve_instance):
-    args = {"engine": {"backend": "scripted", "scripted": {"tokens_per_second": 400}},
-            "store": {"backend": "none"}, "safety": {"enabled": True},
-            "websocket": {"max_frame_bytes": FRAME, "max_queued_bytes": QUEUE},
-            "connection": {"num_cpus": 0.05, "max_ongoing_requests": 200}, "render": {"num_cpus": 0.05},
-            "engine_deployment": {"num_cpus": 0.05}}
-    yield from _module_app("hostile", "/hostile", args, serve_instance, 180)
+    args = scripted_app({"tokens_per_second": 400}, safety={"enabled": True},
+                        websocket={"max_frame_bytes": FRAME, "max_queued_bytes": QUEUE},
+                        connection={"max_ongoing_requests": 200})
+    yield from module_app("hostile", "/hostile", args, serve_instance, 180)
 
 
 def create(text: str, **kw) -> str:
@@ -115,7 +112,7 @@ async def honest(url: str, turns: int) -> list[float]:
 
 
 async def test_sixty_four_hostile_clients_stay_under_the_ceiling_and_honest_sessions_go_on(hostile_url):
-    url = hostile_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(hostile_url)
     before = await asyncio.to_thread(server_stats, hostile_url)
     baseline_latency = await honest(url, 3)
     async with httpx.AsyncClient(timeout=120) as client:

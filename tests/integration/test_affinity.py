@@ -9,16 +9,19 @@ import psutil
 import pytest
 import ray
 from websockets.asyncio.client import connect
+
 from cluster.bench.local import stats as server_stats
+from tests.support.ws import TERMINAL as RESPONSE_ENDS
+from tests.support.ws import ws_url
 
 pytestmark = pytest.mark.integration
-TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+TERMINAL = (*RESPONSE_ENDS, "error")  # or a refusal before the response
 
 
 async def run_session(url: str, turns: int, tag: str, ws=None):
     """One agent session on one socket; returns [(response id, usage)] per turn."""
     out = []
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=20) as ws:
+    async with connect(ws_url(url), open_timeout=20) as ws:
         prev = None
         for turn in range(turns):
             await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
@@ -79,7 +82,7 @@ def _kill_replica(unique_id: str) -> None:
 
 
 async def test_killing_a_replica_moves_its_sessions_and_their_next_turn_completes(affinity_url):
-    url = affinity_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(affinity_url)
     moves_before = server_stats(affinity_url)["session_moves"]
     async with connect(url, open_timeout=20) as ws:
         async def turn(prev, text):
@@ -115,7 +118,7 @@ async def concurrent_first_turns(url: str, rounds: int) -> None:
     """Each round: a new socket (a new session) whose first two turns start together on two
     lanes, then a second turn on each lane; every response must end."""
     for n in range(rounds):
-        async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=20) as ws:
+        async with connect(ws_url(url), open_timeout=20) as ws:
             for k in range(2):
                 for lane in ("left", "right"):
                     await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,
@@ -139,13 +142,11 @@ async def test_concurrent_first_turns_of_a_session_are_all_routed(scripted_url):
 @pytest.fixture(scope="module")
 def handle_path_url(serve_instance):
     """Session affinity with the direct engine channel off: every turn is a Serve handle stream."""
-    from .conftest import _module_app
+    from tests.support.apps import module_app, scripted_app
 
-    args = {"engine": {"backend": "scripted", "direct_stream": False,
-                       "scripted": {"tokens_per_second": 100, "max_output_tokens": 128}},
-            "routing": {"policy": "session_affinity"}, "store": {"backend": "none"},
-            "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05}}
-    yield from _module_app("handlepath", "/handlepath", args, serve_instance, 240)
+    args = scripted_app({"tokens_per_second": 100, "max_output_tokens": 128}, routing={"policy": "session_affinity"})
+    args["engine"]["direct_stream"] = False
+    yield from module_app("handlepath", "/handlepath", args, serve_instance, 240)
 
 
 async def test_concurrent_same_session_handle_streams_are_all_routed(handle_path_url):

@@ -12,10 +12,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from .conftest import _deploy
+from tests.support.apps import deploy_app
+from tests.support.ws import TERMINAL, ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def drain_args(tmp_path, generation: int) -> dict:
@@ -34,7 +34,7 @@ async def agent(url: str, n: int) -> dict:
     """Runs turns until the server closes the socket; then reconnects and continues the chain."""
     log = {"completed": [], "created_without_terminal": [], "close_code": None, "close_error": None}
     prev = None
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=30, close_timeout=5,
+    async with connect(ws_url(url), open_timeout=30, close_timeout=5,
                        additional_headers={"x-session-id": f"drain-agent-{n}"}) as ws:
         try:
             while True:
@@ -78,7 +78,7 @@ async def agent(url: str, n: int) -> dict:
     # continue the chain from the store.
     for attempt in range(10):
         try:
-            async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=60,
+            async with connect(ws_url(url), open_timeout=60,
                                close_timeout=5) as ws:
                 await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": True,
                                           "previous_response_id": prev, "input": "after reconnect"}))
@@ -104,7 +104,7 @@ async def test_rolling_redeploy_drains_sockets_cleanly(serve_instance, tmp_path)
 
     from cluster.bench.local import deploy
 
-    url = await asyncio.to_thread(_deploy, "drain", "/drain", drain_args(tmp_path, 0), serve_instance, 240)
+    url = await asyncio.to_thread(deploy_app, "drain", "/drain", drain_args(tmp_path, 0), serve_instance, 240)
     try:
         agents = [asyncio.create_task(agent(url, n)) for n in range(6)]
         await asyncio.sleep(3)  # every agent is mid-loop

@@ -14,25 +14,23 @@ import ray
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from .conftest import _deploy, _ensure_pg_database, _module_app
-from .tcp_proxy import TcpProxy
 from cluster.bench.local import stats as server_stats
+from tests.support.apps import deploy_app, ensure_pg_database, module_app, scripted_app
+from tests.support.ws import TERMINAL, turn, ws_url
+
+from .tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 @pytest.fixture(scope="module")
 def faults_url(serve_instance, tmp_path_factory):
     """Slow scripted engine (turns of ~2 s, so kills land mid-stream), 2 engine replicas."""
-    args = {
-        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 30, "answer_text": "word " * 40,
-                                                  "max_output_tokens": 256}},
-        "store": {"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("faults") / "r.db")},
-        "engine_deployment": {"num_replicas": 2, "num_cpus": 0.05},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "safety": {"placement": "actor", "deployment": {"num_cpus": 0.05}},  # a SafetyActor to kill
-    }
-    yield from _module_app("faults", "/faults", args, serve_instance, 240)
+    args = scripted_app({"tokens_per_second": 30, "answer_text": "word " * 40, "max_output_tokens": 256},
+                        store={"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("faults") / "r.db")},
+                        engine_deployment={"num_replicas": 2},
+                        safety={"placement": "actor", "deployment": {"num_cpus": 0.05}})  # a SafetyActor to kill
+    yield from module_app("faults", "/faults", args, serve_instance, 240)
 
 
 def kill(deployment: str, unique_id: str = "", app: str = "faults") -> None:
@@ -48,23 +46,17 @@ def stats(url: str, engine_session: str = "") -> dict:
     return server_stats(url, last=50, **({"engine_session": engine_session} if engine_session else {}))
 
 
-async def turn(ws, body: dict, on_delta=None) -> list[dict]:
-    """Send one create; return its events up to the terminal (or a pre-creation error)."""
-    await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", **body}))
-    events, created = [], False
-    while True:
-        ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
-        events.append(ev)
-        created = created or ev["type"] == "response.created"
-        if on_delta and ev["type"] == "response.output_text.delta":
-            await on_delta()
-            on_delta = None
-        if ev["type"] in TERMINAL or (ev["type"] == "error" and not created):
-            return events
+def once_on_first_delta(action):
+    """An `on_event` that runs `action` at the first text delta (mid-stream), once."""
+    done = False
 
+    async def on_event(ev: dict) -> None:
+        nonlocal done
+        if not done and ev["type"] == "response.output_text.delta":
+            done = True
+            await action()
 
-def ws_url(url: str) -> str:
-    return url.replace("http://", "ws://") + "/v1/responses"
+    return on_event
 
 
 async def test_engine_replica_killed_mid_stream(faults_url):
@@ -72,7 +64,7 @@ async def test_engine_replica_killed_mid_stream(faults_url):
         first = (await turn(ws, {"input": "hello"}))[-1]["response"]
         replica = stats(faults_url)["turns"][-1]["engine_replica"]
         events = await turn(ws, {"input": "more", "previous_response_id": first["id"]},
-                            on_delta=lambda: asyncio.to_thread(kill, "EngineReplica", replica))
+                            on_event=once_on_first_delta(lambda: asyncio.to_thread(kill, "EngineReplica", replica)))
         types = [e["type"] for e in events]
         assert types[0] == "response.created" and types[-2:] == ["error", "response.failed"]
         assert sum(t in TERMINAL for t in types) == 1
@@ -143,7 +135,7 @@ async def test_client_vanishing_mid_stream_aborts_and_frees(faults_url):
 async def test_store_unavailable_requests_fail_cleanly_and_writes_resume(serve_instance):
     import asyncpg
 
-    dsn = _ensure_pg_database()
+    dsn = ensure_pg_database()
     with TcpProxy("127.0.0.1", 5432) as proxy:
         args = {
             "engine": {"backend": "scripted"},
@@ -152,7 +144,7 @@ async def test_store_unavailable_requests_fail_cleanly_and_writes_resume(serve_i
             "safety": {"enabled": False},
             "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
         }
-        url = await asyncio.to_thread(_deploy, "pgcut", "/pgcut", args, serve_instance, 240)
+        url = await asyncio.to_thread(deploy_app, "pgcut", "/pgcut", args, serve_instance, 240)
         try:
             async with httpx.AsyncClient(timeout=60) as client:
                 r = await client.post(url + "/v1/responses", json={"model": "loopserve-tiny", "input": "before"})

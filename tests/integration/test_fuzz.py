@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
-from .conftest import _module_app
+from tests.support.apps import module_app, scripted_app
+from tests.support.ws import TERMINAL, ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 EXAMPLES = 400
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 json_leaf = st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=50)
 json_any = st.recursive(json_leaf, lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=10), c, max_size=5),
@@ -85,15 +85,11 @@ def assert_error_shape(body: dict, status: int) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_url(serve_instance):
-    args = {
-        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 100_000, "max_output_tokens": 16}},
-        "store": {"backend": "none"},
-        "websocket": {"max_frame_bytes": 1024 * 1024},
-        "limits": {"max_request_bytes": 1024 * 1024, "max_input_items": 100},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-        "safety": {"deployment": {"num_cpus": 0.05}},
-    }
-    yield from _module_app("fuzz", "/fuzz", args, serve_instance, 240)
+    args = scripted_app({"tokens_per_second": 100_000, "max_output_tokens": 16},
+                        websocket={"max_frame_bytes": 1024 * 1024},
+                        limits={"max_request_bytes": 1024 * 1024, "max_input_items": 100},
+                        safety={"deployment": {"num_cpus": 0.05}})
+    yield from module_app("fuzz", "/fuzz", args, serve_instance, 240)
 
 
 def check_http(client: httpx.Client, url: str, content: bytes, counter: dict) -> None:
@@ -142,7 +138,7 @@ def ws_exchange(ws, frame) -> list[dict]:
 
 def test_websocket_frames(fuzz_url):
     counter = {"ws": 0}
-    with connect(fuzz_url.replace("http://", "ws://") + "/v1/responses", max_size=None, open_timeout=30) as ws:
+    with connect(ws_url(fuzz_url), max_size=None, open_timeout=30) as ws:
         @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
         @given(requests)
         def structured(body):

@@ -16,7 +16,7 @@ def _gpus() -> int:
 
 @pytest.mark.skipif(_gpus() == 0, reason="no GPU on this machine: the CUDA vLLM / tensor-parallel path is not run")
 def test_tensor_parallel_engine_serves_a_turn(serve_instance, client_for):
-    from .conftest import _deploy
+    from tests.support.apps import deploy_app
 
     tp = 2 if _gpus() >= 2 else 1
     args = {
@@ -24,6 +24,6 @@ def test_tensor_parallel_engine_serves_a_turn(serve_instance, client_for):
         "engine": {"backend": "vllm", "vllm": {"tensor_parallel_size": tp, "default_max_tokens": 8}},
         "engine_deployment": {"num_gpus": 1, "num_cpus": 1},
     }
-    url = _deploy("gpu", "/gpu", args, serve_instance, 600)
+    url = deploy_app("gpu", "/gpu", args, serve_instance, 600)
     resp = client_for(url).responses.create(model="loopserve-tiny", input="hi")
     assert resp.status in ("completed", "incomplete")

@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from cluster.bench.local import LOCAL_ADMIN_KEY
-
-from .conftest import CODEX_MARK, CODEX_SECOND, SCRIPTED_ANSWER
+from tests.support.apps import CODEX_MARK, CODEX_SECOND, SCRIPTED_ANSWER
 
 pytestmark = pytest.mark.integration
 

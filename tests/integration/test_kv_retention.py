@@ -7,17 +7,17 @@ import time
 import pytest
 
 from cluster.bench.local import admin_headers
+from tests.support.ws import sdk_response, turn, ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 BLOCKS = 72  # x 32 tokens: a 2,304-token KV pool (a 2,048-token context fits), so a few prompts fill it
 
 
 @pytest.fixture(scope="module")
 def small_kv_url(serve_instance, tmp_path_factory):
     pytest.importorskip("vllm")
-    from .conftest import _module_app
+    from tests.support.apps import module_app
 
     args = {
         "model": {"max_model_len": 2048},
@@ -28,7 +28,7 @@ def small_kv_url(serve_instance, tmp_path_factory):
         "safety": {"enabled": False},
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
     }
-    yield from _module_app("smallkv", "/smallkv", args, serve_instance, 400)
+    yield from module_app("smallkv", "/smallkv", args, serve_instance, 400)
 
 
 def _text(tag: str) -> str:
@@ -48,12 +48,7 @@ def test_a_paused_session_keeps_its_prefix_while_traffic_evicts_an_unretained_on
     run = secrets.token_hex(4)
     assert _kv(small_kv_url)["capacity_tokens"] == BLOCKS * 32
     with client.responses.connect() as conn:
-        conn.response.create(model="loopserve-tiny", input=_text(f"{run}-A1"), store=False, max_output_tokens=8)
-        for event in conn:
-            if event.type in TERMINAL or event.type == "error":
-                break
-        assert event.type in TERMINAL, event
-        a1 = event.response
+        a1 = sdk_response(conn, model="loopserve-tiny", input=_text(f"{run}-A1"), store=False, max_output_tokens=8)
         # The control: an HTTP session (not expected back: no socket, no tool calls), stored.
         k1 = client.responses.create(model="loopserve-tiny", input=_text(f"{run}-K1"), max_output_tokens=8)
         kv = _kv(small_kv_url)
@@ -64,13 +59,8 @@ def test_a_paused_session_keeps_its_prefix_while_traffic_evicts_an_unretained_on
                                     store=False)
         k2 = client.responses.create(model="loopserve-tiny", input="and then?", previous_response_id=k1.id,
                                      max_output_tokens=8)
-        conn.response.create(model="loopserve-tiny", input="and then?", previous_response_id=a1.id, store=False,
-                             max_output_tokens=8)
-        for event in conn:
-            if event.type in TERMINAL or event.type == "error":
-                break
-        assert event.type in TERMINAL, event
-        a2 = event.response
+        a2 = sdk_response(conn, model="loopserve-tiny", input="and then?", previous_response_id=a1.id, store=False,
+                          max_output_tokens=8)
     # The unretained prefix went with the traffic; the retained one is all still there.
     assert k2.usage.input_tokens_details.cached_tokens < k1.usage.input_tokens // 2
     assert a2.usage.input_tokens_details.cached_tokens >= (a1.usage.input_tokens // 32) * 32 - 32
@@ -88,33 +78,19 @@ def test_a_paused_session_keeps_its_prefix_while_traffic_evicts_an_unretained_on
 @pytest.fixture(scope="module")
 def scripted_kv_url(serve_instance):
     """The scripted engine with a modelled 1,024-token KV pool (a stand-in for vLLM's block pool)."""
-    from .conftest import _module_app
+    from tests.support.apps import module_app, scripted_app
 
-    args = {
-        "engine": {"backend": "scripted",
-                   "scripted": {"kv_capacity_tokens": 1024, "kv_block_size": 32, "tokens_per_second": 500,
-                                "answer_text": "done.", "max_output_tokens": 8},
-                   "kv_budget": {"ttl_initial_s": 120, "max_queue_wait_s": 120}},
-        "store": {"backend": "none"}, "safety": {"enabled": False},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-    }
-    yield from _module_app("scriptedkv", "/scriptedkv", args, serve_instance, 240)
+    args = scripted_app({"kv_capacity_tokens": 1024, "kv_block_size": 32, "tokens_per_second": 500,
+                         "answer_text": "done.", "max_output_tokens": 8}, safety={"enabled": False})
+    args["engine"]["kv_budget"] = {"ttl_initial_s": 120, "max_queue_wait_s": 120}
+    yield from module_app("scriptedkv", "/scriptedkv", args, serve_instance, 240)
 
 
 async def _turn(ws, text: str, prev=None) -> list[dict]:
-    import json
-
-    body = {"type": "response.create", "model": "loopserve-tiny", "input": text, "store": False,
-            "max_output_tokens": 8}
+    body = {"input": text, "store": False, "max_output_tokens": 8}
     if prev:
         body["previous_response_id"] = prev
-    await ws.send(json.dumps(body))
-    events = []
-    while True:
-        ev = json.loads(await ws.recv())
-        events.append(ev)
-        if ev["type"] in TERMINAL or ev["type"] == "error":
-            return events
+    return await turn(ws, body, timeout=120)
 
 
 async def test_a_turn_waiting_for_kv_is_queued_visibly_and_starts_when_a_closed_socket_releases_its_session(
@@ -123,7 +99,7 @@ async def test_a_turn_waiting_for_kv_is_queued_visibly_and_starts_when_a_closed_
 
     from websockets.asyncio.client import connect
 
-    url = scripted_kv_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(scripted_kv_url)
     run = secrets.token_hex(4)
     async with asyncio.timeout(120):
         a = await connect(url)

@@ -1,15 +1,14 @@
 """Memory a client controls is bounded replica-wide, seen from outside: a small app whose
 connection caches share a 600 KB bound and whose conversations may pin 400 KB each."""
 
-import asyncio
-import json
 
 import pytest
 from websockets.asyncio.client import connect
 
 from cluster.bench.local import stats as server_stats
-
-from .conftest import _module_app
+from tests.support.apps import module_app, scripted_app
+from tests.support.ws import turn as ws_turn
+from tests.support.ws import ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 BLOB = "z" * 150_000  # opaque reasoning state: kept in memory, never rendered
@@ -17,12 +16,9 @@ BLOB = "z" * 150_000  # opaque reasoning state: kept in memory, never rendered
 
 @pytest.fixture(scope="module")
 def limits_url(serve_instance):
-    args = {"engine": {"backend": "scripted", "scripted": {"tokens_per_second": 2000}},
-            "store": {"backend": "none"}, "safety": {"enabled": False},
-            "cache": {"connections_max_bytes": 600_000},
-            "limits": {"max_context_bytes": 400_000},
-            "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05}}
-    yield from _module_app("limits", "/limits", args, serve_instance, 180)
+    args = scripted_app({"tokens_per_second": 2000}, safety={"enabled": False},
+                        cache={"connections_max_bytes": 600_000}, limits={"max_context_bytes": 400_000})
+    yield from module_app("limits", "/limits", args, serve_instance, 180)
 
 
 def item(i: int) -> list[dict]:
@@ -31,15 +27,11 @@ def item(i: int) -> list[dict]:
 
 
 async def turn(ws, body) -> dict:
-    await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False, **body}))
-    while (ev := json.loads(await asyncio.wait_for(ws.recv(), 60)))["type"] not in (
-            "response.completed", "response.incomplete", "response.failed", "error"):
-        pass
-    return ev
+    return (await ws_turn(ws, {"store": False, **body}))[-1]
 
 
 async def test_connection_caches_share_one_replica_bound(limits_url):
-    url = limits_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(limits_url)
     async with connect(url) as a, connect(url) as b, connect(url) as c, connect(url) as d:
         last = {}
         for name, ws in (("a", a), ("b", b), ("c", c), ("d", d)):  # a is the least recently used
@@ -57,7 +49,7 @@ async def test_connection_caches_share_one_replica_bound(limits_url):
 
 
 async def test_one_conversation_cannot_pin_more_than_its_bound(limits_url):
-    url = limits_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(limits_url)
     async with connect(url) as ws:
         prev = None
         for i in range(4):  # 150 KB of unrendered payload per turn; the bound is 400 KB

@@ -3,8 +3,7 @@
 import pytest
 
 from cluster.bench.load import LOAD_APP, print_load, run_load
-
-from .conftest import _deploy
+from tests.support.apps import deploy_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -14,7 +13,7 @@ async def test_thousand_sessions_by_ten_turns(serve_instance):
 
     from ray import serve
 
-    url = await asyncio.to_thread(_deploy, "load", "/load", LOAD_APP, serve_instance, 240)
+    url = await asyncio.to_thread(deploy_app, "load", "/load", LOAD_APP, serve_instance, 240)
     try:
         report = await asyncio.wait_for(run_load(url, 1000, 10), 600)
     finally:

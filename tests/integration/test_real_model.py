@@ -10,12 +10,11 @@ import httpx
 import pytest
 
 from cluster.bench.local import LOCAL_ADMIN_KEY
-
-from .conftest import SMOLLM2
+from tests.support.apps import SMOLLM2
+from tests.support.ws import sdk_response
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
                           "required": ["city"], "additionalProperties": False}}
@@ -29,12 +28,7 @@ def answer(resp) -> str:
 
 
 def ws_turn(conn, **kwargs):
-    conn.response.create(model=SMOLLM2, store=False, **kwargs)
-    for event in conn:
-        if event.type in TERMINAL or event.type == "error":
-            break
-    assert event.type in ("response.completed", "response.incomplete"), event
-    return event.response
+    return sdk_response(conn, model=SMOLLM2, store=False, **kwargs)
 
 
 def test_it_answers_factual_questions(smollm2_url, client_for):

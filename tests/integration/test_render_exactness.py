@@ -13,13 +13,13 @@ import pytest
 from websockets.asyncio.client import connect
 
 from cluster.bench.local import stats as server_stats
+from tests.support.ws import TERMINAL, ws_url
 
 pytestmark = pytest.mark.integration
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
 INSTRUCTIONS = "You are a careful coding agent. Use tools to read files."
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 async def _ws_loop(url: str, headers: dict, turns: int) -> list[tuple[str, list[dict]]]:
@@ -28,7 +28,7 @@ async def _ws_loop(url: str, headers: dict, turns: int) -> list[tuple[str, list[
     out = []
     prev = None
     new_items: list[dict] = [{"type": "message", "role": "user", "content": "Find the bug in src/app.py"}]
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", additional_headers=headers,
+    async with connect(ws_url(url), additional_headers=headers,
                        open_timeout=30) as ws:
         for turn in range(turns):
             body = {"type": "response.create", "model": "loopserve-tiny", "input": new_items, "tools": TOOLS,

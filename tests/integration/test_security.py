@@ -10,28 +10,25 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from .conftest import ALLOWED_ORIGIN, KEY_A
+from tests.support.apps import ALLOWED_ORIGIN, KEY_A
+from tests.support.ws import ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def ws(url: str) -> str:
-    return url.replace("http://", "ws://") + "/v1/responses"
-
-
 async def test_websocket_upgrade_needs_a_key_and_an_allowed_origin(pg_url):
     with pytest.raises(InvalidStatus) as no_key:
-        await connect(ws(pg_url), open_timeout=30)
+        await connect(ws_url(pg_url), open_timeout=30)
     assert no_key.value.response.status_code == 401
     assert json.loads(no_key.value.response.body)["error"]["code"] == "missing_api_key"
     auth = {"authorization": f"Bearer {KEY_A}"}
     with pytest.raises(InvalidStatus) as bad_origin:
-        await connect(ws(pg_url), open_timeout=30, additional_headers={**auth, "origin": "https://evil.example"})
+        await connect(ws_url(pg_url), open_timeout=30, additional_headers={**auth, "origin": "https://evil.example"})
     assert bad_origin.value.response.status_code == 403
     assert json.loads(bad_origin.value.response.body)["error"]["code"] == "origin_not_allowed"
     # A browser on the allowed origin, and a non-browser client (no Origin), both get in.
     for headers in ({**auth, "origin": ALLOWED_ORIGIN}, auth):
-        async with connect(ws(pg_url), open_timeout=30, additional_headers=headers) as sock:
+        async with connect(ws_url(pg_url), open_timeout=30, additional_headers=headers) as sock:
             await sock.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi"}))
             while (ev := json.loads(await sock.recv()))["type"] not in ("response.completed", "error"):
                 pass
@@ -53,7 +50,7 @@ async def test_no_key_or_prompt_reaches_the_logs(pg_url):
     import ray
 
     marker = f"confidential-{secrets.token_hex(6)}"
-    async with connect(ws(pg_url), open_timeout=30, additional_headers={"authorization": f"Bearer {KEY_A}"}) as sock:
+    async with connect(ws_url(pg_url), open_timeout=30, additional_headers={"authorization": f"Bearer {KEY_A}"}) as sock:
         for text in (f"my password is {marker}", "x" * 50 + marker):
             await sock.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": text}))
             while json.loads(await sock.recv())["type"] not in ("response.completed", "response.incomplete", "error"):
@@ -71,8 +68,8 @@ async def test_no_key_or_prompt_reaches_the_logs(pg_url):
 
 # -- operational routes ---------------------------------------------------------------
 def _routes() -> set[tuple[str, str]]:
-    from actors.http import app
     import actors.routes  # noqa: F401  (registers the routes)
+    from actors.http import app
 
     out = set()
 
@@ -158,9 +155,9 @@ async def test_echo_route_when_enabled_needs_an_admin_key_and_keeps_the_limits(s
 
 async def test_oversized_frames_are_refused_in_order_and_the_socket_keeps_working(scripted_url):
     """Frames over the limit are answered (after the response in flight), never queued whole."""
-    from .conftest import LONG_ONE
+    from tests.support.apps import LONG_ONE
 
-    async with connect(ws(scripted_url), open_timeout=30, max_size=None) as sock:
+    async with connect(ws_url(scripted_url), open_timeout=30, max_size=None) as sock:
         await sock.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": LONG_ONE,
                                     "max_output_tokens": 60, "store": False}))
         for _ in range(16):

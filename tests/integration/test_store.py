@@ -11,13 +11,15 @@ from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI, 
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from .conftest import KEY_A, KEY_B, KEY_LIMITED, LONG_ONE, _deploy, pg_app_args
 from cluster.bench.local import stats as server_stats
+from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, LONG_ONE, deploy_app, pg_app_args
+from tests.support.ws import TERMINAL as RESPONSE_ENDS
+from tests.support.ws import ws_url
 
 pytestmark = pytest.mark.integration
 TOOLS = [{"type": "function", "name": "read_file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
-TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+TERMINAL = (*RESPONSE_ENDS, "error")  # or a refusal before the response
 
 
 def sdk(url: str, key: str = KEY_A) -> OpenAI:
@@ -127,7 +129,7 @@ async def test_auth_on_http_and_before_the_websocket_upgrade(pg_url):
         sdk(pg_url, "sk-wrong").responses.create(model="loopserve-tiny", input="x")
     r = httpx.post(pg_url + "/v1/responses", json={"model": "loopserve-tiny", "input": "x"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
-    url = pg_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(pg_url)
     with pytest.raises(InvalidStatus) as e:
         async with connect(url, open_timeout=10):
             pass
@@ -141,7 +143,7 @@ async def test_auth_on_http_and_before_the_websocket_upgrade(pg_url):
 
 async def test_per_key_limits_answer_429(pg_url):
     limited = sdk(pg_url, KEY_LIMITED)
-    url = pg_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(pg_url)
     headers = {"Authorization": f"Bearer {KEY_LIMITED}"}
     async with connect(url, open_timeout=10, additional_headers=headers):
         with pytest.raises(InvalidStatus) as e:
@@ -162,19 +164,18 @@ async def test_per_key_limits_answer_429(pg_url):
 async def test_conversation_survives_a_restart_of_every_actor(serve_instance):
     from ray import serve
 
-    url = _deploy("restart", "/restart", pg_app_args(), serve_instance, 240)
+    url = deploy_app("restart", "/restart", pg_app_args(), serve_instance, 240)
     client = sdk(url)
     first = client.responses.create(model="loopserve-tiny", input="remember this", tools=TOOLS)
     call = first.output[0]
     # let the post-inference write land, then take the whole app down and up again
     await asyncio.sleep(0.5)
     serve.delete("restart")
-    url = _deploy("restart", "/restart", pg_app_args(), serve_instance, 240)
+    url = deploy_app("restart", "/restart", pg_app_args(), serve_instance, 240)
     client = sdk(url)
     assert client.responses.retrieve(first.id).output[0].call_id == call.call_id
     # a socket continues the stored chain (loaded from PostgreSQL, rendered from scratch)
-    ws_url = url.replace("http://", "ws://") + "/v1/responses"
-    async with connect(ws_url, open_timeout=10, additional_headers={"Authorization": f"Bearer {KEY_A}"}) as ws:
+    async with connect(ws_url(url), open_timeout=10, additional_headers={"Authorization": f"Bearer {KEY_A}"}) as ws:
         await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "tools": TOOLS,
                                   "previous_response_id": first.id,
                                   "input": [{"type": "function_call_output", "call_id": call.call_id,

@@ -10,6 +10,7 @@ from websockets.asyncio.client import connect
 
 from cluster import telemetry
 from cluster.protocol.ids import session_key
+from tests.support.ws import ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -19,7 +20,7 @@ TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
 
 async def ws_loop(url: str, turns: int, headers: dict) -> list[str]:
     ids = []
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", additional_headers=headers,
+    async with connect(ws_url(url), additional_headers=headers,
                        open_timeout=30, close_timeout=5) as ws:
         prev, items = None, [{"type": "message", "role": "user", "content": "Read the readme and fix the bug."}]
         for i in range(turns):

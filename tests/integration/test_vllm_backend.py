@@ -5,9 +5,10 @@ import uuid
 
 import pytest
 
+from tests.support.ws import sdk_response, sdk_turn
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def test_multi_turn_websocket_session_reuses_the_prefix_kv(vllm_url, client_for):
@@ -18,16 +19,11 @@ def test_multi_turn_websocket_session_reuses_the_prefix_kv(vllm_url, client_for)
     with client.responses.connect() as conn:
         prev = None
         for turn in range(4):
-            conn.response.create(
-                model="loopserve-tiny",
+            resp = sdk_response(
+                conn, model="loopserve-tiny",
                 input=[{"role": "user", "content": prefix + f"turn {turn}: " + "read the file and fix the code " * 12}],
                 previous_response_id=prev, store=False, max_output_tokens=8,
             )
-            for event in conn:
-                if event.type in TERMINAL or event.type == "error":
-                    break
-            assert event.type in ("response.completed", "response.incomplete"), event
-            resp = event.response
             usages.append(resp.usage)
             prev = resp.id
     assert usages[0].input_tokens_details.cached_tokens == 0
@@ -52,7 +48,7 @@ def test_tenants_do_not_share_the_prefix_cache(vllm_url):
     sent a prompt by sending it too. Each tenant's prompts hash with its own `cache_salt`."""
     from openai import OpenAI
 
-    from .conftest import KEY_A, KEY_B
+    from tests.support.apps import KEY_A, KEY_B
 
     a, b = (OpenAI(base_url=vllm_url + "/v1", api_key=k, timeout=120, max_retries=0) for k in (KEY_A, KEY_B))
     secret = f"tenant a's private plan {uuid.uuid4().hex}: " + "move the servers to the new region " * 12
@@ -82,20 +78,13 @@ def test_a_warm_up_prefills_so_the_first_turn_hits_the_cache(vllm_url, client_fo
     client = client_for(vllm_url)
     context = f"warm {uuid.uuid4().hex} " + "the repository layout and the coding rules " * 30
     with client.responses.connect() as conn:
-        conn.response.create(model="loopserve-tiny", input=context, store=False, generate=False)
-        for event in conn:
-            if event.type in TERMINAL or event.type == "error":
-                break
-        assert event.type == "response.completed" and event.response.output == [], event
-        warmed = event.response.usage.input_tokens
-        conn.response.create(model="loopserve-tiny", input="Now fix the bug.", store=False,
-                             previous_response_id=event.response.id, max_output_tokens=4)
-        for event in conn:
-            if event.type in TERMINAL or event.type == "error":
-                break
-        assert event.type in ("response.completed", "response.incomplete"), event
+        warm = sdk_turn(conn, model="loopserve-tiny", input=context, store=False, generate=False)[-1]
+        assert warm.type == "response.completed" and warm.response.output == [], warm
+        warmed = warm.response.usage.input_tokens
+        first = sdk_response(conn, model="loopserve-tiny", input="Now fix the bug.", store=False,
+                             previous_response_id=warm.response.id, max_output_tokens=4)
     # the warmed prompt minus its generation prompt, rounded down to a block
-    assert event.response.usage.input_tokens_details.cached_tokens >= (warmed - 8) // 32 * 32 > 0
+    assert first.usage.input_tokens_details.cached_tokens >= (warmed - 8) // 32 * 32 > 0
 
 
 def test_a_schema_too_slow_to_compile_is_refused_and_another_sessions_turn_goes_on(vllm_url, client_for):

@@ -7,29 +7,16 @@ import time
 import openai
 import pytest
 from websockets.asyncio.client import connect
-from cluster.bench.local import stats as server_stats
 
-from .conftest import SCRIPTED_ANSWER
+from cluster.bench.local import stats as server_stats
+from tests.support.apps import SCRIPTED_ANSWER
+from tests.support.ws import TERMINAL, ws_url
+from tests.support.ws import sdk_turn as run_turn
 
 pytestmark = pytest.mark.integration
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
-
-
-def ws_url(http_url: str) -> str:
-    return http_url.replace("http://", "ws://") + "/v1/responses"
-
-
-def run_turn(conn, **body):
-    conn.response.create(**body)
-    events = []
-    for event in conn:
-        events.append(event)
-        if event.type in TERMINAL or event.type == "error":
-            return events
-    raise AssertionError("socket closed mid-turn")
 
 
 def test_sdk_twenty_turn_tool_loop_on_one_socket(scripted_url, client_for):
@@ -235,7 +222,7 @@ async def test_stream_id_lanes_run_concurrently(scripted_url):
 async def test_codex_interrupt_over_a_real_socket(scripted_url):
     """Codex's `response.interrupt`: the response in flight stops and ends `incomplete`
     (reason `interrupted`, no output); the chain continues from it; a late interrupt is ignored."""
-    from .conftest import LONG_ONE
+    from tests.support.apps import LONG_ONE
 
     async with connect(ws_url(scripted_url), open_timeout=20) as ws:
         await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": False,

@@ -11,11 +11,13 @@ import time
 import pytest
 from websockets.asyncio.client import connect
 
+from tests.support.ws import ws_url
+
 pytestmark = pytest.mark.integration
 
 
 async def test_connection_limit_sends_error_then_close_1000(short_limit_url):
-    url = short_limit_url.replace("http://", "ws://") + "/v1/responses"
+    url = ws_url(short_limit_url)
     async with connect(url, open_timeout=10) as ws:
         await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi"}))
         events = []

@@ -9,9 +9,8 @@ from cluster.core.turn.turn import TurnRequest
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import MAX_JSON_DEPTH, json_depth_error, parse_request, session_header
-
-from .harness import InProcessStack
-from .test_ws_session import Peer
+from tests.support.harness import InProcessStack
+from tests.support.peer import Peer
 
 
 def nested(depth: int) -> dict:

@@ -14,8 +14,7 @@ from cluster.engines.base import EngineRequest, RecentKeys
 from cluster.engines.scripted import MAX_CACHED_SESSIONS, ScriptedEngine
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
-
-from .harness import InProcessStack
+from tests.support.harness import InProcessStack
 
 
 def state(rid: str, payload: int) -> ResponseState:

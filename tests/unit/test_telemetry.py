@@ -16,8 +16,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.post_work import PostWorkQueue, UsageMeter
 from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.requests import parse_request
-
-from .harness import CountingSafety, InProcessStack
+from tests.support.harness import CountingSafety, InProcessStack
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cluster.config import LoopserveConfig
-from cluster.core.render.probe import format_step
+from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
 from cluster.core.render.renderer import IncrementalRenderer
 
@@ -54,6 +54,9 @@ def token_codec(tokenizer) -> TokenCodec:
                       lambda ids: backend.decode(list(ids), skip_special_tokens=False))
 
 
+_PROBED: dict[tuple, ProbeReport] = {}
+
+
 def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
     """The incremental renderer for `tokenizer`, probed on its template (`probe.py`; this also
     compiles the template and touches every render path, so a replica's first turn does not pay)."""
@@ -72,7 +75,14 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
         renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()), decode=decode,
                                        eos=tokenizer.eos_token, template_source=template)
     if probe:
-        probe_renderer(renderer)
+        # Once per process for a tokenizer and template: every renderer of them gets the same proof.
+        key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), renderer.template_source,
+               tuple(sorted(tokenizer.get_added_vocab())) if hasattr(tokenizer, "get_added_vocab") else ())
+        report = _PROBED.get(key) if renderer.template_source else None  # mistral_common: no template text
+        if report is None:
+            _PROBED[key] = probe_renderer(renderer)
+        else:
+            renderer.proven, renderer.probe_report = report.proven, report
     return renderer
 
 

@@ -16,8 +16,7 @@ from cluster.protocol.requests import parse_request
 from cluster.serving.responses import ResponsesService
 from cluster.store.base import StoredResponse
 from cluster.store.sqlite import SQLiteStore
-
-from .harness import CountingSafety, InProcessStack
+from tests.support.harness import CountingSafety, InProcessStack
 
 BAD = PolicyClassifier({"weapons": [r"nerve agent recipe"], "leak": [r"command value"]})
 TOOLS = [{"type": "function", "name": "run_shell",

@@ -13,8 +13,7 @@ from cluster.core.turn.turn import TurnRequest
 from cluster.engines.parsers import TOOL_FORMATS
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
-
-from .harness import InProcessStack
+from tests.support.harness import InProcessStack
 
 TOOLS = [{"type": "function", "name": "read_file", "parameters": {"type": "object", "properties": {}}}]
 

@@ -18,9 +18,8 @@ from cluster.core.turn.post_work import PostWorkQueue, TurnRecord, UsageMeter
 from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
-
-from .harness import CountingSafety, InProcessStack
-from .test_ws_session import Peer
+from tests.support.harness import CountingSafety, InProcessStack
+from tests.support.peer import Peer
 
 POLICY = PolicyClassifier({"secrets": [r"BEGIN RSA PRIVATE KEY"], "violence": [r"\bbuild a bomb\b"]})
 ANSWER = ("Here is the plan. First we read the config and the tests. " * 3

@@ -12,8 +12,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import TurnRequest
 from cluster.engines.prompts import SessionPrompts
 from cluster.protocol.requests import parse_request
-
-from .harness import InProcessStack
+from tests.support.harness import InProcessStack
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]

@@ -8,10 +8,8 @@ from openai.types.beta.beta_responses_server_event import BetaResponsesServerEve
 from pydantic import TypeAdapter
 
 from cluster.core.websocket.agent import BETA
-
-from .harness import InProcessStack
-from .test_steering import of_type, wait_for
-from .test_ws_session import TOOLS, Peer
+from tests.support.harness import InProcessStack
+from tests.support.peer import TOOLS, Peer, of_type, wait_for
 
 BETA_EVENT = TypeAdapter(BetaResponsesServerEvent)
 AGENT = {"enabled": True, "max_concurrent_subagents": 3}

@@ -24,8 +24,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import normalize_tools
 from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.requests import parse_request
-
-from .harness import InProcessStack
+from tests.support.harness import InProcessStack
 
 # Mistral v3 style, as Jinja: the tools block goes right before the *last* user message.
 TOOLS_BEFORE_LAST_USER = (

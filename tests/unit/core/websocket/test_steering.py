@@ -2,7 +2,6 @@
 pending, the steered response and its automatic successor, input returned when it cannot be
 committed. Events are checked against the openai SDK's server-event types."""
 
-import asyncio
 import json
 
 import pytest
@@ -11,9 +10,8 @@ from pydantic import TypeAdapter
 
 from cluster.config import ScriptedEngineConfig
 from cluster.core.websocket import steering
-
-from .harness import InProcessStack
-from .test_ws_session import TOOLS, Peer
+from tests.support.harness import InProcessStack
+from tests.support.peer import TOOLS, Peer, of_type, wait_for
 
 SERVER_EVENT = TypeAdapter(ResponsesServerEvent)
 STEER_TEXT = "Actually, answer in French."
@@ -28,18 +26,6 @@ def steered_stack(tokenizer, **kw):
     return InProcessStack(tokenizer, tokens_per_second=50,
                           answer_rules=[{"contains": STEER_TEXT, "text": STEERED_ANSWER},
                                         {"contains": "read the file", "text": CALL_THEN_TEXT}], **kw)
-
-
-async def wait_for(p, kind, n=1):
-    for _ in range(500):
-        if sum(e["type"] == kind for e in p.sent) >= n:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"no {kind} in {p.types()}")
-
-
-def of_type(p, kind):
-    return [e for e in p.sent if e["type"] == kind]
 
 
 async def test_a_steer_stops_the_response_and_its_successor_commits_the_input(tokenizer):
