@@ -55,16 +55,18 @@ class LoopserveConfig(StrictModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     ops: OpsConfig = Field(default_factory=OpsConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
+    """The connection replicas (HTTP and WebSocket ingress, the turn core, per-socket caches)."""
     render: DeploymentResources = Field(default_factory=DeploymentResources)
+    """The render replicas (full renders: cache misses and stateless requests)."""
     engine_deployment: DeploymentResources = Field(
         default_factory=lambda: DeploymentResources(num_cpus=0.5, max_ongoing_requests=64)
     )
-    # Render delta jobs (anchor + new items, O(new)) in the connection actor
-    # itself: ~1 ms of work that would otherwise cost a handle hop. Full renders
-    # (O(history): cache misses, stateless requests) still go to RenderActor.
+    """The engine replicas (one engine each)."""
     inline_delta_render: bool = True
-    # Ray Serve's low-latency request path for every deployment (see
-    # `cluster.ingress.SERVE_FAST_PATH_ENV`).
+    """Render delta jobs (anchor + new items, O(new)) in the connection actor itself: ~1 ms of work that would
+    otherwise cost a handle hop. Full renders (O(history): cache misses, stateless requests) still go to
+    RenderActor."""
     serve_fast_path: bool = True
-    # Verify every incremental render against a full render (tests; O(history)).
+    """Ray Serve's low-latency request path for every deployment (see `cluster.ingress.SERVE_FAST_PATH_ENV`)."""
     verify_renders: bool = False
+    """Verify every incremental render against a full render (tests; O(history))."""

@@ -13,11 +13,14 @@ from cluster.config.base import StrictModel
 
 
 class ApiKey(StrictModel):
-    # sha256 hex digest of the key: configs never hold keys in clear.
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """sha256 hex digest of the key: configs never hold keys in clear."""
     tenant: str
+    """The tenant the key acts for: its responses, items and limits are its own."""
     max_connections: int = Field(64, ge=1)
+    """WebSockets the tenant may hold open at once."""
     requests_per_minute: int = Field(600, ge=1)
+    """Responses the tenant may create per minute."""
 
 
 class AuthConfig(StrictModel):
@@ -30,13 +33,15 @@ class AuthConfig(StrictModel):
     """
 
     keys: list[ApiKey] = Field(default_factory=list)
+    """API keys (sha256 digests) and their tenants; none: every request is the `default` tenant."""
     admin_keys: list[str] = Field(default_factory=list)
-    # A YAML file with `keys:` and `admin_keys:` in the same shape, added to the above where the
-    # connection replicas start (a mounted Kubernetes Secret): keys change without a config change.
+    """sha256 hex digests of the keys that open `/loopserve/stats` and `/loopserve/echo`."""
     keys_file: Optional[str] = None
-    # Refuse to start with no API key at all (every shipped config that binds beyond loopback
-    # sets it): anonymous access is the `default` tenant with no limits worth the name.
+    """A YAML file with `keys:` and `admin_keys:` in the same shape, added to the above where the connection
+    replicas start (a mounted Kubernetes Secret): keys change without a config change."""
     require_keys: bool = False
+    """Refuse to start with no API key at all (every shipped config that binds beyond loopback sets it): anonymous
+    access is the `default` tenant with no limits worth the name."""
 
     @field_validator("admin_keys")
     @classmethod

@@ -13,25 +13,36 @@ class AutoscalingSettings(StrictModel):
     """Ray Serve autoscaling on ongoing requests per replica."""
 
     min_replicas: int = Field(1, ge=0)
+    """Fewest replicas."""
     max_replicas: int = Field(4, ge=1)
+    """Most replicas."""
     target_ongoing_requests: float = Field(8.0, gt=0)
+    """Ongoing requests per replica Serve aims for."""
     upscale_delay_s: float = 10.0
+    """How long demand must stay high before a replica is added."""
     downscale_delay_s: float = 300.0
+    """How long demand must stay low before a replica is removed."""
 
 
 class DeploymentResources(StrictModel):
+    """A deployment's replicas and their resources (Ray Serve deployment options)."""
+
     num_replicas: int = Field(1, ge=1)
+    """Replicas of the deployment (unless `autoscaling` is set)."""
     num_cpus: float = 0.25
+    """CPUs Ray reserves for each replica."""
     num_gpus: float = 0.0
-    # Custom Ray resources, to place deployments on node groups (e.g. engines on
-    # GPU workers: `{"loopserve_engine": 1}` with the node started with it).
+    """GPUs Ray reserves for each replica."""
     resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources, to place deployments on node groups (e.g. engines on GPU workers:
+    `{"loopserve_engine": 1}` with the node started with it)."""
     max_ongoing_requests: int = 256
-    # When set, replaces num_replicas.
+    """Requests (a WebSocket counts for its whole life) one replica takes at once; more wait in Serve."""
     autoscaling: Optional[AutoscalingSettings] = None
-    # Scale-down/redeploy: how long a stopping replica may finish its work
-    # (connection replicas: the turns in flight on their sockets) before it is killed.
+    """When set, replaces num_replicas."""
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0)
+    """Scale-down/redeploy: how long a stopping replica may finish its work (connection replicas: the turns in
+    flight on their sockets) before it is killed."""
 
 
 class RoutingConfig(StrictModel):
@@ -43,8 +54,11 @@ class RoutingConfig(StrictModel):
     """
 
     policy: Literal["session_affinity", "least_loaded"] = "session_affinity"
+    """`session_affinity` (consistent hash on the session key) or `least_loaded` (Serve's default router)."""
     num_virtual_nodes: int = Field(100, ge=1)
-    # Successors tried when the session's replica rejects under backpressure.
+    """Points per replica on the consistent-hash ring."""
     num_fallback_replicas: int = Field(1, ge=0)
-    # Retries of an engine call that failed before its first chunk (replica died).
-    engine_retries: int = Field(5, ge=0)  # backoff 0.5 s, 1 s, ...: ~7.5 s covers a replica restart
+    """Successors tried when the session's replica rejects under backpressure."""
+    engine_retries: int = Field(5, ge=0)
+    """Retries of an engine call that failed before its first chunk (replica died). backoff 0.5 s, 1 s, ...: ~7.5 s
+    covers a replica restart."""

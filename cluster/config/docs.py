@@ -1,0 +1,121 @@
+"""`docs/configuration.md`, generated from the config schema: every section and field with its
+type, default and description (the field's docstring in the code).
+
+    python -m cluster.config.docs            # rewrite docs/configuration.md
+    python -m cluster.config.docs --check    # exit 1 when it differs from the schema
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from cluster.config import LoopserveConfig
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+HEADER = """# Configuration
+
+The `args:` of a serve config (`serve_configs/local.yaml` is the default) are one `LoopserveConfig`.
+Every key is optional; an unknown key is an error at start. Generated from the schema by
+`python -m cluster.config.docs` (a test fails when this page and the code differ).
+"""
+
+
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    found = []
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            found.append(arg)
+        else:
+            found += [a for a in typing.get_args(arg) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return found
+
+
+def type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    text = text or str(annotation).replace("typing.", "")
+    return text.replace("cluster.config.", "").replace("engine.", "").replace("service.", "").replace(
+        "deployments.", "").replace("auth.", "")
+
+
+def default_of(field: Any) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        if isinstance(value, BaseModel):
+            return "(section)"
+        return f"`{value!r}`"
+    if field.default is PydanticUndefined:
+        return "required"
+    return f"`{field.default!r}`"
+
+
+def description(field: Any) -> str:
+    if field.description:
+        return " ".join(field.description.split())
+    nested = models_in(field.annotation)
+    return " ".join((nested[0].__doc__ or "").split()) if nested else ""
+
+
+def render() -> str:
+    out = [HEADER]
+    queue: list[tuple[str, type[BaseModel]]] = [("", LoopserveConfig)]
+    seen: set[str] = set()
+    while queue:
+        path, model = queue.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        title = f"`{path}`" if path else "top level"
+        out.append(f"\n## {title}\n")
+        doc = " ".join((model.__doc__ or "").split())
+        if doc and path:
+            out.append(f"{doc}\n")
+        out.append("| key | type | default | what it is |\n|---|---|---|---|")
+        for name, field in model.model_fields.items():
+            cells = [type_name(field.annotation), default_of(field), description(field)]
+            out.append(f"| `{name}` | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            for nested in models_in(field.annotation):
+                queue.append((f"{path}.{name}" if path else name, nested))
+    return "\n".join(out) + "\n"
+
+
+def undescribed() -> list[str]:
+    """Fields with no description of their own or of their section: none may ship."""
+    missing, queue, seen = [], [("", LoopserveConfig)], set()
+    while queue:
+        path, model = queue.pop(0)
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            if not description(field):
+                missing.append(f"{model.__name__}.{name}")
+            queue += [(f"{path}.{name}", m) for m in models_in(field.annotation)]
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when docs/configuration.md is out of date")
+    ns = ap.parse_args(argv)
+    text = render()
+    if ns.check:
+        if not DOC.exists() or DOC.read_text() != text:
+            print(f"{DOC} is out of date: run `python -m cluster.config.docs`", file=sys.stderr)
+            return 1
+        return 0
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
