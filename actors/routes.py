@@ -242,7 +242,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
     except ApiError as err:
         await conn.deny(ws, err)  # before the upgrade: a plain HTTP error
         return
-    # Codex reads the server's frame limit from the upgrade response (PROTOCOL §8).
+    # Codex reads the server's frame limit from the upgrade response (docs/protocol.md).
     limit = str(conn.config.websocket.max_frame_bytes).encode()
     await ws.accept(headers=[(b"x-codex-websocket-max-message-bytes", limit)])
     conn.metrics.socket_opened()

@@ -1,4 +1,4 @@
-"""One event assembler for SSE and WebSocket (PROTOCOL §3-§4).
+"""One event assembler for SSE and WebSocket (docs/protocol.md).
 
 Produces the Response object and every stream event as plain JSON-ready dicts
 with `sequence_number`s; only the framing (SSE vs WS text frames) differs.
@@ -30,7 +30,7 @@ def build_response(
     previous_response_id: Optional[str],
     created_at: Optional[int] = None,
 ) -> dict[str, Any]:
-    """The Response object in status `in_progress`, with every field of PROTOCOL §3."""
+    """The Response object in status `in_progress`, with every field of docs/protocol.md."""
     text = request.text.model_dump(exclude_none=True, by_alias=True) if request.text else None
     if not text or "format" not in text:
         text = {"format": {"type": "text"}, **(text or {})}
@@ -240,7 +240,7 @@ class EventAssembler:
         self._open = self._open_kind = None
 
     def fail(self, error: ApiError, usage: Optional[dict[str, Any]] = None) -> list[Event]:
-        """An `error` event, then `response.failed` (PROTOCOL §4)."""
+        """An `error` event, then `response.failed` (docs/protocol.md)."""
         events = self._close_open(status="incomplete")
         err = {
             "status": error.status,

@@ -57,7 +57,7 @@ class ApiError(Exception):
         return {"type": "error", "status": self.status, "error": self.error_object()}
 
     def sse_event(self, sequence_number: int) -> dict[str, Any]:
-        # Our choice (PROTOCOL §4): both the flat and the wrapped shape at once.
+        # Our choice (docs/protocol.md): both the flat and the wrapped shape at once.
         return {
             "type": "error",
             "sequence_number": sequence_number,

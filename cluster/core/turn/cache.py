@@ -15,7 +15,7 @@ class SessionCache:
     """LRU bounded by entries and bytes; never evicts the most recent response itself.
 
     Keeping the latest one even when it alone exceeds the byte bound is what
-    makes the next turn of an agent loop a cache hit (PROTOCOL §5). A cache
+    makes the next turn of an agent loop a cache hit (docs/protocol.md). A cache
     that belongs to a `CacheMemory` may still be emptied by it when the
     replica as a whole is over its bound and this connection is the least
     recently used.

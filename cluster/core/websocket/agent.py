@@ -1,4 +1,4 @@
-"""Beta multi-agent responses (PROTOCOL §8: `multi_agent{enabled}` with the
+"""Beta multi-agent responses (docs/protocol.md: `multi_agent{enabled}` with the
 `OpenAI-Beta: responses_multi_agent=v1` upgrade header): one response runs the agent loop.
 When the model calls client-owned tools, the response does not end; it waits for their outputs,
 injected with `response.inject`, then generates again with them in its context, all in one

@@ -1,5 +1,5 @@
 """The responses in flight on one WebSocket connection, and the client events that act on a
-response while it runs (PROTOCOL §5, §8): `response.interrupt`, `response.steer`,
+response while it runs (docs/protocol.md): `response.interrupt`, `response.steer`,
 `response.inject`, and forks across `stream_id` lanes.
 
 Plain logic: each handler takes the event and returns the events to send (or an error for the

@@ -1,4 +1,4 @@
-"""WebSocket mode's per-connection rules as a state machine without I/O (PROTOCOL §5, §8).
+"""WebSocket mode's per-connection rules as a state machine without I/O (docs/protocol.md).
 
 Frames and lane progress go in, with the time they happened; actions come out (send this
 event, send this error, run this lane, close). The asyncio session (`session.py`) performs

@@ -1,4 +1,4 @@
-"""`response.steer` (PROTOCOL §8) as plain logic: validating a steer, the events it earns,
+"""`response.steer` (docs/protocol.md) as plain logic: validating a steer, the events it earns,
 the queue of accepted steers per response, and the successor request that commits them.
 
 Semantics (the openai SDK's `ResponseSteerEvent`): a steer names an active response on this

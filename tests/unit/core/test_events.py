@@ -1,4 +1,4 @@
-"""Event sequences of PROTOCOL §4, checked against the openai SDK's own models."""
+"""Event sequences of docs/protocol.md, checked against the openai SDK's own models."""
 
 import typing
 

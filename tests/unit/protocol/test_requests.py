@@ -7,7 +7,7 @@ from cluster.protocol.requests import parse_request
 def test_string_input_becomes_one_user_message():
     req = parse_request({"model": "m", "input": "hello"})
     assert req.input_items() == [{"type": "message", "role": "user", "content": "hello"}]
-    assert req.store is True  # PROTOCOL: store defaults to true
+    assert req.store is True  # docs/protocol.md: store defaults to true
 
 
 def test_unknown_keys_are_accepted_and_ignored():

@@ -1,4 +1,4 @@
-"""WebSocket mode rules (PROTOCOL §5) on the transport-free session."""
+"""WebSocket mode rules (docs/protocol.md) on the transport-free session."""
 
 import asyncio
 
