@@ -25,8 +25,9 @@ from cluster.config import LoopserveConfig
 from cluster.core.render.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
 from cluster.core.safety.classifiers import SafetyService, local_classifier
 from cluster.core.turn.cache import CacheMemory, SessionCache
-from cluster.core.turn.driver import TurnDriver, TurnSettings
+from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
+from cluster.core.turn.prepare import TurnSettings
 from cluster.core.websocket.protocol import frame_too_large
 from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.channel import tls_contexts

@@ -15,7 +15,8 @@ from cluster.core.messages import PROMPT_BASE_MISSING, EngineFailure, EngineRequ
 from cluster.core.render.renderer import render_job
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.safety.classifiers import Classifier
-from cluster.core.turn.driver import TurnDriver, TurnSettings
+from cluster.core.turn.driver import TurnDriver
+from cluster.core.turn.prepare import TurnSettings
 from cluster.engines.parsers import vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted import ScriptedEngine

@@ -91,7 +91,8 @@ async def test_a_deeply_nested_websocket_message_gets_an_error_and_the_socket_ke
 
 
 def _driver_with_items(tokenizer, item: dict, limit: int):
-    from cluster.core.turn.driver import TurnDriver, TurnSettings
+    from cluster.core.turn.driver import TurnDriver
+    from cluster.core.turn.prepare import TurnSettings
 
     stack = InProcessStack(tokenizer)
     fetches = []
@@ -123,7 +124,7 @@ async def test_many_references_to_one_large_item_stop_at_the_context_limit_after
 
 
 async def test_too_many_item_references_are_refused_before_any_fetch(tokenizer):
-    from cluster.core.turn.driver import MAX_ITEM_REFERENCES
+    from cluster.core.turn.prepare import MAX_ITEM_REFERENCES
 
     driver, fetches = _driver_with_items(tokenizer, {"type": "message", "role": "user", "content": "hi"}, 10**9)
     body = {"model": "loopserve-tiny", "input": [{"type": "item_reference", "id": f"msg_{i}"}

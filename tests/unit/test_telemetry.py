@@ -43,7 +43,7 @@ def otel(tokenizer):
         with tracer.start_as_current_span("render.execute", context=telemetry.extract(job.trace)):
             return await local_render(job)
 
-    stack.driver._render = remote_render
+    stack.driver.preparer.render = remote_render
     return stack, exporter, reader, post
 
 

@@ -171,7 +171,7 @@ def format_step(step: tuple) -> str:
 
 @dataclass
 class _State:
-    """The turn driver's view of a conversation after one turn (see TurnDriver._prepare)."""
+    """The turn driver's view of a conversation after one turn (see TurnPreparer.prepare)."""
 
     items: list[Item]
     prefix: array

@@ -9,7 +9,7 @@ request a model cannot honour gets a 400 instead of being silently ignored.
 - `text.format` `json_schema` (needs a schema) / `json_object`: vLLM structured outputs.
 - `reasoning.effort`: the chat template's own argument (`reasoning_effort`, or Qwen3's
   `enable_thinking`); a template without one accepts only "none".
-- `truncation: "auto"`: see `turn.TurnDriver._truncate`.
+- `truncation: "auto"`: see `prepare.TurnPreparer._truncate`.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ from cluster.core.messages import (
 from cluster.core.safety.gate import TurnSafety
 from cluster.core.turn.controls import tool_call_limit
 from cluster.core.turn.post_work import TurnRecord
-from cluster.core.turn.turn import Turn, TurnServices
+from cluster.core.turn.turn import Turn, TurnServices, TurnTiming
 from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.requests import parse_request
 
 log = logging.getLogger("loopserve.turn")
 
@@ -235,7 +236,16 @@ class TurnStream:
         turn, asm = self.turn, self.asm
         parent = turn.snapshot(asm.response["output"][turn.step_output_start:len(asm.response["output"]) - len(injected)],
                                asm.response, done.replica, engine_ran=True, done=done)
-        context, rendered = await turn.next_step(parent, injected)
+        # A continuation of this response after its last step, with the injected tool outputs.
+        req = turn.request
+        step_req = req.model_copy(update={"input": parse_request({"input": injected}).input,
+                                          "previous_response_id": turn.response_id})
+        preparer = self.services.preparer
+        context, rendered = (await preparer.prepare(step_req, parent, TurnTiming(), turn.trace, turn.owner))[:2]
+        # max_output_tokens bounds the whole response; the context bounds each call.
+        settings = preparer.settings
+        budget = (req.max_output_tokens or settings.default_max_tokens) - turn.used[2] - turn.output_tokens
+        turn.max_tokens = max(1, min(budget, settings.max_model_len - len(rendered.prompt_token_ids)))
         if not turn.step:
             turn.first_span = (turn.context.new_start, len(turn.context.items))
         inputs, cached, outputs = turn.used

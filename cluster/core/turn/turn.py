@@ -106,6 +106,7 @@ class TurnServices:
     metrics: telemetry.Metrics
     tracer: Any
     post_work: Optional[PostWorkQueue] = None
+    preparer: Any = None  # prepare.TurnPreparer: each later engine call of a multi-agent response
 
 
 @dataclass
@@ -134,7 +135,6 @@ class Turn:
     # Multi-agent responses (agent.py): the inbox of injected tool outputs, and how the driver
     # prepares the next engine call once a step's calls are answered.
     agent: Optional[Any] = None
-    next_step: Optional[Callable[[ResponseState, list], Awaitable[tuple[ResolvedContext, Rendered]]]] = None
     step: int = 0  # engine calls before the current one
     step_output_start: int = 0  # where the current step's output begins in the response's output
     first_span: tuple[int, int] = (0, 0)  # (input_start, output_start) of the first step's context

@@ -1,0 +1,230 @@
+"""Preparing a turn: the request's context resolved on its parent and rendered.
+
+Plain logic over two injected ports, the renderer (a Ray handle in production, the renderer
+itself inline for deltas) and the tenant's stored items. The driver prepares a response's first
+engine call with it; a multi-agent response's stream prepares each later call with it too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, NamedTuple, Optional, Protocol
+
+from cluster import telemetry
+from cluster.core.messages import RenderJob, ToolSpec
+from cluster.core.render.renderer import RenderResult
+from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
+from cluster.core.turn.controls import check_output_controls
+from cluster.core.turn.state import RenderKey, ResponseState, items_nbytes
+from cluster.core.turn.turn import Rendered, TurnTiming
+from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import ResponsesRequest
+
+
+class RenderPort(Protocol):
+    # None from a delta job means "not provably exact, send a full job".
+    async def __call__(self, job: RenderJob) -> Optional[RenderResult]: ...
+
+
+# Item references one request may hold (each is a store read).
+MAX_ITEM_REFERENCES = 256
+
+
+def context_too_large(size: int, limit: int) -> ApiError:
+    return ApiError(400, f"The conversation holds about {size} bytes of input; the limit is {limit} bytes. "
+                         "Start a new conversation or compact it.", param="input", code="context_too_large")
+
+
+# (item id, tenant) -> the stored item (an `item_reference` input), or None.
+ItemLookup = Callable[[str, Optional[str]], Awaitable[Optional[dict[str, Any]]]]
+
+
+@dataclass
+class TurnSettings:
+    """The turn driver's slice of the configuration."""
+
+    model_name: str
+    default_max_tokens: int
+    max_model_len: int
+    verify_renders: bool = False
+    output_chunk_chars: int = 256
+    classify_tool_outputs: bool = False
+    max_input_items: Optional[int] = None
+    max_context_tokens: Optional[int] = None
+    max_context_bytes: Optional[int] = None
+    # The engine can force tool calls (tool_choice required/named) for this model's format.
+    can_force_tool_calls: bool = True
+
+    @property
+    def context_limit(self) -> int:
+        # A prompt must leave room for one generated token; an operator may bound it lower.
+        return min(self.max_model_len - 1, self.max_context_tokens or self.max_model_len)
+
+
+class Prepared(NamedTuple):
+    context: ResolvedContext
+    rendered: Rendered
+    tools: list[ToolSpec]
+    render_key: RenderKey
+
+
+class TurnPreparer:
+    def __init__(self, settings: TurnSettings, *, render: RenderPort, items: Optional[ItemLookup] = None,
+                 tracer: Any = None) -> None:
+        self.settings = settings
+        self.model_name = settings.model_name
+        self.render = render
+        self.items = items
+        self.tracer = tracer or telemetry.tracer()
+
+    async def _truncate(self, ctx: ResolvedContext, job: RenderJob) -> tuple[ResolvedContext, RenderResult]:
+        """`truncation: "auto"`: drop the oldest items, whole user turns at a time (a cut at a
+        user message never separates a tool call from its output), keeping the instructions,
+        until the prompt fits; the response continues from what the model saw. Galloping then
+        binary search: O(log turns) full renders, each of about the model's context at most.
+        When even the last user turn alone does not fit, the context_length_exceeded error stands."""
+        items = ctx.items
+        cuts = [i for i, item in enumerate(items)
+                if i > 0 and item.get("type", "message") == "message" and item.get("role") == "user"]
+        best: Optional[tuple[int, RenderResult]] = None
+
+        async def fits(k: int) -> Optional[RenderResult]:
+            rendered = await self.render(job.as_full(items[cuts[k]:]))
+            return rendered if len(rendered.assemble(None)[1]) <= self.settings.context_limit else None
+
+        # Galloping from the newest turn back: each render is at most about twice what is kept,
+        # so the work is bounded by the model's context, not by how large the body is.
+        bad, good, step = -1, len(cuts), 1
+        while good > 0:
+            k = max(0, len(cuts) - step)
+            rendered = await fits(k)
+            if rendered is None:
+                bad = k
+                break
+            best, good, step = (cuts[k], rendered), k, step * 2
+        lo, hi = bad + 1, good - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            rendered = await fits(mid)
+            if rendered is not None:
+                best, hi = (cuts[mid], rendered), mid - 1
+            else:
+                lo = mid + 1
+        if best is None:
+            rendered = await self.render(job)
+            return ctx, rendered
+        cut, rendered = best
+        return ResolvedContext(items[cut:], max(0, ctx.new_start - cut), ctx.known_call_ids, ctx.pending_call_ids,
+                               ctx.parent), rendered
+
+    async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState], owner: str) -> int:
+        """What `input_tokens` would be for this request (renders, does not generate); item
+        references resolve in `owner`'s items only."""
+        prepared = await self.prepare(req, parent, TurnTiming(), None, owner)
+        return len(prepared.rendered.prompt_token_ids)
+
+    async def _dereference(self, items: list[dict[str, Any]], owner: Optional[str],
+                           held: int) -> tuple[list[dict[str, Any]], int]:
+        """`item_reference` inputs -> the tenant's stored items (400 when not found). Each distinct
+        item is fetched once, and the input's size is summed as it grows: a short body naming one
+        large item many times stops at the context limit, not after holding every copy."""
+        refs = sum(1 for item in items if item.get("type") == "item_reference")
+        if refs > MAX_ITEM_REFERENCES:
+            raise ApiError(400, f"Invalid 'input': {refs} item references; at most {MAX_ITEM_REFERENCES} are allowed "
+                                "in one request.", param="input", code="array_above_max_length")
+        fetched: dict[str, dict[str, Any]] = {}
+        out, total = [], 0
+        for i, item in enumerate(items):
+            if item.get("type") == "item_reference":
+                ref = str(item.get("id"))
+                found = fetched.get(ref)
+                if found is None:
+                    # No tenant, no items: a missing owner never stands for anyone's ("default" included).
+                    found = await self.items(ref, owner) if self.items is not None and owner else None
+                    if found is None:
+                        raise ApiError(400, f"Item with id '{ref}' not found.", param=f"input[{i}]",
+                                       code="invalid_value")
+                    fetched[ref] = found
+                item = dict(found)  # stored input and output items render as they are (shallow: shared content)
+            total += items_nbytes([item])
+            limit = self.settings.max_context_bytes
+            if limit is not None and held + total > limit:
+                raise context_too_large(held + total, limit)
+            out.append(item)
+        return out, total
+
+    async def prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx: Any,
+                      owner: Optional[str] = None) -> Prepared:
+        """Resolve the request's context on `parent` (item references, limits, output controls)
+        and render it: only the anchor and the new items when the parent's render can be extended."""
+        t0 = time.perf_counter()
+        new_items = req.input_items()
+        new_bytes: Optional[int] = None  # summed once: while dereferencing, or below
+        if any(item.get("type") == "item_reference" for item in new_items):
+            new_items, new_bytes = await self._dereference(new_items, owner,
+                                                           parent.context_bytes if parent is not None else 0)
+        with self.tracer.start_as_current_span("resolve_context", context=tctx):
+            reject_non_text(new_items, self.model_name)
+            ctx = resolve_context(new_items, parent)
+            limit = self.settings.max_context_bytes
+            if limit is not None:
+                # Payload the state will keep alive (rendered or not): bounded per context.
+                size = (parent.context_bytes if parent is not None else 0) + (
+                    new_bytes if new_bytes is not None else items_nbytes(new_items))
+                if size > limit:
+                    raise context_too_large(size, limit)
+            if not ctx.items and not req.is_warm_up:
+                raise ApiError(400, "Missing required parameter: 'input'.", param="input",
+                               code="missing_required_parameter")
+            tools_spec = normalize_tools(req.tools)
+            check_output_controls(req, tools_spec, model=self.model_name,
+                                  can_force_tool_calls=self.settings.can_force_tool_calls)
+            effort = req.reasoning.effort if req.reasoning is not None else None
+            key = RenderKey.of(req.instructions, tools_spec, effort)
+        timing.resolve = time.perf_counter() - t0
+        timing.new_items = len(new_items)
+        timing.context_items = len(ctx.items)
+        t1 = time.perf_counter()
+        st = self.settings
+        pre = parent.rendered if parent is not None else None
+        full_job = RenderJob(req.instructions, tools_spec, items=ctx.items, reasoning_effort=effort)
+        if pre is not None and pre.key == key:
+            # Only the anchor message and the new items travel: O(new items).
+            job = RenderJob(req.instructions, tools_spec, delta=True, reasoning_effort=effort,
+                            anchor_items=ctx.items[pre.anchor_start : pre.item_count],
+                            new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start,
+                            prior=pre.prior if parent.output_start == pre.item_count else None)
+            if st.verify_renders:
+                job.verify_items, job.verify_prefix = ctx.items, pre.token_ids
+        else:
+            job = full_job
+        span = self.tracer.start_span("render", context=tctx)
+        try:
+            job.trace = full_job.trace = telemetry.inject(telemetry.context_of(span))
+            rendered = await self.render(job)
+            if rendered is None:  # the delta was not provably exact: render it all
+                rendered = await self.render(full_job)
+            span.set_attribute("loopserve.render.mode", "full" if rendered.full else "delta")
+            span.set_attribute("loopserve.render.delta_tokens", rendered.delta_tokens)
+        finally:
+            span.end()
+        extends = pre is not None and not rendered.full
+        prefix, prompt = rendered.assemble(pre.token_ids if extends else None)
+        timing.render = time.perf_counter() - t1
+        timing.full_render = rendered.full
+        timing.delta_tokens = rendered.delta_tokens
+        if len(prompt) > st.context_limit and req.truncation == "auto":
+            ctx, rendered = await self._truncate(ctx, full_job)
+            prefix, prompt = rendered.assemble(None)
+            timing.full_render, extends = True, False
+        if len(prompt) > st.context_limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {st.context_limit} tokens, "
+                f"but the input has {len(prompt)} tokens.",
+                code="context_length_exceeded",
+                param="input",
+            )
+        return Prepared(ctx, Rendered(prefix, prompt, rendered.anchor_start, extends, rendered.prompt_override is None),
+                        tools_spec, key)
