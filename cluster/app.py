@@ -38,6 +38,8 @@ def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None, fas
         }
     else:
         opts["num_replicas"] = res.num_replicas
+    for key, value in res.serve_options.items():  # the operator's own Serve options win
+        opts[key] = {**opts[key], **value} if isinstance(value, dict) and isinstance(opts.get(key), dict) else value
     return opts
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cluster.config.base import StrictModel
 
@@ -43,6 +43,24 @@ class DeploymentResources(StrictModel):
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0)
     """Scale-down/redeploy: how long a stopping replica may finish its work (connection replicas: the turns in
     flight on their sockets) before it is killed."""
+    serve_options: dict[str, Any] = Field(default_factory=dict)
+    """Any other Ray Serve deployment option, passed to Serve as it is (`max_queued_requests`,
+    `health_check_period_s`, `max_replicas_per_node`, `logging_config`, ...: the arguments of
+    `@serve.deployment`). Dict-valued options are merged into what loopserve sets (`ray_actor_options`,
+    `autoscaling_config`); the others replace it."""
+
+    @field_validator("serve_options")
+    @classmethod
+    def _known_to_serve(cls, options: dict[str, Any]) -> dict[str, Any]:
+        import inspect
+
+        from ray import serve
+
+        known = set(inspect.signature(serve.deployment).parameters) - {"_func_or_class", "name", "version"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"not Ray Serve deployment options: {unknown}; known: {sorted(known)}")
+        return options
 
 
 class RoutingConfig(StrictModel):

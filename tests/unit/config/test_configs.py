@@ -135,3 +135,21 @@ def test_the_built_in_real_model_says_how_to_get_it_when_its_package_is_missing(
     from cluster.cli import main
 
     assert main(["make-model", "smollm2-135m-instruct"]) == 2
+
+
+def test_serve_deployment_options_pass_through_and_unknown_ones_are_refused():
+    from pydantic import ValidationError
+
+    from cluster.app import connection_options
+
+    cfg = LoopserveConfig.model_validate({
+        "connection": {"num_cpus": 0.5, "serve_options": {
+            "max_queued_requests": 100, "health_check_period_s": 5, "ray_actor_options": {"memory": 2 ** 30}}},
+        "engine_deployment": {"serve_options": {"max_replicas_per_node": 1}}})
+    opts = connection_options(cfg)
+    assert opts["max_queued_requests"] == 100 and opts["health_check_period_s"] == 5
+    # merged into what loopserve sets, not replacing it
+    assert opts["ray_actor_options"]["memory"] == 2 ** 30 and opts["ray_actor_options"]["num_cpus"] == 0.5
+    assert engine_options(cfg)["max_replicas_per_node"] == 1
+    with pytest.raises(ValidationError, match="max_ongoing_requets"):
+        LoopserveConfig.model_validate({"connection": {"serve_options": {"max_ongoing_requets": 5}}})
