@@ -23,13 +23,13 @@ from starlette.websockets import WebSocketDisconnect
 from actors.http import app, error_response, json_body, peak_rss_bytes, rss_bytes, sse
 from cluster import telemetry
 from cluster.core.events import TERMINAL_EVENTS
+from cluster.core.turn.admission import admit_create
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import TurnRequest, cache_salt
-from cluster.core.websocket.agent import reject_over_http as reject_multi_agent_over_http
 from cluster.core.websocket.session import WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
-from cluster.protocol.requests import parse_request, session_header
+from cluster.protocol.requests import session_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from cluster.serving.connection import ConnectionServices
@@ -165,17 +165,13 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
     received_at = time.perf_counter()
     try:
         p = conn.principal(request)
-        conn.auth.admit_request(p)
-        req = parse_request(await json_body(request, conn.config.limits.max_request_bytes),
-                            max_input_items=conn.config.limits.max_input_items)
-        reject_multi_agent_over_http(req)
+        body = await json_body(request, conn.config.limits.max_request_bytes)
+        req = admit_create(body, transport="http", admit=lambda: conn.auth.admit_request(p),
+                           max_input_items=conn.config.limits.max_input_items)
         parsed_at = time.perf_counter()
         session_key = ids.session_key(session_header(request.headers) or req.prompt_cache_key
                                       or req.previous_response_id)
         if req.background:
-            if req.stream:
-                raise ApiError(400, "background responses cannot be streamed here; poll GET /v1/responses/{id}.",
-                               param="stream", code="unsupported_value")
             return JSONResponse(conn.responses.start_background(req, p.tenant, session_key))
     except ApiError as err:
         return error_response(err)

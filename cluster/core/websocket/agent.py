@@ -15,27 +15,16 @@ import asyncio
 import time
 from typing import Any, Optional
 
+from cluster.core.turn.admission import MULTI_AGENT_BETA
 from cluster.core.turn.state import items_nbytes
 from cluster.protocol.errors import ApiError
 
-BETA = "responses_multi_agent=v1"
+BETA = MULTI_AGENT_BETA
 # Bytes of injected tool output one connection may hold before its responses take them in: they
 # wait outside the frame queue's byte bound (like steers, steering.MAX_STEER_BYTES), so they get
 # their own. Taken in, they count against the conversation's `max_context_bytes`.
 MAX_INJECTED_BYTES = 16 * 1024 * 1024
 OUTPUT_TYPES = {"function_call_output": "function_call"}
-
-
-def multi_agent_enabled(body: dict[str, Any]) -> bool:
-    value = body.get("multi_agent")
-    return isinstance(value, dict) and value.get("enabled") is True
-
-
-def reject_over_http(req: Any) -> None:
-    """Over HTTP nothing could inject the outputs a multi-agent response would wait for."""
-    if multi_agent_enabled({"multi_agent": getattr(req, "multi_agent", None)}):
-        raise ApiError(400, "multi_agent responses run in WebSocket mode (tool outputs come back with "
-                            "response.inject).", param="multi_agent", code="unsupported_value")
 
 
 class AgentInbox:

@@ -16,10 +16,11 @@ from typing import Any, Awaitable, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
 from cluster.core.events import TERMINAL_EVENTS, Event
+from cluster.core.turn.admission import admit_create, multi_agent_enabled
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import Lookup, TurnRequest
-from cluster.core.websocket import agent, steering
+from cluster.core.websocket import steering
 from cluster.core.websocket.agent import AgentInbox
 from cluster.core.websocket.inflight import WsCreate
 from cluster.core.websocket.protocol import (
@@ -35,7 +36,6 @@ from cluster.core.websocket.protocol import (
     WebSocketProtocol,
 )
 from cluster.protocol.errors import ApiError, server_error
-from cluster.protocol.requests import parse_request
 
 log = logging.getLogger(__name__)
 
@@ -196,18 +196,12 @@ class WebSocketSession:
         rid: Optional[str] = None
         final: Optional[dict[str, Any]] = None
         try:
-            if self._admit is not None:
-                self._admit()
-            req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
+            req = admit_create(body, transport="websocket", admit=self._admit,
+                               max_input_items=self.driver.settings.max_input_items, betas=self._betas)
             create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
-            if agent.multi_agent_enabled(body):
-                if agent.BETA not in self._betas:
-                    raise ApiError(400, f"multi_agent needs the 'OpenAI-Beta: {agent.BETA}' header on the WebSocket "
-                                        "upgrade.", param="multi_agent", code="invalid_value")
+            if multi_agent_enabled(body):
                 create.inbox = AgentInbox(self.config.agent_wait_seconds)
             parsed_at = time.perf_counter()
-            if req.background:
-                raise ApiError(400, "background is not supported in websocket mode.", param="background", code="invalid_value")
             stream_id = req.stream_id
             async for ev in self.driver.run(TurnRequest(
                 req,
