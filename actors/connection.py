@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.drain import DrainWatch
-from actors.routes import app
+from actors.routes import app, bind
 from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.serving.connection import ConnectionServices
@@ -34,7 +34,7 @@ class ConnectionActor:
         self.services = await ConnectionServices.build(config, render=render, engine=engine, safety=safety)
         self.drain_watch = DrainWatch(self.services.drain)
         self.drain_watch.start()
-        app.state.services = self.services  # the routes' dependency (`actors/routes.replica`) reads it
+        bind(self.services)  # the routes reach this replica through a dependency
 
     async def __del__(self) -> None:
         self.drain_watch.stop()

@@ -5,7 +5,9 @@ Why not methods on the deployment class: Ray Serve's class-based-view rewrite
 >= 0.137 (ray-project/ray#64475: `self` becomes a required query parameter and
 every route answers 400). Functions with `Depends(replica)` need no rewrite, so
 they work with every FastAPI the pyproject allows. One ConnectionActor lives in
-each replica process; it puts its services in the app's state when it starts.
+each replica process; `bind` registers its services when it starts. (Not `app.state`: Serve
+pickles the ingress app into each replica, so the app the requests reach is a copy the
+constructor cannot see without Serve's private attributes.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.requests import HTTPConnection
 from starlette.websockets import WebSocketDisconnect
 
 from actors.http import app, error_response, json_body, peak_rss_bytes, rss_bytes, sse
@@ -34,12 +35,18 @@ from cluster.protocol.requests import session_header
 if TYPE_CHECKING:  # pragma: no cover
     from cluster.serving.connection import ConnectionServices
 
-def replica(conn: HTTPConnection) -> "ConnectionServices":
-    """The replica's services, from the app's state (`ConnectionActor` puts them there)."""
-    services = getattr(conn.app.state, "services", None)
-    if services is None:  # a request before the constructor finished: Serve does not route those
+_replica: Optional["ConnectionServices"] = None
+
+
+def bind(services: "ConnectionServices") -> None:
+    global _replica
+    _replica = services
+
+
+def replica() -> "ConnectionServices":
+    if _replica is None:  # a request before the constructor finished: Serve does not route those
         raise ApiError(503, "The server is starting.", code="server_starting", type="server_error")
-    return services
+    return _replica
 
 
 Conn = Depends(replica)
