@@ -29,8 +29,12 @@ def build_response(
     request: Any,
     previous_response_id: Optional[str],
     created_at: Optional[int] = None,
+    sampling: Optional[dict[str, float]] = None,
 ) -> dict[str, Any]:
-    """The Response object in status `in_progress`, with every field of docs/protocol.md."""
+    """The Response object in status `in_progress`, with every field of docs/protocol.md.
+    `sampling`: the model's own defaults (its generation_config), what the engine uses for a
+    `temperature` or `top_p` the request leaves out, so the response reports what was used."""
+    sampling = sampling or {}
     text = request.text.model_dump(exclude_none=True, by_alias=True) if request.text else None
     if not text or "format" not in text:
         text = {"format": {"type": "text"}, **(text or {})}
@@ -55,12 +59,12 @@ def build_response(
         "safety_identifier": request.safety_identifier,
         "service_tier": request.service_tier or "default",
         "store": True if request.store is None else request.store,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "temperature": sampling.get("temperature", 1.0) if request.temperature is None else request.temperature,
         "text": text,
         "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
         "tools": echo_tools(request.tools),
         "top_logprobs": 0,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_p": sampling.get("top_p", 1.0) if request.top_p is None else request.top_p,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "truncation": request.truncation or "disabled",

@@ -183,4 +183,30 @@ def turn_settings(config: LoopserveConfig) -> TurnSettings:
         max_context_tokens=config.limits.max_context_tokens,
         max_context_bytes=config.limits.max_context_bytes,
         can_force_tool_calls=eng.backend == "scripted" or tool_format(config.model.tool_parser).forcible,
+        sampling_defaults=model_sampling_defaults(config) if eng.backend == "vllm" else {},
     )
+
+
+def model_sampling_defaults(config: LoopserveConfig) -> dict[str, float]:
+    """The temperature and top_p vLLM applies to a request that sets none: the model's
+    generation_config.json (vLLM's `generation_config: auto`), else 1.0 each."""
+    import json
+    from pathlib import Path
+
+    path = Path(config.model.resolved_path()) / "generation_config.json"
+    if not path.is_file():  # a hub id: the file from the Hugging Face cache, if the model has one
+        try:
+            from transformers.utils import cached_file
+
+            found = cached_file(config.model.resolved_path(), "generation_config.json",
+                                _raise_exceptions_for_missing_entries=False)
+        except Exception:  # noqa: BLE001 - no generation config: vLLM's own defaults
+            return {}
+        if not found:
+            return {}
+        path = Path(found)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(data[k]) for k in ("temperature", "top_p") if isinstance(data.get(k), (int, float))}

@@ -245,7 +245,8 @@ class ResponsesService:
                                 "retry when some have finished.", code="rate_limit_exceeded")
         rid = new_id("resp")
         response = build_response(response_id=rid, model=self.driver.model_name, request=req,
-                                  previous_response_id=req.previous_response_id)
+                                  previous_response_id=req.previous_response_id,
+                                  sampling=self.driver.settings.sampling_defaults)
         response["status"] = "queued"
         entry = {"response": response, "tenant": tenant}
         entry["task"] = asyncio.get_running_loop().create_task(self._run_background(req, tenant, session_key, rid, entry))

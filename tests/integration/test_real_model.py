@@ -36,6 +36,7 @@ def test_it_answers_factual_questions(smollm2_url, client_for):
     for question, fact in (("What is the capital of France?", "Paris"), ("What is the capital of Germany?", "Berlin")):
         resp = client.responses.create(model=SMOLLM2, input=question, max_output_tokens=32)
         assert fact in answer(resp), answer(resp)
+        assert resp.temperature == 0.0  # none asked: the model's own default, greedy, is what ran
 
 
 def test_a_20_turn_loop_hits_the_cache_on_the_previous_prompt_and_output(smollm2_url, client_for):

@@ -163,7 +163,8 @@ class TurnDriver:
         response_id = t.response_id or new_id("resp")
         timing.response_id = response_id
         root.set_attribute("loopserve.response_id", response_id)
-        response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id)
+        response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id,
+                                  sampling=st.sampling_defaults)
         asm = EventAssembler(response, stream_id=t.stream_id)
         room = st.max_model_len - len(rendered.prompt_token_ids)
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,

@@ -8,7 +8,7 @@ engine call with it; a multi-agent response's stream prepares each later call wi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, NamedTuple, Optional, Protocol
 
 from cluster import telemetry
@@ -55,6 +55,9 @@ class TurnSettings:
     max_context_bytes: Optional[int] = None
     # The engine can force tool calls (tool_choice required/named) for this model's format.
     can_force_tool_calls: bool = True
+    # The model's own sampling defaults (temperature, top_p) the engine applies to a request that
+    # sets none: what a response reports it used.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     @property
     def context_limit(self) -> int:

@@ -137,9 +137,10 @@ def frame_too_large(size: int, limit: int) -> ApiError:
 
 class WebSocketProtocol:
     def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
-                 cache: SessionCache, now: float) -> None:
+                 cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None) -> None:
         self.config = config
         self.model_name = model_name
+        self.sampling = sampling or {}  # the model's sampling defaults (a queued response reports them)
         self.max_input_items = max_input_items
         self.cache = cache  # the connection's responses (steers and injects read their state)
         self.state = State.OPEN
@@ -236,7 +237,7 @@ class WebSocketProtocol:
             return None  # its error is sent when its turn comes, in lane order
         create.response_id = new_id("resp")
         response = build_response(response_id=create.response_id, model=self.model_name, request=req,
-                                  previous_response_id=req.previous_response_id)
+                                  previous_response_id=req.previous_response_id, sampling=self.sampling)
         response["status"] = "queued"
         event: Event = {"type": "response.queued", "sequence_number": 0, "response": response}
         if create.stream_id:

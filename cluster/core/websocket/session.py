@@ -67,7 +67,7 @@ class WebSocketSession:
         self.config = config
         self.protocol = WebSocketProtocol(config, model_name=driver.model_name,
                                           max_input_items=driver.settings.max_input_items, cache=cache,
-                                          now=time.monotonic())
+                                          now=time.monotonic(), sampling=driver.settings.sampling_defaults)
         self._send = send
         self._close = close
         self._lookup = lookup

@@ -157,3 +157,17 @@ def test_a_response_waiting_for_engine_kv_is_queued_then_in_progress_again():
     assert types.count("response.in_progress") == 2  # resumed only once
     assert evs[2]["response"]["status"] == "queued" and evs[3]["response"]["status"] == "in_progress"
     assert evs[-1]["response"]["status"] == "completed"
+
+
+def test_a_response_reports_the_sampling_the_engine_used():
+    """No `temperature` in the request: the model's own default (SmolLM2's generation_config says
+    0.0, greedy) is what the engine used, so that is what the response says; a request's own wins."""
+    greedy = {"temperature": 0.0}
+    unset = build_response(response_id="r", model="m", request=parse_request({"input": "x"}),
+                           previous_response_id=None, sampling=greedy)
+    assert unset["temperature"] == 0.0 and unset["top_p"] == 1.0
+    asked = build_response(response_id="r", model="m", request=parse_request({"input": "x", "temperature": 0.7}),
+                           previous_response_id=None, sampling=greedy)
+    assert asked["temperature"] == 0.7
+    assert build_response(response_id="r", model="m", request=parse_request({"input": "x"}),
+                          previous_response_id=None)["temperature"] == 1.0  # no model default: vLLM's 1.0
