@@ -91,10 +91,16 @@ class TurnSafety:
     The input check starts before the engine call, so it overlaps prefill; the
     driver awaits `gate()` before releasing the first output event. Output
     chunks are classified concurrently with streaming; a flag stops the stream.
+    At most `max_unverified` chunks may be out for classification while more
+    text is released: past that, `release_check()` waits for the oldest verdict.
+    Without the bound, a slow classifier (a loaded safety replica, an engine that
+    bursts a backlog of tokens) would let the whole answer out before a flag
+    lands; with it, a flagged answer is cut within the flagged chunk and
+    `max_unverified` more, however late the verdicts come.
     """
 
     def __init__(self, port: Optional[SafetyPort], input_texts: list[str], chunk_chars: int = 256, *,
-                 tracer: Any = None, trace_parent: Any = None) -> None:
+                 tracer: Any = None, trace_parent: Any = None, max_unverified: int = 1) -> None:
         import asyncio
 
         self._asyncio = asyncio
@@ -105,6 +111,7 @@ class TurnSafety:
         self.input_seconds = 0.0
         self.monitor = OutputMonitor(chunk_chars)
         self._outputs: list[Any] = []
+        self.max_unverified = max_unverified
         self.flag: Optional[dict[str, Any]] = None
         self.tail_text = ""  # generated text left for post-inference classification
 
@@ -146,6 +153,15 @@ class TurnSafety:
         chunk = self.monitor.feed(text)
         if chunk:
             self._outputs.append(self._asyncio.ensure_future(self._traced("safety.output", self._port, [chunk])))
+
+    async def release_check(self) -> Optional[dict[str, Any]]:
+        """Before an output piece goes out: the input verdict, and the output
+        verdicts that have come, waiting for the oldest while too many are out."""
+        flag = await self.gate()
+        while flag is None and len(self._outputs) > self.max_unverified:
+            await self._asyncio.wait([self._outputs[0]])
+            flag = self.check_output()
+        return flag or self.check_output()
 
     def check_output(self) -> Optional[dict[str, Any]]:
         while self._outputs and self._outputs[0].done():

@@ -287,8 +287,9 @@ class TurnStream:
                     if stop is not None and stop.is_set():
                         break  # nothing more goes out once stopped (a steer keeps what went out)
                     # An output piece: released only after the input verdict,
-                    # and only while no output chunk has been flagged.
-                    flag = await safety.gate() or safety.check_output()
+                    # while no output chunk has been flagged and the verdicts
+                    # lag the stream by at most one chunk.
+                    flag = await safety.release_check()
                     if flag:
                         break
                     if not timing.first_token:
