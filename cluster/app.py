@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any, Optional, Union
 
 from ray.serve import Application
@@ -121,6 +122,14 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
         from cluster.models.builtin import check_can_make
 
         check_can_make(config.model.builtin)  # a missing package fails here, not in every replica
+    if not config.sealing.keys and not config.sealing.keys_file:
+        # One key for this deployment, shared by every replica through the config they are bound
+        # with: blobs open on any replica, and stop opening after a redeploy (docs/configuration.md).
+        from cluster.protocol.sealing import new_key
+
+        key_id = f"deploy-{secrets.token_hex(4)}"
+        config = config.model_copy(update={"sealing": config.sealing.model_copy(
+            update={"keys": {key_id: new_key()}, "active": key_id})})
     fast = config.serve_fast_path
     render = RenderActor.options(**_options(config.render, fast_path=fast)).bind(config)
     engine = EngineReplica.options(**engine_options(config)).bind(config)

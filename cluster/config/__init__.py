@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from cluster.config.auth import ApiKey, AuthConfig, KeysMissing
+from cluster.config.auth import ApiKey, AuthConfig, KeysMissing, SealingConfig
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
 from cluster.config.deployments import AutoscalingSettings, DeploymentResources, RoutingConfig
 from cluster.config.engine import (
@@ -35,7 +35,7 @@ from cluster.config.service import (
 __all__ = ["AnswerRule", "ApiKey", "AuthConfig", "AutoscalingSettings", "CacheConfig", "ChannelTlsConfig",
            "DeploymentResources", "EngineConfig", "GuardConfig", "KeysMissing", "KvBudgetConfig", "LimitsConfig",
            "LoopserveConfig", "ModelConfig", "OpsConfig", "PostWorkConfig", "RoutingConfig", "SafetyConfig",
-           "ScriptedEngineConfig", "StoreConfig", "StrictModel", "TelemetryConfig", "TINY_MODEL_NAME",
+           "ScriptedEngineConfig", "SealingConfig", "StoreConfig", "StrictModel", "TelemetryConfig", "TINY_MODEL_NAME",
            "VLLMEngineConfig", "WebSocketConfig"]
 
 
@@ -51,6 +51,7 @@ class LoopserveConfig(StrictModel):
     post_work: PostWorkConfig = Field(default_factory=PostWorkConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    sealing: SealingConfig = Field(default_factory=SealingConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     ops: OpsConfig = Field(default_factory=OpsConfig)

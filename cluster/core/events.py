@@ -8,7 +8,7 @@ Unit tests check each event against `openai.types.responses.ResponseStreamEvent`
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, get_args
+from typing import Any, Callable, Optional, get_args
 
 from openai.types.responses import ResponseCompletedEvent, ResponseFailedEvent, ResponseIncompleteEvent
 
@@ -106,8 +106,12 @@ class EventAssembler:
     def stream_id(self) -> Optional[str]:
         return self._stream_id
 
-    def __init__(self, response: dict[str, Any], *, stream_id: Optional[str] = None) -> None:
+    def __init__(self, response: dict[str, Any], *, stream_id: Optional[str] = None,
+                 seal_reasoning: Optional[Callable[[str], str]] = None) -> None:
         self.response = response
+        # `include: ["reasoning.encrypted_content"]`: each finished reasoning item also carries
+        # its text sealed, for a client that keeps no server-side store to send back.
+        self._seal_reasoning = seal_reasoning
         self._seq = 0
         self._open: Optional[dict[str, Any]] = None  # the output item being streamed
         self._open_kind: Optional[str] = None
@@ -326,6 +330,8 @@ class EventAssembler:
                     "response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text
                 )
             )
+            if self._seal_reasoning is not None:
+                item["encrypted_content"] = self._seal_reasoning(text)
         events.append(self._ev("response.output_item.done", output_index=idx, item=_copy_item(item)))
         return events
 

@@ -33,6 +33,7 @@ from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.channel import tls_contexts
 from cluster.engines.parsers import tool_format
 from cluster.protocol.errors import ApiError
+from cluster.protocol.sealing import Sealer, new_key
 from cluster.serving.clients import EngineClient, RenderClient, SafetyClient, deployment_retry
 from cluster.serving.responses import ResponsesService
 from cluster.store import ResponseStore, open_store
@@ -55,8 +56,7 @@ class ConnectionServices:
                                        retries=config.post_work.retries, backoff_s=config.post_work.backoff_s)
         self.driver = TurnDriver(turn_settings(config), render=render, engine=engine, safety=safety,
                                  post_work=self.post_work, metrics=self.metrics,
-                                 items=store.get_item
-                                 if store is not None else None)
+                                 items=store.get_item if store is not None else None, sealer=cluster_sealer(config))
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
         self.memory = CacheMemory(config.cache.max_entries, config.cache.max_bytes, config.cache.connections_max_bytes)
         self.responses = ResponsesService(self.driver, self.registry, store, max_background=config.limits.max_background)
@@ -167,6 +167,17 @@ class ConnectionServices:
             "turn_transport": dict(m.turn_transport),
             "turns": m.recent_turns(last),
         }
+
+
+def cluster_sealer(config: LoopserveConfig) -> Sealer:
+    """The sealer of `encrypted_content` from the config's keys (`build_app` puts a deployment-wide
+    key there when none is configured). Built without one (a replica made outside `build_app`), this
+    replica makes its own key: its blobs open on it alone."""
+    keys, active = config.sealing.resolved()
+    if not keys:
+        log.warning("no sealing key configured: compaction and reasoning blobs open on this replica only")
+        keys, active = {"replica": new_key()}, "replica"
+    return Sealer.from_text(keys, active)
 
 
 def turn_settings(config: LoopserveConfig) -> TurnSettings:

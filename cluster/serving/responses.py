@@ -8,22 +8,24 @@ ConnectionActor's routes.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import logging
 import time
 from typing import Any, Optional
 
-from cluster.core.events import build_response, replay_events
+from cluster.core.events import TERMINAL_EVENTS, build_response, replay_events, usage_object
 from cluster.core.render.renderer import content_text
 from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.compaction import INSTRUCTIONS as COMPACTION_INSTRUCTIONS
+from cluster.core.turn.compaction import kept_messages, needs_summary, summary_request
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import TurnRecord
+from cluster.core.turn.sealed import compaction_item, without_private
 from cluster.core.turn.state import ResponseState
 from cluster.core.turn.turn import TurnRequest
-from cluster.protocol.errors import ApiError, previous_response_not_found
+from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import parse_request
+from cluster.protocol.sealing import Sealer
 from cluster.store import ResponseStore, StoredResponse, state_from_chain
 
 log = logging.getLogger(__name__)
@@ -200,41 +202,60 @@ class ResponsesService:
         count = await self.driver.count_input_tokens(req, await self._parent(req, tenant), tenant)
         return {"object": "response.input_tokens", "input_tokens": count}
 
-    async def compact(self, body: Any, tenant: str, keep_last: int = 4, summary_chars: int = 4000) -> dict[str, Any]:
-        """Truncation policy: keep the last user message and what follows it (at least
-        `keep_last` items); everything before becomes one `compaction` item whose summary
-        lists each earlier message/tool output (role + first 200 characters)."""
+    async def compact(self, body: Any, tenant: str, summary_tokens: int = 512) -> dict[str, Any]:
+        """`POST /v1/responses/compact`: the context window (the parent's items, then `input`) as
+        its user messages verbatim plus one sealed `compaction` item whose summary the served model
+        writes (cluster/core/turn/compaction.py); only user messages: returned as they are."""
         if not isinstance(body, dict) or not body.get("model"):
             raise ApiError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
         req = parse_request(body, max_input_items=self.driver.settings.max_input_items)
         self.driver.check_model(req)
         parent = await self._parent(req, tenant)
-        items = (parent.items if parent else []) + req.input_items()
-        cut = max(0, len(items) - keep_last)
-        for i in range(len(items) - 1, -1, -1):
-            if items[i].get("type", "message") == "message" and items[i].get("role") == "user":
-                cut = min(cut, i)
-                break
-        dropped, kept = items[:cut], items[cut:]
-        lines = []
-        for item in dropped:
-            kind = item.get("type", "message")
-            if kind == "message":
-                lines.append(f"{item.get('role')}: {content_text(item.get('content'))[:200]}")
-            elif kind == "function_call":
-                lines.append(f"tool call {item.get('name')}({(item.get('arguments') or '')[:200]})")
-            elif kind == "function_call_output":
-                lines.append(f"tool result: {content_text(item.get('output'))[:200]}")
-        summary = "\n".join(lines)[:summary_chars]
-        payload = base64.b64encode(json.dumps({"v": 1, "summary": summary}).encode()).decode()
-        kept = [_listed(item) for item in kept]
-        output = ([{"id": new_id("cmp"), "type": "compaction", "encrypted_content": payload}] if dropped else []) + kept
-        count = await self.driver.count_input_tokens(parse_request({"input": items}), None, tenant) if items else 0
+        items = (list(parent.items) if parent else []) + await self.driver.preparer.input_items(req, parent, tenant)
+        usage = usage_object(0, 0, 0)
+        output = [_listed(item) for item in kept_messages(items)]
+        if needs_summary(items):
+            summary, usage = await self._summarise(items, tenant, summary_tokens)
+            output.append(compaction_item(summary, self._sealer(), tenant))
         return {"id": new_id("cmp"), "object": "response.compaction", "created_at": int(time.time()),
-                "output": output,
-                "usage": {"input_tokens": count, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                          "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
-                          "total_tokens": count}}
+                "output": output, "usage": usage}
+
+    def _sealer(self) -> Sealer:
+        if self.driver.sealer is None:
+            raise server_error("This server has no sealing key, so it cannot make compaction items.")
+        return self.driver.sealer
+
+    async def _summarise(self, items: list[dict[str, Any]], tenant: str,
+                         summary_tokens: int) -> tuple[str, dict[str, Any]]:
+        """The served model's summary of `items`, and the usage of writing it. The transcript is
+        cut to the model's context (about 3 characters a token to start, halved while the prompt
+        does not fit); a summary cut by its token budget is kept as far as it goes."""
+        st = self.driver.settings
+        budget = max(64, min(summary_tokens, st.context_limit // 4))
+        max_chars = max(256, (st.context_limit - budget - 256) * 3)
+        for _ in range(6):
+            request = parse_request({"model": st.model_name, "instructions": COMPACTION_INSTRUCTIONS,
+                                     "input": [{"role": "user", "content": summary_request(items, max_chars)}],
+                                     "max_output_tokens": budget, "store": False})
+            turn = TurnRequest(request, SessionCache(), session_key=f"compact:{new_id('cmp')}", owner=tenant)
+            try:
+                final = [ev async for ev in self.driver.run(turn) if ev["type"] in TERMINAL_EVENTS][-1]
+            except ApiError as err:
+                if err.code != "context_length_exceeded" or max_chars <= 256:
+                    raise
+                max_chars //= 2
+                continue
+            response = final["response"]
+            reason = (response.get("incomplete_details") or {}).get("reason")
+            if response["status"] == "completed" or reason == "max_output_tokens":
+                text = "".join(content_text(item.get("content")) for item in response["output"]
+                               if item.get("type") == "message")
+                return text.strip(), response["usage"]
+            if reason == "content_filter":
+                raise ApiError(400, "The conversation's summary was stopped by the content filter.",
+                               code="content_filter", param="input")
+            raise server_error("The model failed while writing the compaction summary.")
+        raise server_error("The conversation could not be cut to fit the model's context for its summary.")
 
     # -- background ----------------------------------------------------------------
     def start_background(self, req, tenant: str, session_key: str) -> dict[str, Any]:
@@ -326,7 +347,7 @@ TERMINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")
 def _listed(item: dict[str, Any]) -> dict[str, Any]:
     """An input item as the API lists it (input items, compaction output): typed, with an id, a
     status and content parts, as the Response item schemas require."""
-    out = {"type": item.get("type", "message"), **item}
+    out = {"type": item.get("type", "message"), **without_private(item)}
     kind = out["type"]
     if kind in ID_PREFIX and not out.get("id"):
         out["id"] = new_id(ID_PREFIX[kind])

@@ -11,7 +11,7 @@ from tests.support.ws import turn as ws_turn
 from tests.support.ws import ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-BLOB = "z" * 150_000  # opaque reasoning state: kept in memory, never rendered
+BLOB = "z" * 150_000  # a field the API ignores: kept in memory with its item, never rendered
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,7 @@ def limits_url(serve_instance):
 
 
 def item(i: int) -> list[dict]:
-    return [{"type": "reasoning", "id": f"rs_{i}", "summary": [], "encrypted_content": BLOB},
-            {"type": "message", "role": "user", "content": f"step {i}"}]
+    return [{"type": "message", "role": "user", "content": f"step {i}", "client_state": BLOB}]
 
 
 async def turn(ws, body) -> dict:

@@ -137,5 +137,21 @@ def test_compact_response_passes_the_schema(scripted_url):
     assert r.status_code == 200, r.text
     compacted = r.json()
     jsonschema.validate(compacted, COMPACT_RESOURCE)
+    # the user messages verbatim, then exactly one compaction item for the rest
     kinds = [item["type"] for item in compacted["output"]]
-    assert kinds[0] == "compaction" and "message" in kinds
+    assert kinds == ["message"] * 7 + ["compaction"]
+    users = [item for item in history if item.get("role") == "user"]
+    assert [(m["role"], m["content"][0]["text"]) for m in compacted["output"][:7]] == [
+        ("user", u["content"] if isinstance(u["content"], str) else u["content"][0]["text"]) for u in users]
+    # the compacted window continues; the same item altered is a 400 naming it, on HTTP and WebSocket
+    item = compacted["output"][-1]
+    follow = httpx.post(scripted_url + "/v1/responses", json={
+        "model": "loopserve-tiny", "input": compacted["output"] + [{"role": "user", "content": "go on"}]},
+        headers={"authorization": "Bearer sk-test"}, timeout=60)
+    assert follow.status_code == 200 and follow.json()["status"] == "completed", follow.text
+    altered = {**item, "encrypted_content": item["encrypted_content"][:-4] + "AAAA"}
+    bad = httpx.post(scripted_url + "/v1/responses", json={"model": "loopserve-tiny", "input": [altered]},
+                     headers={"authorization": "Bearer sk-test"}, timeout=60)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["code"] == "invalid_encrypted_content" and item["id"] in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "input[0].encrypted_content"

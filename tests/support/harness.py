@@ -21,6 +21,8 @@ from cluster.engines.parsers import vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted import ScriptedEngine
 from cluster.engines.stream import stream_chunks
+from cluster.core.turn.sealed import compaction_item
+from cluster.protocol.sealing import Sealer
 
 
 class InProcessStack:
@@ -45,8 +47,13 @@ class InProcessStack:
         self.fail_engine = False
         settings = TurnSettings(model_name="loopserve-tiny", default_max_tokens=64, max_model_len=max_model_len,
                                 verify_renders=verify, output_chunk_chars=chunk_chars)
+        self.sealer = Sealer({"test": b"k" * 32}, "test")
         self.driver = TurnDriver(settings, render=self.render, engine=self.engine_port, safety=safety,
-                                 post_work=post_work, tracer=tracer, metrics=metrics)
+                                 post_work=post_work, tracer=tracer, metrics=metrics, sealer=self.sealer)
+
+    def compaction(self, summary: str, tenant=None) -> dict:
+        """A compaction item sealed by this stack's server, as /responses/compact hands it out."""
+        return compaction_item(summary, self.sealer, tenant)
 
     async def render(self, job):
         self.render_jobs.append(job)

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from cluster.core.messages import PriorOutput
-from cluster.core.render.renderer import IncrementalRenderer, RenderResult, delta_steps, messages_from_items
+from cluster.core.render.renderer import (
+    COMPACTION_SUMMARY,
+    IncrementalRenderer,
+    RenderResult,
+    delta_steps,
+    messages_from_items,
+)
 
 log = logging.getLogger("loopserve.render")
 
@@ -66,11 +72,9 @@ def _thinks(text: str) -> Item:
 
 
 def _compaction() -> Item:
-    import base64
-    import json
-
-    blob = base64.b64encode(json.dumps({"summary": "The user asked about main.py."}).encode()).decode()
-    return {"type": "compaction", "encrypted_content": blob}
+    # As a turn sees it: the sealed blob opened (cluster/core/turn/sealed.py), its summary beside it.
+    return {"type": "compaction", "encrypted_content": "ls1.probe.sealed", COMPACTION_SUMMARY:
+            "The user asked about main.py; it was read and holds one function, main(), that returns 0."}
 
 
 # A turn: (new input items, the model's output items).
@@ -103,7 +107,8 @@ SCENARIOS: dict[str, list[Turn]] = {
                   ([_user("Are you sure?")], [_thinks("Check again."), _call("call_d2")]),
                   ([_result("call_d2")], [_thinks("Yes."), _says("Yes.")]),
                   ([_user("Ok.")], [])],
-    "compaction": [([_compaction(), _user("Continue with main.py.")], [_says("Continuing.")]),
+    # A compacted window as /responses/compact returns it: the user messages, then the compaction item.
+    "compaction": [([_user("Fix main.py."), _compaction(), _user("Continue with main.py.")], [_says("Continuing.")]),
                    ([_user("Read it.")], [_call("call_e1")]),
                    ([_result("call_e1")], [_says("Read.")]),
                    ([_user("Thanks.")], [])],

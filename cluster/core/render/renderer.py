@@ -53,15 +53,14 @@ def content_text(content: Any) -> str:
     return "".join(parts)
 
 
-def compaction_text(item: dict[str, Any]) -> str:
-    """A compaction item (ours: base64 JSON with a summary) as the text the model sees."""
-    import base64
+# A compaction item's opened summary (cluster/core/turn/sealed.py opens the sealed blob before a
+# turn resolves): server-side only, never listed back to a client.
+COMPACTION_SUMMARY = "_summary"
 
-    try:
-        data = json.loads(base64.b64decode(item.get("encrypted_content") or "", validate=True))
-        return "Summary of the earlier conversation:\n" + str(data["summary"])
-    except Exception:  # another server's opaque compaction: keep a marker
-        return "[earlier conversation compacted]"
+
+def compaction_text(item: dict[str, Any]) -> str:
+    """A compaction item as the text the model sees: its summary, as one system message."""
+    return "Summary of the earlier conversation:\n" + str(item.get(COMPACTION_SUMMARY, ""))
 
 
 def _arguments(raw: str) -> Any:

@@ -17,6 +17,7 @@ from cluster import telemetry
 from cluster.core.events import TERMINAL_EVENTS, Event, EventAssembler, build_response
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
 from cluster.core.turn.post_work import PostWorkQueue
+from cluster.core.turn.sealed import INCLUDE_REASONING, seal_reasoning
 from cluster.core.turn.prepare import ItemLookup, RenderPort, TurnPreparer, TurnSettings
 from cluster.core.turn.state import ResponseState
 from cluster.core.turn.stream import TurnStream
@@ -24,6 +25,7 @@ from cluster.core.turn.turn import EnginePort, Rendered, Turn, TurnRequest, Turn
 from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import ResponsesRequest
+from cluster.protocol.sealing import Sealer
 
 
 def _is_input_error(exc: BaseException) -> bool:
@@ -47,6 +49,7 @@ class TurnDriver:
         tracer: Optional[Any] = None,
         metrics: Optional[telemetry.Metrics] = None,
         items: Optional[ItemLookup] = None,
+        sealer: Optional[Sealer] = None,
     ) -> None:
         self.settings = settings
         self.model_name = settings.model_name
@@ -54,7 +57,8 @@ class TurnDriver:
         # OpenTelemetry: the global (no-op unless `telemetry.setup` ran) unless injected.
         self.tracer = tracer or telemetry.tracer()
         self.metrics = metrics or telemetry.Metrics()
-        self.preparer = TurnPreparer(settings, render=render, items=items, tracer=self.tracer)
+        self.sealer = sealer
+        self.preparer = TurnPreparer(settings, render=render, items=items, tracer=self.tracer, sealer=sealer)
         self.services = TurnServices(engine=engine, metrics=self.metrics, tracer=self.tracer, post_work=post_work,
                                      preparer=self.preparer)
 
@@ -165,7 +169,13 @@ class TurnDriver:
         root.set_attribute("loopserve.response_id", response_id)
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id,
                                   sampling=st.sampling_defaults)
-        asm = EventAssembler(response, stream_id=t.stream_id)
+        seal = None
+        if self.sealer is not None and INCLUDE_REASONING in (req.include or []):
+            sealer = self.sealer
+
+            def seal(text: str) -> str:
+                return seal_reasoning(text, sealer, owner)
+        asm = EventAssembler(response, stream_id=t.stream_id, seal_reasoning=seal)
         room = st.max_model_len - len(rendered.prompt_token_ids)
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,

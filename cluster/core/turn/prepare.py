@@ -16,10 +16,12 @@ from cluster.core.messages import RenderJob, ToolSpec
 from cluster.core.render.renderer import RenderResult
 from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
 from cluster.core.turn.controls import check_output_controls
+from cluster.core.turn.sealed import open_sealed
 from cluster.core.turn.state import RenderKey, ResponseState, items_nbytes
 from cluster.core.turn.turn import Rendered, TurnTiming
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import ResponsesRequest
+from cluster.protocol.sealing import Sealer
 
 
 class RenderPort(Protocol):
@@ -74,8 +76,9 @@ class Prepared(NamedTuple):
 
 class TurnPreparer:
     def __init__(self, settings: TurnSettings, *, render: RenderPort, items: Optional[ItemLookup] = None,
-                 tracer: Any = None) -> None:
+                 tracer: Any = None, sealer: Optional[Sealer] = None) -> None:
         self.settings = settings
+        self.sealer = sealer  # opens compaction and reasoning blobs (None: compaction items are refused)
         self.model_name = settings.model_name
         self.render = render
         self.items = items
@@ -157,6 +160,15 @@ class TurnPreparer:
             out.append(item)
         return out, total
 
+    async def input_items(self, req: ResponsesRequest, parent: Optional[ResponseState],
+                          owner: Optional[str]) -> list[dict[str, Any]]:
+        """The request's input items resolved for `owner` as a turn would see them (references
+        fetched, sealed blobs opened), without rendering: what compaction works from."""
+        items = req.input_items()
+        if any(item.get("type") == "item_reference" for item in items):
+            items, _ = await self._dereference(items, owner, parent.context_bytes if parent is not None else 0)
+        return open_sealed(items, self.sealer, owner)
+
     async def prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx: Any,
                       owner: Optional[str] = None) -> Prepared:
         """Resolve the request's context on `parent` (item references, limits, output controls)
@@ -168,6 +180,8 @@ class TurnPreparer:
             new_items, new_bytes = await self._dereference(new_items, owner,
                                                            parent.context_bytes if parent is not None else 0)
         with self.tracer.start_as_current_span("resolve_context", context=tctx):
+            # Sealed blobs open for this tenant, or the request stops here: nothing of them reaches the model.
+            new_items = open_sealed(new_items, self.sealer, owner)
             reject_non_text(new_items, self.model_name)
             ctx = resolve_context(new_items, parent)
             limit = self.settings.max_context_bytes
