@@ -110,6 +110,19 @@ def connection_options(config: LoopserveConfig) -> dict[str, Any]:
     return opts
 
 
+def with_sealing_key(config: LoopserveConfig) -> LoopserveConfig:
+    """`config` with a sealing key of this deployment's own when it configures none: every replica
+    is bound with the same config, so blobs open on any of them, and stop opening after a redeploy
+    (docs/configuration.md, `sealing`)."""
+    if config.sealing.keys or config.sealing.keys_file:
+        return config
+    from cluster.protocol.sealing import new_key
+
+    key_id = f"deploy-{secrets.token_hex(4)}"
+    return config.model_copy(update={"sealing": config.sealing.model_copy(
+        update={"keys": {key_id: new_key()}, "active": key_id})})
+
+
 def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Application:
     """Validate the config and bind ConnectionActor -> RenderActor, EngineReplica."""
     from actors.connection import ConnectionActor
@@ -122,14 +135,7 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
         from cluster.models.builtin import check_can_make
 
         check_can_make(config.model.builtin)  # a missing package fails here, not in every replica
-    if not config.sealing.keys and not config.sealing.keys_file:
-        # One key for this deployment, shared by every replica through the config they are bound
-        # with: blobs open on any replica, and stop opening after a redeploy (docs/configuration.md).
-        from cluster.protocol.sealing import new_key
-
-        key_id = f"deploy-{secrets.token_hex(4)}"
-        config = config.model_copy(update={"sealing": config.sealing.model_copy(
-            update={"keys": {key_id: new_key()}, "active": key_id})})
+    config = with_sealing_key(config)
     fast = config.serve_fast_path
     render = RenderActor.options(**_options(config.render, fast_path=fast)).bind(config)
     engine = EngineReplica.options(**engine_options(config)).bind(config)

@@ -185,3 +185,32 @@ async def test_reasoning_round_trips_sealed_without_a_store(tiny_model_dir):
             await turn({"input": [user, bad, call, result]}, owner)
         assert e.value.code == "invalid_encrypted_content" and e.value.param == "input[1].encrypted_content"
     assert len(stack.engine_requests) == sent
+
+
+def test_sealing_keys_from_the_config_and_a_mounted_file(tmp_path):
+    from cluster.config import LoopserveConfig
+    from cluster.config.auth import KeysMissing
+    from cluster.serving.connection import cluster_sealer
+
+    k1, k2 = new_key(), new_key()
+    (tmp_path / "keys.yaml").write_text(f"keys: {{k2: '{k2}'}}\nactive: k2\n")
+    config = LoopserveConfig.model_validate({"sealing": {"keys": {"k1": k1}, "keys_file": str(tmp_path / "keys.yaml")}})
+    sealer = cluster_sealer(config)
+    assert sealer.active == "k2" and sealer.seal("compaction", {}, "t").startswith("ls1.k2.")
+    assert cluster_sealer(LoopserveConfig.model_validate({"sealing": {"keys": {"k1": k1}}})).active == "k1"
+    with pytest.raises(KeysMissing):  # two keys, none named active
+        LoopserveConfig.model_validate({"sealing": {"keys": {"k1": k1, "k3": k2}}}).sealing.resolved()
+    with pytest.raises(ValueError, match="32"):
+        cluster_sealer(LoopserveConfig.model_validate({"sealing": {"keys": {"k1": "c2hvcnQ="}}}))
+
+
+def test_a_deployment_without_keys_gets_one_of_its_own():
+    from cluster.app import with_sealing_key
+    from cluster.config import LoopserveConfig
+
+    config = with_sealing_key(LoopserveConfig())  # build_app binds every deployment with this config
+    keys = config.sealing.keys
+    assert len(keys) == 1 and config.sealing.active in keys and len(base64.b64decode(next(iter(keys.values())))) == 32
+    assert with_sealing_key(LoopserveConfig()).sealing.keys != keys  # another deployment, another key
+    configured = LoopserveConfig.model_validate({"sealing": {"keys": {"k1": new_key()}}})
+    assert with_sealing_key(configured) is configured
