@@ -136,3 +136,29 @@ def test_what_the_model_cannot_do_is_a_400(smollm2_url, client_for):
         client.responses.create(model=SMOLLM2, input="hi", max_output_tokens=4,
                                 text={"format": {"type": "json_schema", "name": "x"}})
     assert err.value.body["param"] == "text.format.schema"
+
+
+def test_compaction_is_written_by_the_model_and_continues_over_websocket(smollm2_url, client_for):
+    client = client_for(smollm2_url)
+    # A history longer than the model's 2,048-token context: the summary is written from the
+    # newest part of it that fits, with room for the summary.
+    history = [{"role": "user", "content": "We are renaming the project. Read the notes."}]
+    for n in range(12):
+        history += [{"type": "function_call", "call_id": f"call_{n}", "name": "read_notes", "arguments": f'{{"page": {n}}}'},
+                    {"type": "function_call_output", "call_id": f"call_{n}",
+                     "output": f"Page {n}: " + " ".join(f"detail{n}-{k}" for k in range(60))}]
+    history += [{"role": "assistant", "content": "The notes say the new name is Bluebird."},
+                {"role": "user", "content": "Good. Remember it."}]
+    compacted = client.responses.compact(model=SMOLLM2, input=history)
+    assert [o.type for o in compacted.output] == ["message", "message", "compaction"]
+    assert [o.content[0].text for o in compacted.output[:2]] == [history[0]["content"], history[-1]["content"]]
+    assert 0 < compacted.usage.output_tokens <= 512 and compacted.usage.input_tokens < 2048
+    # The compacted window continues on a socket; the summary is in the prompt (more tokens than
+    # the user messages alone would make).
+    window = [o.model_dump(exclude_none=True) for o in compacted.output]
+    question = {"role": "user", "content": "What is the new name?"}
+    with client.responses.connect() as conn:
+        resp = ws_turn(conn, input=window + [question], max_output_tokens=16)
+        bare = ws_turn(conn, input=window[:2] + [question], max_output_tokens=16)
+    assert resp.status in ("completed", "incomplete") and bare.status in ("completed", "incomplete")
+    assert resp.usage.input_tokens > bare.usage.input_tokens + 10
