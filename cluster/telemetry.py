@@ -199,6 +199,7 @@ class Metrics:
         self.session_moves = 0
         # Continuations whose prompt tail reached a replica without its base: resent whole.
         self.prompt_resends = 0
+        self.compactions = 0  # turns that compacted their context (context_management)
         self.open_sockets = 0
         self.timings: deque = deque(maxlen=recent_turns)  # recent turns' TurnTiming
         self.store_write_seconds: deque[float] = deque(maxlen=1000)
@@ -220,6 +221,9 @@ class Metrics:
 
     def session_moved(self) -> None:
         self.session_moves += 1
+
+    def compacted(self) -> None:
+        self.compactions += 1
 
     def prompt_resent(self) -> None:
         self.prompt_resends += 1

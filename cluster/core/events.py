@@ -171,6 +171,17 @@ class EventAssembler:
         )
         return events
 
+    def compaction(self, item: dict[str, Any]) -> list[Event]:
+        """A finished `compaction` item (the turn compacted its context before generating):
+        `response.compaction.compacting`, then the item added and done, as OpenAI streams it."""
+        events = self._close_open()
+        self.response["output"].append(dict(item))
+        idx = self.output_index
+        events.append(self._ev("response.compaction.compacting", item_id=item["id"], output_index=idx))
+        events.append(self._ev("response.output_item.added", output_index=idx, item=dict(item)))
+        events.append(self._ev("response.output_item.done", output_index=idx, item=dict(item)))
+        return events
+
     def tool_call(
         self,
         name: str,

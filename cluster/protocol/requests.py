@@ -119,6 +119,14 @@ MAX_NAME_CHARS = 256
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 
+class ContextManagement(_Tolerant):
+    """One `context_management` entry: `{type: "compaction", compact_threshold: N}` compacts inside
+    the turn once its rendered prompt passes N tokens (other types are accepted and ignored)."""
+
+    type: str
+    compact_threshold: Optional[int] = Field(default=None, ge=1)
+
+
 class ResponsesRequest(_Tolerant):
     """The body of `POST /v1/responses` (and the fields of WS `response.create`)."""
 
@@ -148,6 +156,7 @@ class ResponsesRequest(_Tolerant):
     service_tier: Optional[str] = Field(default=None, max_length=64)
     background: Optional[bool] = False
     generate: Optional[bool] = True
+    context_management: Optional[list[ContextManagement]] = None
     user: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     stream_id: Optional[str] = None
 
@@ -206,6 +215,14 @@ class ResponsesRequest(_Tolerant):
         """`generate: false`, or `prompt_cache_options.prewarm`: prefill and cache, no output."""
         prewarm = isinstance(self.prompt_cache_options, dict) and self.prompt_cache_options.get("prewarm") is True
         return self.generate is False or prewarm
+
+    @property
+    def compact_threshold(self) -> Optional[int]:
+        """The prompt size (tokens) past which the turn compacts its context, if asked."""
+        for entry in self.context_management or []:
+            if entry.type == "compaction" and entry.compact_threshold is not None:
+                return entry.compact_threshold
+        return None
 
     def input_items(self) -> list[dict[str, Any]]:
         """The new input as plain dicts; a string input is one user message."""

@@ -163,6 +163,7 @@ class ConnectionServices:
             "registry_bytes": self.registry.nbytes,
             "session_moves": m.session_moves,
             "prompt_resends": m.prompt_resends,
+            "compactions": m.compactions,
             "turn_status": dict(m.turn_status),
             "turn_transport": dict(m.turn_transport),
             "turns": m.recent_turns(last),

@@ -12,20 +12,17 @@ import logging
 import time
 from typing import Any, Optional
 
-from cluster.core.events import TERMINAL_EVENTS, build_response, replay_events, usage_object
-from cluster.core.render.renderer import content_text
+from cluster.core.events import build_response, replay_events, usage_object
 from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.compaction import INSTRUCTIONS as COMPACTION_INSTRUCTIONS
-from cluster.core.turn.compaction import kept_messages, needs_summary, summary_request
+from cluster.core.turn.compaction import compacted_window, kept_messages, needs_summary, summarise
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import TurnRecord
-from cluster.core.turn.sealed import compaction_item, without_private
+from cluster.core.turn.sealed import without_private
 from cluster.core.turn.state import ResponseState
 from cluster.core.turn.turn import TurnRequest
-from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
+from cluster.protocol.errors import ApiError, previous_response_not_found
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import parse_request
-from cluster.protocol.sealing import Sealer
 from cluster.store import ResponseStore, StoredResponse, state_from_chain
 
 log = logging.getLogger(__name__)
@@ -97,7 +94,7 @@ class ResponsesService:
         for item in state.items[state.input_start : state.output_start]:
             if "id" not in item:
                 item["id"] = new_id(ID_PREFIX.get(item.get("type", "message"), "item"))  # stable from now on
-            inputs.append(_listed(item))
+            inputs.append(_listed(item, server_side=True))  # an opened compaction keeps its summary
         return StoredResponse(
             id=state.response_id, tenant=state.owner,
             previous_response_id=response.get("previous_response_id"), created_at=float(response["created_at"]),
@@ -175,7 +172,7 @@ class ResponsesService:
         state = await self.lookup(response_id, tenant)
         if state is None:
             raise not_found(response_id)
-        items = self._stored(state, state.response or {"created_at": 0}).input_items
+        items = [without_private(i) for i in self._stored(state, state.response or {"created_at": 0}).input_items]
         if order == "desc":
             items = list(reversed(items))
         if after is not None:
@@ -202,7 +199,7 @@ class ResponsesService:
         count = await self.driver.count_input_tokens(req, await self._parent(req, tenant), tenant)
         return {"object": "response.input_tokens", "input_tokens": count}
 
-    async def compact(self, body: Any, tenant: str, summary_tokens: int = 512) -> dict[str, Any]:
+    async def compact(self, body: Any, tenant: str) -> dict[str, Any]:
         """`POST /v1/responses/compact`: the context window (the parent's items, then `input`) as
         its user messages verbatim plus one sealed `compaction` item whose summary the served model
         writes (cluster/core/turn/compaction.py); only user messages: returned as they are."""
@@ -215,47 +212,10 @@ class ResponsesService:
         usage = usage_object(0, 0, 0)
         output = [_listed(item) for item in kept_messages(items)]
         if needs_summary(items):
-            summary, usage = await self._summarise(items, tenant, summary_tokens)
-            output.append(compaction_item(summary, self._sealer(), tenant))
+            summary, usage = await summarise(self.driver.run, self.driver.settings, items, tenant)
+            output.append(compacted_window(items, summary, self.driver.sealer, tenant)[1])
         return {"id": new_id("cmp"), "object": "response.compaction", "created_at": int(time.time()),
                 "output": output, "usage": usage}
-
-    def _sealer(self) -> Sealer:
-        if self.driver.sealer is None:
-            raise server_error("This server has no sealing key, so it cannot make compaction items.")
-        return self.driver.sealer
-
-    async def _summarise(self, items: list[dict[str, Any]], tenant: str,
-                         summary_tokens: int) -> tuple[str, dict[str, Any]]:
-        """The served model's summary of `items`, and the usage of writing it. The transcript is
-        cut to the model's context (about 3 characters a token to start, halved while the prompt
-        does not fit); a summary cut by its token budget is kept as far as it goes."""
-        st = self.driver.settings
-        budget = max(64, min(summary_tokens, st.context_limit // 4))
-        max_chars = max(256, (st.context_limit - budget - 256) * 3)
-        for _ in range(6):
-            request = parse_request({"model": st.model_name, "instructions": COMPACTION_INSTRUCTIONS,
-                                     "input": [{"role": "user", "content": summary_request(items, max_chars)}],
-                                     "max_output_tokens": budget, "store": False})
-            turn = TurnRequest(request, SessionCache(), session_key=f"compact:{new_id('cmp')}", owner=tenant)
-            try:
-                final = [ev async for ev in self.driver.run(turn) if ev["type"] in TERMINAL_EVENTS][-1]
-            except ApiError as err:
-                if err.code != "context_length_exceeded" or max_chars <= 256:
-                    raise
-                max_chars //= 2
-                continue
-            response = final["response"]
-            reason = (response.get("incomplete_details") or {}).get("reason")
-            if response["status"] == "completed" or reason == "max_output_tokens":
-                text = "".join(content_text(item.get("content")) for item in response["output"]
-                               if item.get("type") == "message")
-                return text.strip(), response["usage"]
-            if reason == "content_filter":
-                raise ApiError(400, "The conversation's summary was stopped by the content filter.",
-                               code="content_filter", param="input")
-            raise server_error("The model failed while writing the compaction summary.")
-        raise server_error("The conversation could not be cut to fit the model's context for its summary.")
 
     # -- background ----------------------------------------------------------------
     def start_background(self, req, tenant: str, session_key: str) -> dict[str, Any]:
@@ -344,10 +304,10 @@ class ResponsesService:
 TERMINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")
 
 
-def _listed(item: dict[str, Any]) -> dict[str, Any]:
+def _listed(item: dict[str, Any], server_side: bool = False) -> dict[str, Any]:
     """An input item as the API lists it (input items, compaction output): typed, with an id, a
     status and content parts, as the Response item schemas require."""
-    out = {"type": item.get("type", "message"), **without_private(item)}
+    out = {"type": item.get("type", "message"), **(item if server_side else without_private(item))}
     kind = out["type"]
     if kind in ID_PREFIX and not out.get("id"):
         out["id"] = new_id(ID_PREFIX[kind])

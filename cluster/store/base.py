@@ -120,8 +120,12 @@ def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
     """Rebuild the continuation state of `chain[-1]` (a cache miss: rendering starts over)."""
     items: list[dict[str, Any]] = []
     for rec in chain:
+        if any(o.get("type") == "compaction" for o in rec.output):
+            # It compacted its context in the turn: its input is the whole window it continued from.
+            items = []
         items.extend(rec.input_items)
-        items.extend(output_as_context(rec.output))
+        last_output = output_as_context(rec.output)
+        items.extend(last_output)
     last = chain[-1]
     known: set[str] = set()
     pending: list[str] = []
@@ -135,7 +139,7 @@ def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
         response_id=last.id,
         model=last.model,
         items=items,
-        output_start=len(items) - len(last.output),
+        output_start=len(items) - len(last_output),
         instructions=last.instructions,
         tools=last.tools,
         rendered=None,

@@ -274,3 +274,29 @@ def test_item_references_resolve_from_the_store(store_url):
         with pytest.raises(BadRequestError):
             sdk(store_url, KEY_B).responses.create(model="loopserve-tiny",
                                                    input=[{"type": "item_reference", "id": call.id}])
+
+
+async def test_a_websocket_turn_compacts_in_the_turn_and_its_chain_continues(store_url):
+    from tests.support.ws import turn
+
+    async with connect(ws_url(store_url), open_timeout=10,
+                       additional_headers={"Authorization": f"Bearer {KEY_A}"}) as ws:
+        first = (await turn(ws, {"input": "Read the readme", "tools": TOOLS}))[-1]["response"]
+        call = first["output"][0]
+        evs = await turn(ws, {"previous_response_id": first["id"], "tools": TOOLS,
+                              "context_management": [{"type": "compaction", "compact_threshold": 50}],
+                              "input": [{"type": "function_call_output", "call_id": call["call_id"],
+                                         "output": "# readme\n" + "a long readme line\n" * 60},
+                                        {"role": "user", "content": "now summarise"}]})
+        types = [e["type"] for e in evs]
+        assert "response.compaction.compacting" in types and types[-1] == "response.completed", types
+        compacted = evs[-1]["response"]
+        assert compacted["output"][0]["type"] == "compaction"
+        # the chain goes on from the compacted window, on the socket and (store: true) over HTTP
+        [call] = [o for o in compacted["output"] if o["type"] == "function_call"]  # it went on with a call
+        after = (await turn(ws, {"previous_response_id": compacted["id"], "tools": TOOLS, "input": [
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "done"}]}))[-1]
+        assert after["type"] == "response.completed", after
+        listed = sdk(store_url).responses.input_items.list(compacted["id"], order="asc")
+        assert [i.type for i in listed.data] == ["message", "message", "compaction"]  # the window it ran on
+        assert all("_summary" not in i.model_dump() for i in listed.data)

@@ -11,9 +11,23 @@ transcript is cut (oldest first) to fit the model's context with room for the su
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
+from cluster.core.events import TERMINAL_EVENTS, Event
 from cluster.core.render.renderer import COMPACTION_SUMMARY, content_text
+from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.prepare import TurnSettings
+from cluster.core.turn.sealed import compaction_item
+from cluster.core.turn.turn import TurnRequest
+from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.ids import new_id
+from cluster.protocol.requests import parse_request
+from cluster.protocol.sealing import Sealer
+
+# The summary's token budget (at most a quarter of the model's context).
+SUMMARY_TOKENS = 512
+# The driver's `run`: one turn's events.
+RunPort = Callable[[TurnRequest], AsyncIterator[Event]]
 
 INSTRUCTIONS = (
     "You compact the history of a conversation between a user and an AI assistant that uses tools, so the "
@@ -66,3 +80,45 @@ def summary_request(items: Sequence[dict[str, Any]], max_chars: int) -> str:
 def kept_messages(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The user messages, verbatim and in order: what a compacted window keeps besides the item."""
     return [item for item in items if is_user_message(item)]
+
+
+def compacted_window(items: Sequence[dict[str, Any]], summary: str, sealer: Optional[Sealer],
+                     tenant: Optional[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The window a compaction leaves (the user messages, then the compaction item opened, as a
+    turn sees it) and the item as the client gets it (sealed only)."""
+    if sealer is None:
+        raise server_error("This server has no sealing key, so it cannot make compaction items.")
+    item = compaction_item(summary, sealer, tenant)
+    return kept_messages(items) + [{**item, COMPACTION_SUMMARY: summary}], item
+
+
+async def summarise(run: RunPort, settings: TurnSettings, items: Sequence[dict[str, Any]], tenant: Optional[str],
+                    summary_tokens: int = SUMMARY_TOKENS) -> tuple[str, dict[str, Any]]:
+    """The served model's summary of `items`, and the usage of writing it: one turn (store: false)
+    on a transcript cut to the model's context (about 3 characters a token to start, halved while
+    the prompt does not fit). A summary cut by its token budget is kept as far as it goes."""
+    budget = max(64, min(summary_tokens, settings.context_limit // 4))
+    max_chars = max(256, (settings.context_limit - budget - 256) * 3)
+    for _ in range(6):
+        request = parse_request({"model": settings.model_name, "instructions": INSTRUCTIONS,
+                                 "input": [{"role": "user", "content": summary_request(items, max_chars)}],
+                                 "max_output_tokens": budget, "store": False})
+        turn = TurnRequest(request, SessionCache(), session_key=f"compact:{new_id('cmp')}", owner=tenant)
+        try:
+            final = [ev async for ev in run(turn) if ev["type"] in TERMINAL_EVENTS][-1]
+        except ApiError as err:
+            if err.code != "context_length_exceeded" or max_chars <= 256:
+                raise
+            max_chars //= 2
+            continue
+        response = final["response"]
+        reason = (response.get("incomplete_details") or {}).get("reason")
+        if response["status"] == "completed" or reason == "max_output_tokens":
+            text = "".join(content_text(item.get("content")) for item in response["output"]
+                           if item.get("type") == "message")
+            return text.strip(), response["usage"]
+        if reason == "content_filter":
+            raise ApiError(400, "The conversation's summary was stopped by the content filter.",
+                           code="content_filter", param="input")
+        raise server_error("The model failed while writing the compaction summary.")
+    raise server_error("The conversation could not be cut to fit the model's context for its summary.")

@@ -73,9 +73,12 @@ def reject_non_text(new_items: list[dict[str, Any]], model: str) -> None:
 
 
 def output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Output items as they re-enter the context (the same dict shape as input items)."""
+    """Output items as they re-enter the context (the same dict shape as input items). A
+    compaction item in the output is already in the context, opened, where the turn compacted."""
     items = []
     for item in output:
+        if item.get("type") == "compaction":
+            continue
         if item.get("type") == "message":
             items.append({"type": "message", "role": "assistant", "id": item["id"], "content": item["content"]})
         else:

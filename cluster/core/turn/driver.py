@@ -18,7 +18,8 @@ from cluster.core.events import TERMINAL_EVENTS, Event, EventAssembler, build_re
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
 from cluster.core.turn.post_work import PostWorkQueue
 from cluster.core.turn.sealed import INCLUDE_REASONING, seal_reasoning
-from cluster.core.turn.prepare import ItemLookup, RenderPort, TurnPreparer, TurnSettings
+from cluster.core.turn.compaction import compacted_window, needs_summary, summarise
+from cluster.core.turn.prepare import ItemLookup, Prepared, RenderPort, TurnPreparer, TurnSettings
 from cluster.core.turn.state import ResponseState
 from cluster.core.turn.stream import TurnStream
 from cluster.core.turn.turn import EnginePort, Rendered, Turn, TurnRequest, TurnServices, TurnTiming
@@ -74,6 +75,32 @@ class TurnDriver:
                 param="model",
                 type="invalid_request_error",
             )
+
+    async def _prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx: Any,
+                       owner: Optional[str]) -> tuple[Prepared, Optional[dict[str, Any]]]:
+        """The turn's context rendered; with `context_management: [{type: compaction,
+        compact_threshold: N}]`, a prompt over N tokens (or over the model's context) is first
+        compacted: the model summarises the window (one store:false turn, compaction.py), and the
+        turn runs on the user messages plus the compaction item it returns as its first output."""
+        threshold = None if req.is_warm_up else req.compact_threshold
+        try:
+            prep: Optional[Prepared] = await self.preparer.prepare(req, parent, timing, tctx, owner)
+        except ApiError as err:
+            if threshold is None or err.code != "context_length_exceeded":
+                raise
+            prep, too_long = None, err
+        if threshold is None or (prep is not None and len(prep.rendered.prompt_token_ids) <= threshold):
+            return prep, None
+        items = prep.context.items if prep is not None else (
+            (list(parent.items) if parent is not None else []) + await self.preparer.input_items(req, parent, owner))
+        if not needs_summary(items):  # only user messages: nothing a summary could shorten
+            if prep is None:
+                raise too_long
+            return prep, None
+        summary, _ = await summarise(self.run, self.settings, items, owner)
+        window, item = compacted_window(items, summary, self.sealer, owner)
+        self.metrics.compacted()
+        return await self.preparer.prepare(req, None, timing, tctx, owner, items=window), item
 
     async def run(self, t: TurnRequest) -> AsyncIterator[Event]:
         """Yield the events of one response. Errors before `response.created` raise ApiError.
@@ -139,8 +166,9 @@ class TurnDriver:
         if parent is not None and parent.affinity_key:
             # Keep the chain on the engine replica that holds its prefix KV.
             session_key = parent.affinity_key
+        compaction: Optional[dict[str, Any]] = None
         try:
-            prep = await self.preparer.prepare(req, parent, timing, tctx, owner)
+            prep, compaction = await self._prepare(req, parent, timing, tctx, owner)
         except ApiError:
             if prev_id and not t.keep_parent:
                 cache.evict(prev_id)
@@ -156,6 +184,8 @@ class TurnDriver:
                                     f"{str(cause)[:300]}", param="input", code="invalid_value") from None
             raise server_error(f"Rendering the prompt failed: {type(exc).__name__}") from exc
         ctx, rendered, tools_spec, key = prep.context, prep.rendered, prep.tools, prep.render_key
+        if compaction is not None:
+            parent = None  # the window stands alone: nothing of the parent's render carries over
         st = self.settings
 
         # Classify only what no earlier turn classified (new input items); it
@@ -187,6 +217,9 @@ class TurnDriver:
         try:
             events = asm.start()
             timing.first_event = time.perf_counter() - timing.started
+            if compaction is not None:
+                events += asm.compaction(compaction)
+                turn.step_output_start = len(asm.response["output"])  # the item is in the context already
             for ev in events:
                 yield ev
             async for ev in (stream.warm_up() if req.is_warm_up else stream.generate()):

@@ -170,11 +170,12 @@ class TurnPreparer:
         return open_sealed(items, self.sealer, owner)
 
     async def prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: TurnTiming, tctx: Any,
-                      owner: Optional[str] = None) -> Prepared:
+                      owner: Optional[str] = None, items: Optional[list[dict[str, Any]]] = None) -> Prepared:
         """Resolve the request's context on `parent` (item references, limits, output controls)
-        and render it: only the anchor and the new items when the parent's render can be extended."""
+        and render it: only the anchor and the new items when the parent's render can be extended.
+        `items` stand for the request's input (a window the turn compacted to)."""
         t0 = time.perf_counter()
-        new_items = req.input_items()
+        new_items = req.input_items() if items is None else items
         new_bytes: Optional[int] = None  # summed once: while dereferencing, or below
         if any(item.get("type") == "item_reference" for item in new_items):
             new_items, new_bytes = await self._dereference(new_items, owner,

@@ -214,3 +214,74 @@ def test_a_deployment_without_keys_gets_one_of_its_own():
     assert with_sealing_key(LoopserveConfig()).sealing.keys != keys  # another deployment, another key
     configured = LoopserveConfig.model_validate({"sealing": {"keys": {"k1": new_key()}}})
     assert with_sealing_key(configured) is configured
+
+
+async def test_a_turn_compacts_its_context_past_the_threshold(stack):
+    tools = [{"type": "function", "name": "read_file",
+              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+    cache = SessionCache()
+
+    async def turn(body):
+        req = parse_request({"tools": tools, **body})
+        return [ev async for ev in stack.driver.run(TurnRequest(req, cache, "s", owner="t1"))]
+
+    first = (await turn({"input": "Fix main.py please."}))[-1]["response"]
+    call = first["output"][0]
+    second = (await turn({"previous_response_id": first["id"], "input": [
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "OLD TOOL OUTPUT " * 40}]}))[-1]
+    # under the threshold: no compaction
+    small = await turn({"previous_response_id": second["response"]["id"], "input": "Anything else?",
+                        "context_management": [{"type": "compaction", "compact_threshold": 100_000}]})
+    assert "compaction" not in [o["type"] for o in small[-1]["response"]["output"]]
+    # over it: the model summarises first, the turn runs on the user messages plus the summary
+    evs = await turn({"previous_response_id": second["response"]["id"], "input": "And the tests?",
+                      "context_management": [{"type": "compaction", "compact_threshold": 100}]})
+    types = [e["type"] for e in evs]
+    assert types[2:5] == ["response.compaction.compacting", "response.output_item.added", "response.output_item.done"]
+    final = evs[-1]["response"]
+    assert final["status"] == "completed"
+    assert [o["type"] for o in final["output"]][0] == "compaction"
+    assert final["output"][0]["encrypted_content"].startswith("ls1.")
+    prompt = prompt_text(stack)
+    assert "OLD TOOL OUTPUT" not in prompt and prompt.count("Summary of the earlier conversation") == 1
+    assert "Fix main.py please." in prompt and "And the tests?" in prompt
+    assert stack.driver.metrics.compactions == 1
+    # its continuation builds on the compacted window, the summary once
+    [call] = [o for o in final["output"] if o["type"] == "function_call"]  # the model went on with a tool call
+    after = await turn({"previous_response_id": final["id"], "input": [
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "tests pass"}]})
+    assert after[-1]["response"]["status"] == "completed"
+    prompt = prompt_text(stack)
+    assert "OLD TOOL OUTPUT" not in prompt and prompt.count("Summary of the earlier conversation") == 1
+
+
+async def test_compaction_saves_a_turn_that_would_not_fit(tokenizer):
+    stack = InProcessStack(tokenizer, max_model_len=600, answer_text="Summary: a long file was read.")
+    body = {"input": [{"role": "user", "content": "Read it."},
+                      {"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "line of text " * 400},
+                      {"role": "user", "content": "Now what?"}]}
+    with pytest.raises(ApiError) as e:
+        [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), SessionCache(), "s"))]
+    assert e.value.code == "context_length_exceeded"
+    body["context_management"] = [{"type": "compaction", "compact_threshold": 500}]
+    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), SessionCache(), "s"))]
+    assert evs[-1]["response"]["status"] == "completed"
+    assert evs[-1]["response"]["output"][0]["type"] == "compaction"
+
+
+def test_a_stored_chain_restarts_where_a_turn_compacted():
+    from cluster.store.base import StoredResponse, state_from_chain
+
+    def rec(rid, prev, inputs, output):
+        return StoredResponse(id=rid, tenant="t1", previous_response_id=prev, created_at=0.0, model="m",
+                              input_items=inputs, output=output, response={}, instructions=None, tools=[])
+
+    user = {"type": "message", "role": "user", "content": "hi", "id": "msg_1"}
+    said = {"type": "message", "role": "assistant", "id": "msg_2", "content": [{"type": "output_text", "text": "yo"}]}
+    item = {"type": "compaction", "id": "cmp_1", "encrypted_content": "ls1.k.x"}
+    window = [user, {**item, "_summary": "they said hi"}, {"type": "message", "role": "user", "content": "more"}]
+    said2 = {**said, "id": "msg_3"}
+    state = state_from_chain([rec("r1", None, [user], [said]), rec("r2", "r1", window, [item, said2])])
+    assert [i.get("id") for i in state.items] == ["msg_1", "cmp_1", None, "msg_3"]
+    assert state.items[1]["_summary"] == "they said hi" and state.output_start == 3
