@@ -183,6 +183,8 @@ class Metrics:
         self.cache_lookups = m.create_counter("loopserve.session_cache.lookups",
                                               description="previous_response_id lookups, by result (hit|store|miss)")
         self.safety_blocks = m.create_counter("loopserve.safety.blocks", description="turns stopped by the content filter")
+        self.render_audits = m.create_counter(
+            "loopserve.render.audits", description="sampled delta renders checked against a full render, by result")
         self.render_fallbacks = m.create_counter(
             "loopserve.render.fallbacks", description="delta renders done as full renders, by reason")
         self.store_write = m.create_histogram("loopserve.store.write_latency", unit="ms",
@@ -215,6 +217,9 @@ class Metrics:
     def safety_blocked(self, stage: str) -> None:
         self.blocked_turns += 1
         self.safety_blocks.add(1, {"stage": stage})
+
+    def render_audited(self, exact: bool) -> None:
+        self.render_audits.add(1, {"result": "exact" if exact else "mismatch"})
 
     def render_fell_back(self, reason: str) -> None:
         self.render_fallbacks.add(1, {"reason": reason})

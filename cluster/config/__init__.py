@@ -69,5 +69,9 @@ class LoopserveConfig(StrictModel):
     RenderActor."""
     serve_fast_path: bool = True
     """Ray Serve's low-latency request path for every deployment (see `cluster.ingress.SERVE_FAST_PATH_ENV`)."""
+    render_audit_every: int = Field(64, ge=0)
+    """Every this many continuations rendered as deltas, one is rendered again in full after the turn (post-work,
+    on a RenderActor) and compared with what the engine was sent; on a mismatch the connection replica renders
+    every turn in full from then on. 0: off. Needs `inline_delta_render` (its tokenizer compares texts)."""
     verify_renders: bool = False
     """Verify every incremental render against a full render (tests; O(history))."""

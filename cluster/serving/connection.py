@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster import telemetry
 from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
+from cluster.core.render.audit import RenderAudit
 from cluster.core.render.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
 from cluster.core.safety.classifiers import SafetyService, local_classifier
 from cluster.core.turn.cache import CacheMemory, SessionCache
@@ -64,6 +65,12 @@ class ConnectionServices:
         if safety is not None:
             self.post_work.add("output_safety", OutputTailCheck(safety, self.safety_ledger,
                                                                 on_flagged=self.responses.mark_blocked))
+        self.render_audit: Optional[RenderAudit] = None
+        if config.render_audit_every and render.local is not None:
+            self.render_audit = RenderAudit(render, config.render_audit_every, decode=render.local.decode,
+                                            on_mismatch=self.driver.preparer.render_fully,
+                                            on_checked=self.metrics.render_audited)
+            self.post_work.add("render_audit", self.render_audit)
         for spec in config.post_work.hooks:
             self.post_work.add(spec, load_hook(spec, config))
         self.ws_sessions: set[WebSocketSession] = set()
@@ -151,6 +158,8 @@ class ConnectionServices:
                              "failed": self.post_work.failed_by["persist"]},
             "render": await self.render.stats(),
             "render_inline": self.render.local_stats(),
+            "render_audit": {**(self.render_audit.stats() if self.render_audit else {}),
+                             "deltas_off": self.driver.preparer.deltas_off},
             "engine": await self.engine.stats(engine_session),  # one engine replica's counters
             "engine_calls": self.engine.counters(),  # this replica's: direct channel vs Serve handle
             "open_sockets": m.open_sockets,

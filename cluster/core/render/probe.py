@@ -124,6 +124,22 @@ SCENARIOS: dict[str, list[Turn]] = {
                       ([_user("More?")], [_says("No.")]),
                       ([_user("Ok.")], [])],
 }
+# Long and varied contents, as real agent loops carry them: a template may render an earlier
+# message differently depending on its content and on what came after it (shorten an old tool
+# output past some length once a newer one exists, escape or strip code), which short probe
+# texts never show. What the battery cannot foresee, the sampled check catches (audit.py).
+_SOURCE = "".join(f"def step_{n}(x):\n    return x * {n}  # ünïcode, \"quotes\", {{braces}} and\ttabs\n"
+                  for n in range(12))
+_JSON = '{"files": [' + ", ".join(f'{{"path": "src/m{n}.py", "lines": {40 * n}}}' for n in range(20)) + "]}"
+SCENARIOS["long_contents"] = [
+    ([_user("Refactor the module. " + "Keep the public API stable and the tests green. " * 8)],
+     [_says("Reading it first."), _call("call_l1")]),
+    ([_result("call_l1", _SOURCE)], [_says("Now the file list."), _call("call_l2", "shell", '{"command": "ls -R"}')]),
+    ([_result("call_l2", _JSON)], [_call("call_l3", "shell", '{"command": "pytest -q"}')]),
+    ([_result("call_l3", "." * 300 + "\n3 failed, 297 passed in 12.3s\n" + "E   AssertionError\n" * 10)],
+     [_says("Three failures; " + "fixing them one by one. " * 10)]),
+    ([_user("Go on.")], []),
+]
 # Scenarios whose tools change mid-way (a new RenderKey: the driver renders fully).
 TOOL_CHANGES = {"tool_loop": 3}
 

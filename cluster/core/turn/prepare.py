@@ -79,6 +79,8 @@ class TurnPreparer:
                  tracer: Any = None, sealer: Optional[Sealer] = None) -> None:
         self.settings = settings
         self.sealer = sealer  # opens compaction and reasoning blobs (None: compaction items are refused)
+        # Why this replica no longer renders deltas (a sampled check found one inexact: core/render/audit.py).
+        self.deltas_off: Optional[str] = None
         self.model_name = settings.model_name
         self.render = render
         self.items = items
@@ -160,6 +162,10 @@ class TurnPreparer:
             out.append(item)
         return out, total
 
+    def render_fully(self, reason: str) -> None:
+        """Every turn from now on renders its whole context (a delta render was found inexact)."""
+        self.deltas_off = reason
+
     async def input_items(self, req: ResponsesRequest, parent: Optional[ResponseState],
                           owner: Optional[str]) -> list[dict[str, Any]]:
         """The request's input items resolved for `owner` as a turn would see them (references
@@ -207,7 +213,7 @@ class TurnPreparer:
         st = self.settings
         pre = parent.rendered if parent is not None else None
         full_job = RenderJob(req.instructions, tools_spec, items=ctx.items, reasoning_effort=effort)
-        if pre is not None and pre.key == key:
+        if pre is not None and pre.key == key and self.deltas_off is None:
             # Only the anchor message and the new items travel: O(new items).
             job = RenderJob(req.instructions, tools_spec, delta=True, reasoning_effort=effort,
                             anchor_items=ctx.items[pre.anchor_start : pre.item_count],

@@ -224,3 +224,76 @@ async def test_continuations_reuse_the_generated_tokens(tokenizer):
     assert all(job.prior is not None for job in stack.render_jobs[1:])
     for (p0, _, o0), (_, cached, _) in zip(prompts, prompts[1:]):
         assert cached >= p0 + o0 - 1  # all but the last generated token, which was never computed
+
+
+def shortens_old_tool_outputs(limit: int) -> str:
+    """A template that renders an earlier tool output as `[cut]` once it is longer than `limit`
+    characters and a newer tool output exists: content-dependent, as the probe's short texts
+    never show."""
+    return (
+        "{%- set ns = namespace(last_tool=-1) %}"
+        "{%- for m in messages %}{%- if m.role == 'tool' %}{%- set ns.last_tool = loop.index0 %}{%- endif %}"
+        "{%- endfor %}"
+        "{%- for m in messages %}"
+        "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+        "{%- for tc in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+        "{{ tc.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+        "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+        "{%- if m.content | length > " + str(limit) + " and loop.index0 < ns.last_tool %}[cut]"
+        "{%- else %}{{ m.content }}{%- endif %}\n</tool_response><|im_end|>\n"
+        "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    )
+
+
+def test_the_probe_sees_a_template_that_shortens_long_old_tool_outputs(tiny_model_dir):
+    r = renderer_for(tokenizer_with(tiny_model_dir, shortens_old_tool_outputs(200)))
+    falls_back = r.probe_report.summary()["falls_back"]
+    assert any(step.startswith("tool") for step in falls_back), falls_back
+    all_exact(r)  # the long-contents conversation included: every continuation equals a full render
+
+
+TOOL = [{"type": "function", "name": "read_file",
+         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+async def test_a_sampled_full_render_catches_what_the_probe_cannot(tiny_model_dir):
+    from cluster.core.render.audit import RenderAudit
+    from cluster.core.turn.post_work import PostWorkQueue
+
+    # Past 2,000 characters: longer than anything in the probe's battery, so the probe proves it.
+    tok = tokenizer_with(tiny_model_dir, shortens_old_tool_outputs(2000))
+    queue = PostWorkQueue(retries=0)
+    stack = InProcessStack(tok, verify=False, post_work=queue)
+    assert not stack.renderer.probe_report.wrong
+    preparer = stack.driver.preparer
+    audit = RenderAudit(stack.render, 1, decode=stack.renderer.decode, on_mismatch=preparer.render_fully)
+    queue.add("render_audit", audit)
+    cache, prev = SessionCache(), None
+
+    async def turn(new):
+        nonlocal prev
+        req = parse_request({"input": new, "tools": TOOL, "previous_response_id": prev})
+        final = [ev async for ev in stack.driver.run(TurnRequest(req, cache, "s"))][-1]["response"]
+        prev = final["id"]
+        await queue.drain()
+        return final
+
+    def tool_output(resp, text):
+        [call] = [o for o in resp["output"] if o["type"] == "function_call"]
+        return [{"type": "function_call_output", "call_id": call["call_id"], "output": text}]
+
+    first = await turn("Read the big file.")
+    await turn(tool_output(first, "A" * 3000))
+    assert audit.checked == 1 and audit.mismatches == 0  # one long output alone: rendered in full, exact
+    second = await turn("And the other one.")
+    await turn(tool_output(second, "B" * 100))
+    # The template now cuts the first output; the delta sent it whole: caught, and the replica
+    # renders every turn in full from here on.
+    assert audit.mismatches == 1 and preparer.deltas_off is not None
+    third = await turn("Thanks, now a third.")
+    prompt = stack.decode_raw(stack.engine_requests[-1].prompt_token_ids)
+    assert "[cut]" in prompt and "A" * 3000 not in prompt
+    await turn(tool_output(third, "C"))
+    assert audit.mismatches == 1 and stack.driver.metrics.timings[-1].full_render
