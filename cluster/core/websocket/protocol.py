@@ -168,7 +168,7 @@ class WebSocketProtocol:
         size = frame_bytes(data)
         if size > cfg.max_frame_bytes:  # never parsed nor held; its error keeps its FIFO place
             return self._defer(frame_too_large(size, cfg.max_frame_bytes))
-        if self.queued_bytes + len(data) > cfg.max_queued_bytes:
+        if self.queued_bytes + size > cfg.max_queued_bytes:
             return [SendError(ApiError(
                 429, f"Too many bytes queued on this connection (limit {cfg.max_queued_bytes}); wait for the "
                      "responses in flight.", code="rate_limit_exceeded"))]
@@ -183,7 +183,9 @@ class WebSocketProtocol:
         too_deep = json_depth_error(event)  # steers and injects too, before anything holds them
         if too_deep is not None:
             return self._defer(too_deep)
-        return self._event(event, len(data), received_at)
+        # Counted in UTF-8 bytes, not characters: a text frame of 4-byte characters holds ~4x
+        # its length in memory once parsed.
+        return self._event(event, size, received_at)
 
     def _event(self, event: Event, nbytes: int, received_at: Optional[float]) -> list[Action]:
         kind = event["type"]

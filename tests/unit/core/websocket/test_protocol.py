@@ -99,6 +99,13 @@ def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
     enqueued(q.receive(create("x" * 600), now=1.0))
     assert errors(q.receive(create("y" * 600), now=1.0)) == ["rate_limit_exceeded"]
     assert q.waiting_creates == 1
+    # bytes as they came over the wire, not characters: 250 emoji are 1,000 bytes
+    def raw_create(text: str) -> str:  # the characters themselves in the frame, as a client may send them
+        return json.dumps({"type": "response.create", "input": text}, ensure_ascii=False)
+
+    r = protocol(max_queued_bytes=1200)
+    assert enqueued(r.receive(raw_create("\U0001F600" * 250), now=1.0)).create.nbytes > 1000
+    assert errors(r.receive(raw_create("\U0001F600" * 100), now=1.0)) == ["rate_limit_exceeded"]
 
 
 def test_an_oversized_frame_is_never_held_and_errors_nobody_reads_end_the_connection():
