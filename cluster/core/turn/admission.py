@@ -18,11 +18,12 @@ def multi_agent_enabled(body: dict[str, Any]) -> bool:
 
 def admit_create(body: dict[str, Any], *, transport: Literal["http", "websocket"],
                  admit: Optional[Callable[[], None]], max_input_items: Optional[int],
-                 betas: frozenset[str] = frozenset()) -> ResponsesRequest:
-    """The request, or the ApiError that refuses it."""
+                 betas: frozenset[str] = frozenset(), parsed: Optional[ResponsesRequest] = None) -> ResponsesRequest:
+    """The request, or the ApiError that refuses it. `parsed`: `body` already parsed (a WebSocket
+    create parsed to announce its `response.queued`), not parsed again."""
     if admit is not None:
         admit()  # the key's rate limit: every create counts, valid or not
-    req = parse_request(body, max_input_items=max_input_items)
+    req = parsed if parsed is not None else parse_request(body, max_input_items=max_input_items)
     multi_agent = multi_agent_enabled(body)
     if transport == "http":
         if multi_agent:  # nothing could inject the outputs a multi-agent response would wait for

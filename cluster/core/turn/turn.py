@@ -9,7 +9,7 @@ import hashlib
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from cluster import telemetry
 from cluster.core.messages import (
@@ -98,6 +98,15 @@ def cache_salt(tenant: Optional[str]) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
+class StepPreparer(Protocol):
+    """What a multi-step response needs of `prepare.TurnPreparer` (which builds on this module)."""
+
+    settings: Any  # prepare.TurnSettings: default_max_tokens, max_model_len
+
+    async def prepare(self, req: ResponsesRequest, parent: Optional[ResponseState], timing: "TurnTiming", tctx: Any,
+                      owner: Optional[str] = None) -> tuple: ...
+
+
 @dataclass
 class TurnServices:
     """What a turn reaches outside itself (injected by the composition root)."""
@@ -106,7 +115,7 @@ class TurnServices:
     metrics: telemetry.Metrics
     tracer: Any
     post_work: Optional[PostWorkQueue] = None
-    preparer: Any = None  # prepare.TurnPreparer: each later engine call of a multi-agent response
+    preparer: Optional["StepPreparer"] = None  # prepares each later engine call of a multi-agent response
 
 
 @dataclass

@@ -237,6 +237,7 @@ class WebSocketProtocol:
             req = parse_request(create.body, max_input_items=self.max_input_items)
         except ApiError:
             return None  # its error is sent when its turn comes, in lane order
+        create.request = req  # parsed once: the lane runs it as it is
         create.response_id = new_id("resp")
         response = build_response(response_id=create.response_id, model=self.model_name, request=req,
                                   previous_response_id=req.previous_response_id, sampling=self.sampling)

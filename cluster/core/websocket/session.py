@@ -197,7 +197,8 @@ class WebSocketSession:
         final: Optional[dict[str, Any]] = None
         try:
             req = admit_create(body, transport="websocket", admit=self._admit,
-                               max_input_items=self.driver.settings.max_input_items, betas=self._betas)
+                               max_input_items=self.driver.settings.max_input_items, betas=self._betas,
+                               parsed=None if create.commits else create.request)
             create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
             if multi_agent_enabled(body):
                 create.inbox = AgentInbox(self.config.agent_wait_seconds)

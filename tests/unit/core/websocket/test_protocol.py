@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from cluster.config import WebSocketConfig
+from cluster.core.turn.admission import admit_create
 from cluster.core.turn.cache import SessionCache
 from cluster.core.websocket.inflight import WsCreate
 from cluster.core.websocket.protocol import (
@@ -88,6 +89,11 @@ def test_past_max_active_lanes_a_create_waits_and_is_announced():
         assert enqueued(p.receive(create(stream_id=f"lane{n}"), now=1.0)).announce is None
     late = enqueued(p.receive(create(stream_id="late"), now=1.0))
     assert late.announce is not None and late.announce["stream_id"] == "late"
+    # parsed once, to announce it: the lane runs that request, it does not parse the frame again
+    assert late.create.request is not None and late.create.request.stream_id == "late"
+    assert admit_create(late.create.body, transport="websocket", admit=None, max_input_items=None,
+                        parsed=late.create.request) is late.create.request
+    assert enqueued(p.receive(create(stream_id="lane0"), now=1.0)).create.request is not None
 
 
 def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
