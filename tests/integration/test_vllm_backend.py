@@ -124,7 +124,9 @@ def test_a_schema_too_slow_to_compile_is_refused_and_another_sessions_turn_goes_
     beside = plain_turn()
     other.join(60)
     assert refused and "did not compile within 0.3 s" in refused[0][0]["message"], refused
-    assert refused[0][1] < 5
+    # The message proves the time limit refused it (not a finished compile); the bound only guards
+    # against waiting on the engine. 5 s failed once on a CI run twice as slow as usual (7.1 s).
+    assert refused[0][1] < 30
     assert beside < alone + 1.0, (alone, beside)
     # the engine still compiles schemas that are fine
     ok = client.responses.create(model="loopserve-tiny", input="a number please", max_output_tokens=8,
