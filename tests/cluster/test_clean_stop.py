@@ -147,11 +147,13 @@ def test_sigterm_under_load_then_sigkill_then_a_clean_restart(tmp_path):
         assert {h.port for h in holders([stats])} == {stats}
         assert all(line.split()[1].startswith("0100007F:") for line in Path("/proc/net/tcp").read_text()
                    .splitlines()[1:] if line.split()[3] == "0A" and int(line.split()[1].split(":")[1], 16) == stats)
-        # an idle stop is quick
+        # an idle stop is quick: ~14 s with `loopserve serve`'s 10 s draining period, where Serve's
+        # default 30 s made it 32 s. The bound sits between the two: 15 s failed on a CI run twice
+        # as slow as usual.
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 25
     finally:
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)
