@@ -17,11 +17,11 @@ from cluster.core.render.tokenizer import renderer_for
 from cluster.core.safety.classifiers import Classifier
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.prepare import TurnSettings
+from cluster.core.turn.sealed import compaction_item
 from cluster.engines.parsers import vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted import ScriptedEngine
 from cluster.engines.stream import stream_chunks
-from cluster.core.turn.sealed import compaction_item
 from cluster.protocol.sealing import Sealer
 
 

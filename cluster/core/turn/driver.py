@@ -16,10 +16,10 @@ from typing import Any, AsyncIterator, Optional
 from cluster import telemetry
 from cluster.core.events import TERMINAL_EVENTS, Event, EventAssembler, build_response
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
-from cluster.core.turn.post_work import PostWorkQueue
-from cluster.core.turn.sealed import INCLUDE_REASONING, seal_reasoning
 from cluster.core.turn.compaction import compacted_window, needs_summary, summarise
+from cluster.core.turn.post_work import PostWorkQueue
 from cluster.core.turn.prepare import ItemLookup, Prepared, RenderPort, TurnPreparer, TurnSettings
+from cluster.core.turn.sealed import INCLUDE_REASONING, seal_reasoning
 from cluster.core.turn.state import ResponseState
 from cluster.core.turn.stream import TurnStream
 from cluster.core.turn.turn import EnginePort, Rendered, Turn, TurnRequest, TurnServices, TurnTiming

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 from cluster.core.render.renderer import COMPACTION_SUMMARY as SUMMARY
 from cluster.protocol.ids import new_id
 from cluster.protocol.sealing import Sealer, unopenable
+
 INCLUDE_REASONING = "reasoning.encrypted_content"
 
 
