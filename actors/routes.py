@@ -275,6 +275,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         trace_parent=telemetry.extract_headers(ws.headers),
         timing_metrics=ws.headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
         betas=frozenset(b.strip() for b in ws.headers.get("openai-beta", "").split(",") if b.strip()),
+        settle=conn.settle_responses,
     )
     session.start()
     conn.ws_sessions.add(session)

@@ -40,6 +40,7 @@ from cluster.serving.responses import ResponsesService
 from cluster.store import ResponseStore, open_store
 
 log = logging.getLogger("loopserve.connection")
+DRAIN_SETTLE_S = 2.0  # how long a draining socket waits for its responses' store writes
 
 
 class ConnectionServices:
@@ -108,6 +109,11 @@ class ConnectionServices:
         # reconnect on (another replica; `store: true` chains continue there).
         self.draining = True
         await asyncio.gather(*[s.drain() for s in list(self.ws_sessions)], return_exceptions=True)
+
+    async def settle_responses(self, response_ids: list[str]) -> bool:
+        """A draining socket's last responses reach the store before it sends the client elsewhere:
+        bounded well inside the ingress's draining window (10 s), which the turn in flight shares."""
+        return await self.post_work.settle(response_ids, timeout=DRAIN_SETTLE_S)
 
     async def close(self) -> None:
         if self.engine.pool is not None:

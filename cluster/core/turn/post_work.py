@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Iterable, Optional
 
 from cluster.core.retry import RetryPolicy
 from cluster.core.turn.state import items_nbytes
@@ -58,6 +58,7 @@ class PostWorkQueue:
         self.retry = RetryPolicy(retries=retries, backoff_s=backoff_s)
         self._retry: dict[str, RetryPolicy] = {}  # hooks retried until a deadline instead
         self._tasks: set[asyncio.Task] = set()
+        self._by_response: dict[str, set[asyncio.Task]] = {}  # what `settle` waits for
         self.scheduled = self.completed = self.failed = self.retried = 0
         # Records waiting to be retried keep their whole state alive: a slow store must not grow
         # memory past the caches' bounds. Past this many bytes, a retry is given up (counted in
@@ -83,6 +84,16 @@ class PostWorkQueue:
             task = asyncio.get_running_loop().create_task(self._run(name, hook, record), name=f"post-{name}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            tasks = self._by_response.setdefault(record.response_id, set())
+            tasks.add(task)
+            task.add_done_callback(lambda t, rid=record.response_id: self._forget(rid, t))
+
+    def _forget(self, response_id: str, task: asyncio.Task) -> None:
+        tasks = self._by_response.get(response_id)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._by_response[response_id]
 
     async def _run(self, name: str, hook: Hook, record: TurnRecord) -> None:
         with self.tracer.start_as_current_span(f"post_work.{name}", context=record.trace) as span:
@@ -126,6 +137,16 @@ class PostWorkQueue:
     @property
     def pending(self) -> int:
         return len(self._tasks)
+
+    async def settle(self, response_ids: Iterable[str], timeout: float) -> bool:
+        """Wait (at most `timeout`) for the work scheduled for these responses: before a draining
+        socket tells its client to reconnect elsewhere, its responses must be in the store the
+        next replica reads. True when all of it finished."""
+        tasks = set().union(*(self._by_response.get(rid, ()) for rid in response_ids))
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        return not pending
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Wait for scheduled work (shutdown, tests)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
@@ -40,6 +41,7 @@ from cluster.protocol.errors import ApiError, server_error
 log = logging.getLogger(__name__)
 
 Send = Callable[[Event], Awaitable[None]]
+SETTLE_LAST = 8  # a draining socket's newest responses whose store writes the close waits for
 CloseSocket = Callable[[int, str], Awaitable[None]]
 
 
@@ -60,6 +62,7 @@ class WebSocketSession:
         trace_parent: Any = None,
         timing_metrics: bool = False,
         betas: frozenset[str] = frozenset(),
+        settle: Optional[Callable[[list[str]], Awaitable[bool]]] = None,
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -78,6 +81,11 @@ class WebSocketSession:
         # `x-responsesapi-include-timing-metrics` on the upgrade: each turn sends Codex's timing event.
         self._timing_metrics = timing_metrics
         self._betas = betas  # `OpenAI-Beta` values on the upgrade (multi-agent responses need theirs)
+        # Waits for these responses' post-work (their store writes) before a drain tells the client
+        # to reconnect: the replica it reconnects to reads its `previous_response_id` from the store.
+        self._settle = settle
+        self._finished: deque[str] = deque(maxlen=SETTLE_LAST)
+        self._closing = self._close_sent = False
         self._timer: Optional[asyncio.Task] = None
         self._lane_tasks: dict[str, asyncio.Task] = {}
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
@@ -91,7 +99,10 @@ class WebSocketSession:
 
     @property
     def closed(self) -> bool:
-        return self.protocol.state is State.CLOSED
+        """The close frame is out (or the client left). The protocol decides to close before the
+        session has sent the closing error and frame (a drain first waits for the store): until
+        then the socket's reader must keep the connection open."""
+        return self._close_sent or self.protocol.state is State.CLOSED and not self._closing
 
     @property
     def busy(self) -> bool:
@@ -127,6 +138,11 @@ class WebSocketSession:
 
     # -- performing the protocol's actions -------------------------------------------------
     async def _perform(self, actions: list[Action]) -> None:
+        if any(isinstance(a, Close) for a in actions):
+            self._closing = True
+            if self._settle is not None and self._finished and any(
+                    isinstance(a, Close) and a.code == 1001 for a in actions):
+                await self._settle(list(self._finished))  # before the error that sends the client away
         for action in actions:
             if isinstance(action, SendEvent):
                 await self._send_quietly(action.event)
@@ -142,7 +158,10 @@ class WebSocketSession:
                     self._lane_tasks[action.key] = asyncio.create_task(
                         self._run_lane(action.key), name=f"ws-lane-{self.session_key}-{action.key}")
             elif isinstance(action, Close):
-                await self._close(action.code, action.reason)
+                try:
+                    await self._close(action.code, action.reason)
+                finally:
+                    self._close_sent = True
 
     async def _tick(self) -> None:
         while True:
@@ -231,6 +250,7 @@ class WebSocketSession:
                     self.protocol.inflight.emitted(create, ev["item"])
                 elif kind in TERMINAL_EVENTS:
                     final = ev["response"]
+                    self._finished.append(final["id"])
                 await self._send(ev)
             self.responses += 1
         except ApiError as err:

@@ -168,6 +168,53 @@ async def test_drain_finishes_the_turn_in_flight_then_closes_1001(tokenizer):
     await p.session.shutdown()
 
 
+async def test_drain_closes_only_after_the_last_response_is_stored(tokenizer):
+    """The reconnect error sends the client to another replica, which reads its
+    `previous_response_id` from the store: that write (post-work) must have landed first,
+    and a store that hangs delays the close only by the settle bound."""
+    from cluster.core.turn.post_work import PostWorkQueue
+
+    stored, hung = [], []
+
+    async def persist(record):
+        if hung:
+            await asyncio.sleep(60)
+        await asyncio.sleep(0.5)  # a slow store write, longer than the rest of the drain
+        stored.append((record.response_id, "error" in p.types()))  # was the client told to go yet?
+
+    queue = PostWorkQueue({"persist": persist})
+    stack = InProcessStack(tokenizer, tokens_per_second=50, post_work=queue)
+    p = Peer(stack, settle=lambda ids: queue.settle(ids, timeout=1.0))
+    await p.frame({"type": "response.create", "input": "hi"})
+    await asyncio.sleep(0.2)
+    await p.session.drain()
+    for _ in range(100):
+        if p.closed:
+            break
+        await asyncio.sleep(0.05)
+    assert p.closed == 1001
+    assert stored == [(p.terminals()[-1]["id"], False)]  # in the store before the client is told to go
+    assert p.sent[-1]["error"]["code"] == "websocket_connection_limit_reached"
+
+    hung.append(True)  # a store that never answers: the close waits for the bound, no longer
+    p2 = Peer(stack, settle=lambda ids: queue.settle(ids, timeout=0.3))
+    await p2.frame({"type": "response.create", "input": "hi"})
+    await p2.idle()
+    started = asyncio.get_running_loop().time()
+    drain = asyncio.create_task(p2.session.drain())
+    await asyncio.sleep(0.1)
+    # Still settling: the socket's reader must not take the connection for closed and drop it
+    # (before the error and close frame are out, the client would see the connection cut).
+    assert not p2.session.closed and p2.closed is None
+    await drain
+    assert p2.closed == 1001 and p2.session.closed
+    assert 0.25 < asyncio.get_running_loop().time() - started < 2
+    for s in (p.session, p2.session):
+        await s.shutdown()
+    for task in list(queue._tasks):
+        task.cancel()
+
+
 async def test_too_many_input_items_is_a_400_and_the_socket_keeps_working(tokenizer):
     stack = InProcessStack(tokenizer)
     stack.driver.settings.max_input_items = 3
