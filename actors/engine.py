@@ -133,11 +133,11 @@ class EngineReplica:
         if it is expected back (its socket is open, or it called tools)."""
         gate = self.gate
         ticket, admitted = None, False
-        held, expect_back = len(req.prompt_token_ids), req.expect_back
+        held, expect_back = len(req.prompt_token_ids) + req.image_tokens, req.expect_back
         try:
             if gate is not None:
                 key = pin_key(req.cache_salt, req.session_key)
-                ticket, wait = gate.request(key, len(req.prompt_token_ids) + req.max_tokens)
+                ticket, wait = gate.request(key, held + req.max_tokens)
                 if wait is not None:
                     yield [EngineQueued(gate.position(ticket), gate.budget.queued_tokens)]
                     if not await self._wait_or_move(wait, key, req):

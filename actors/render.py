@@ -12,7 +12,7 @@ from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import RenderJob
 from cluster.core.render.renderer import RenderResult, render_job
-from cluster.core.render.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
+from cluster.core.render.tokenizer import attach_images, load_tokenizer, renderer_for, watch_fallbacks
 
 log = logging.getLogger("loopserve.render")
 
@@ -25,6 +25,7 @@ class RenderActor:
         self.tracer = telemetry.tracer()
         self.tokenizer = load_tokenizer(config)
         self.renderer = renderer_for(self.tokenizer)
+        attach_images(self.renderer, config)
         watch_fallbacks(self.renderer, telemetry.Metrics())
         self.mismatches = 0
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import yaml
 
-BUILTIN_NAMES = ("smollm2-135m-instruct", "loopserve-tiny")
+BUILTIN_NAMES = ("smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision")
 
 
 def _load_args(config_path: Optional[str]) -> dict:

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
+
+
+class ImageInputConfig(StrictModel):
+    """`input_image` parts for a vision model (data URLs; the model's processor and chat template
+    turn them into its image tokens, vLLM runs them as multimodal input)."""
+
+    max_per_context: int = Field(8, ge=1, le=256)
+    """Images one conversation may hold, its history included (vLLM's `limit_mm_per_prompt`)."""
+    max_image_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest image file one part may carry (decoded bytes)."""
+    placeholder: Optional[str] = None
+    """The text the chat template sees for an image; unset: the processor's `image_token`."""
 
 
 class ModelConfig(StrictModel):
@@ -18,7 +30,7 @@ class ModelConfig(StrictModel):
     """The model name clients send (`model`) and responses report."""
     path: Optional[str] = None
     """A local Hugging Face folder or hub id of the weights; unset: the `builtin` model."""
-    builtin: Literal["loopserve-tiny", "smollm2-135m-instruct"] = "loopserve-tiny"
+    builtin: Literal["loopserve-tiny", "loopserve-tiny-vision", "smollm2-135m-instruct"] = "loopserve-tiny"
     """With no `path`: the built-in model made on this machine (no download at run time)."""
     tokenizer_mode: Literal["auto", "mistral"] = "auto"
     """`mistral`: Mistral models' own tokenizer and request encoding (mistral_common), as vLLM's
@@ -30,6 +42,14 @@ class ModelConfig(StrictModel):
     """vLLM's reasoning parser for the model family (`qwen3`, `deepseek_r1`, ...); None: `<think>` tags."""
     max_model_len: int = 32768
     """Context length in tokens: a turn's prompt plus its output must fit."""
+    images: Optional[ImageInputConfig] = None
+    """Set for a vision model: `input_image` parts are served. Unset: text only (an image is a 400)."""
+
+    @model_validator(mode="after")
+    def _vision_builtin_takes_images(self) -> "ModelConfig":
+        if self.path is None and self.builtin == "loopserve-tiny-vision" and self.images is None:
+            self.images = ImageInputConfig()
+        return self
 
     def resolved_path(self) -> str:
         if self.path:

@@ -71,6 +71,7 @@ class RenderJob:
     verify_items: Optional[Sequence[Item]] = None
     verify_prefix: Optional[array] = None
     trace: Optional[TraceCarrier] = None
+    new_images: bool = False  # delta: the new items hold images (the model's processor reads each)
 
     @property
     def mode(self) -> str:
@@ -78,8 +79,9 @@ class RenderJob:
 
     @property
     def inline_ok(self) -> bool:
-        """O(new items): cheap enough to run on an event loop."""
-        return self.delta and self.verify_items is None
+        """O(new items): cheap enough to run on an event loop (a new image is not: the model's
+        processor reads it)."""
+        return self.delta and self.verify_items is None and not self.new_images
 
     def as_full(self, items: Sequence[Item]) -> "RenderJob":
         return RenderJob(self.instructions, self.tools, items=items, trace=self.trace,
@@ -124,6 +126,11 @@ class EngineRequest:
     kv_pin: str = ""
     kv_ttl_s: float = 0.0
     kv_unpin: tuple[str, ...] = ()
+    # A vision model's images (encoded files, in prompt order): every image of the whole prompt,
+    # a tail's base included (the engine expands each placeholder token of the prompt into its
+    # image's tokens), and how many tokens that expansion adds.
+    images: tuple[bytes, ...] = ()
+    image_tokens: int = 0
 
     @property
     def is_tail(self) -> bool:

@@ -52,6 +52,7 @@ _LEN = struct.Struct(">I")
 _REQUEST_FIELDS = [f.name for f in fields(EngineRequest)]
 _PROMPT = _REQUEST_FIELDS.index("prompt_token_ids")
 _UNPIN = _REQUEST_FIELDS.index("kv_unpin")
+_IMAGES = _REQUEST_FIELDS.index("images")
 
 
 class ChannelError(Exception):
@@ -65,6 +66,7 @@ def encode_request(req: EngineRequest) -> list:
     values = [getattr(req, name) for name in _REQUEST_FIELDS]
     values[_PROMPT] = req.prompt_token_ids.tobytes()
     values[_REQUEST_FIELDS.index("tools")] = list(req.tools)
+    values[_IMAGES] = list(req.images)
     return values
 
 
@@ -74,6 +76,7 @@ def decode_request(values: list) -> EngineRequest:
     prompt.frombytes(values[_PROMPT])
     values[_PROMPT] = prompt
     values[_UNPIN] = tuple(values[_UNPIN])
+    values[_IMAGES] = tuple(values[_IMAGES])
     return EngineRequest(*values)
 
 

@@ -170,6 +170,7 @@ class ScriptedEngine:
         stats.requests += 1
         stats.sessions.add(request.session_key)
         prompt = request.prompt_token_ids
+        n_prompt = len(prompt) + request.image_tokens  # as a vision engine counts it: images expanded
         key = (request.cache_salt, request.session_key)
         cached = _common_prefix(self._seen.get(key, array("i")), prompt)
         other = self._by_head.get(_head(request.cache_salt, prompt))
@@ -178,7 +179,7 @@ class ScriptedEngine:
             cached = max(cached, _common_prefix(self._seen[other], prompt))
         # Like a block-based prefix cache: the last prompt token is always computed.
         cached = min(cached, max(len(prompt) - 1, 0))
-        stats.prompt_tokens += len(prompt)
+        stats.prompt_tokens += n_prompt
         stats.cached_tokens += cached
         prefill = (len(prompt) - cached) / self.config.prefill_tokens_per_second
         if prefill > 0:
@@ -192,7 +193,8 @@ class ScriptedEngine:
             for i, tok in enumerate(out_ids):
                 if request.request_id in self._aborted:
                     stats.aborted += 1
-                    yield EngineDelta(finished=True, finish_reason="abort", prompt_tokens=len(prompt), cached_tokens=cached)
+                    yield EngineDelta(finished=True, finish_reason="abort", prompt_tokens=n_prompt,
+                                      cached_tokens=cached)
                     return
                 # Sleep to the schedule, not per token (sleep granularity ~1 ms).
                 lag = start + (i + 1) * per_token - time.perf_counter()
@@ -207,12 +209,12 @@ class ScriptedEngine:
                     new_tokens=1,
                     finished=last,
                     finish_reason=finish if last else None,
-                    prompt_tokens=len(prompt),
+                    prompt_tokens=n_prompt,
                     cached_tokens=cached,
                     token_ids=[tok],
                 )
             if not out_ids:
-                yield EngineDelta(finished=True, finish_reason="length", prompt_tokens=len(prompt), cached_tokens=cached)
+                yield EngineDelta(finished=True, finish_reason="length", prompt_tokens=n_prompt, cached_tokens=cached)
         except (asyncio.CancelledError, GeneratorExit):
             stats.aborted += 1
             raise
@@ -254,6 +256,7 @@ class ScriptedEngine:
         for pin in request.kv_unpin:
             kv.unpin(pin)
         prompt = request.prompt_token_ids
+        n_prompt = len(prompt) + request.image_tokens  # as a vision engine counts it: images expanded
         script = self._encode(self.script(request))
         out_ids = script[: min(request.max_tokens, self.config.max_output_tokens)]
         finish = "stop" if len(out_ids) == len(script) else "length"
@@ -266,7 +269,7 @@ class ScriptedEngine:
                 cached = await self._admit(rid, request.cache_salt, tokens)
                 if reported is None:
                     reported = cached
-                    stats.prompt_tokens += len(prompt)
+                    stats.prompt_tokens += n_prompt
                     stats.cached_tokens += cached
                 prefill = (len(tokens) - cached) / self.config.prefill_tokens_per_second
                 if prefill > 0 and self.config.serial_prefill:
@@ -279,7 +282,7 @@ class ScriptedEngine:
                 for i in range(len(emitted), len(out_ids)):
                     if rid in self._aborted:
                         stats.aborted += 1
-                        yield EngineDelta(finished=True, finish_reason="abort", prompt_tokens=len(prompt),
+                        yield EngineDelta(finished=True, finish_reason="abort", prompt_tokens=n_prompt,
                                           cached_tokens=reported)
                         return
                     if not kv.is_running(rid):  # preempted by another request's growth
@@ -301,13 +304,13 @@ class ScriptedEngine:
                     stats.output_tokens += 1
                     last = i == len(out_ids) - 1
                     yield EngineDelta(text=self._decode(emitted)[len(prev):], new_tokens=1, finished=last,
-                                      finish_reason=finish if last else None, prompt_tokens=len(prompt),
+                                      finish_reason=finish if last else None, prompt_tokens=n_prompt,
                                       cached_tokens=reported, token_ids=[out_ids[i]])
                 if preempted:
                     await self._freed()
                     continue  # recomputed: back to the waiting queue
                 if not out_ids:
-                    yield EngineDelta(finished=True, finish_reason="length", prompt_tokens=len(prompt),
+                    yield EngineDelta(finished=True, finish_reason="length", prompt_tokens=n_prompt,
                                       cached_tokens=reported)
                 return
         except (asyncio.CancelledError, GeneratorExit):

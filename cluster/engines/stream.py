@@ -38,8 +38,9 @@ async def stream_chunks(
     that ends inside an opened think tag, as Qwen3-style templates do, starts the output in
     reasoning) and, at the end, the whole output (the next turn reuses its token ids).
     """
-    if len(request.prompt_token_ids) >= engine.max_model_len:
-        yield [EngineFailure(400, f"The prompt has {len(request.prompt_token_ids)} tokens; "
+    prompt_tokens = len(request.prompt_token_ids) + request.image_tokens  # as the engine expands images
+    if prompt_tokens >= engine.max_model_len:
+        yield [EngineFailure(400, f"The prompt has {prompt_tokens} tokens; "
                                   f"the model's limit is {engine.max_model_len}.",
                              code="context_length_exceeded", param="input")]
         return

@@ -18,6 +18,15 @@ from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
 log = logging.getLogger(__name__)
 
 
+def open_image(data: bytes):
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
 def _on_cpu() -> bool:
     try:
         import torch
@@ -123,6 +132,8 @@ class VLLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             tensor_parallel_size=cfg.tensor_parallel_size,
         )
+        if self.model.images is not None:  # vLLM counts a prompt's images, its history included
+            kwargs["limit_mm_per_prompt"] = {"image": self.model.images.max_per_context}
         if not _on_cpu():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if self.model.tokenizer_mode == "mistral":
@@ -201,6 +212,10 @@ class VLLMEngine:
                                                                       request.parallel_tool_calls, request.text_format,
                                                                       self.model.tool_parser))
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
+        if request.images:
+            # One placeholder token per image in the ids: vLLM runs the model's processor on the
+            # images and expands each placeholder (its mm cache skips images it has processed).
+            prompt["multi_modal_data"] = {"image": [open_image(data) for data in request.images]}
         if request.cache_salt and self.config.enable_prefix_caching:
             prompt["cache_salt"] = request.cache_salt  # blocks hash with the tenant's salt
         stats = self.stats

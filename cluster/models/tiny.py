@@ -136,20 +136,27 @@ def build_model_dir(path: Path, weights: bool = True) -> None:
         torch_dtype="float32",
     )
     generation = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
-    if weights:
-        import torch
-        from transformers import LlamaForCausalLM
-
-        torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config)
-        model.generation_config = generation
-        model.save_pretrained(path, safe_serialization=True)
-    else:  # tokenizer and config only: what a node without torch serves the scripted engine with
-        config.save_pretrained(path)
-        generation.save_pretrained(path)
+    save_random_model(path, "LlamaForCausalLM", config, generation, weights)
     tokenizer.save_pretrained(path)
     (path / "loopserve_model.json").write_text(json.dumps({"format": FORMAT_VERSION, "seed": SEED,
                                                            "weights": weights}))
+
+
+def save_random_model(path: Path, model_class: str, config, generation, weights: bool) -> None:
+    """A model of transformers' `model_class` initialised from SEED (as vLLM's dummy load format
+    does) saved at `path`; without `weights`, its config only: what a node without torch serves
+    the scripted engine with."""
+    if weights:
+        import torch
+        import transformers
+
+        torch.manual_seed(SEED)
+        model = getattr(transformers, model_class)(config)
+        model.generation_config = generation
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        config.save_pretrained(path)
+        generation.save_pretrained(path)
 
 
 def _torch_installed() -> bool:

@@ -23,7 +23,8 @@ from cluster import telemetry
 from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
 from cluster.core.render.audit import RenderAudit
-from cluster.core.render.tokenizer import load_tokenizer, renderer_for, watch_fallbacks
+from cluster.core.render.images import ImageLimits
+from cluster.core.render.tokenizer import attach_images, load_tokenizer, renderer_for, watch_fallbacks
 from cluster.core.safety.classifiers import SafetyService, local_classifier
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
@@ -87,6 +88,7 @@ class ConnectionServices:
         if config.inline_delta_render:
             tokenizer = await asyncio.to_thread(load_tokenizer, config)
             local_renderer = renderer_for(tokenizer)
+            await asyncio.to_thread(attach_images, local_renderer, config)
         safety_client = None
         if config.safety.runs_inline:  # no hop before the first token
             s = config.safety
@@ -211,6 +213,8 @@ def turn_settings(config: LoopserveConfig) -> TurnSettings:
         max_context_bytes=config.limits.max_context_bytes,
         can_force_tool_calls=eng.backend == "scripted" or tool_format(config.model.tool_parser).forcible,
         sampling_defaults=model_sampling_defaults(config) if eng.backend == "vllm" else {},
+        images=ImageLimits(config.model.images.max_per_context, config.model.images.max_image_bytes)
+        if config.model.images is not None else None,
     )
 
 

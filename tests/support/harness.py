@@ -51,6 +51,18 @@ class InProcessStack:
         self.driver = TurnDriver(settings, render=self.render, engine=self.engine_port, safety=safety,
                                  post_work=post_work, tracer=tracer, metrics=metrics, sealer=self.sealer)
 
+    async def run(self, body: dict, cache=None) -> dict:
+        """One turn through the driver on this stack's session cache: its final Response (a
+        request the server refuses raises its ApiError)."""
+        from cluster.core.turn.cache import SessionCache
+        from cluster.core.turn.turn import TurnRequest
+        from cluster.protocol.requests import parse_request
+
+        if cache is None:
+            cache = self.cache = getattr(self, "cache", None) or SessionCache()
+        events = [ev async for ev in self.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
+        return events[-1]["response"]
+
     def compaction(self, summary: str, tenant=None) -> dict:
         """A compaction item sealed by this stack's server, as /responses/compact hands it out."""
         return compaction_item(summary, self.sealer, tenant)

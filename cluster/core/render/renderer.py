@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from cluster.core.messages import PriorOutput, RenderJob
+from cluster.core.render.images import ImageTokens, context_images
 from cluster.protocol.errors import ApiError
 
 Message = dict[str, Any]
@@ -36,7 +37,8 @@ ApplyTemplate = Callable[..., Template]
 Encode = Callable[[str], list[int]]
 
 
-def content_text(content: Any) -> str:
+def content_text(content: Any, image_text: str = "[image]") -> str:
+    """A content field as text. `image_text`: what an image stands as (a vision model's placeholder)."""
     if isinstance(content, str):
         return content
     parts = []
@@ -47,7 +49,7 @@ def content_text(content: Any) -> str:
         elif kind == "refusal":
             parts.append(part.get("refusal") or "")
         elif kind == "input_image":
-            parts.append("[image]")
+            parts.append(image_text)
         elif kind == "input_file":
             parts.append(f"[file {part.get('filename') or part.get('file_id') or ''}]".replace(" ]", "]"))
     return "".join(parts)
@@ -70,7 +72,8 @@ def _arguments(raw: str) -> Any:
         return raw
 
 
-def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message], list[int]]:
+def messages_from_items(items: Sequence[dict[str, Any]],
+                        image_text: str = "[image]") -> tuple[list[Message], list[int]]:
     """Responses items -> chat messages, plus the item index where each message starts.
 
     An assistant message and the function calls that follow it form one
@@ -86,7 +89,7 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
             role = item["role"]
             if role == "developer":
                 role = "system"
-            messages.append({"role": role, "content": content_text(item.get("content"))})
+            messages.append({"role": role, "content": content_text(item.get("content"), image_text)})
             if role == "assistant" and reasoning:
                 _attach_reasoning(messages[-1], reasoning)
             reasoning = ""
@@ -112,7 +115,8 @@ def messages_from_items(items: Sequence[dict[str, Any]]) -> tuple[list[Message],
             reasoning = ""
         elif kind == "function_call_output":
             messages.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": content_text(item.get("output"))}
+                {"role": "tool", "tool_call_id": item["call_id"],
+                 "content": content_text(item.get("output"), image_text)}
             )
             starts.append(i)
         elif kind == "compaction":
@@ -172,6 +176,9 @@ class RenderResult:
     prompt_override: Optional[array] = None
     reused_output: bool = False  # the previous turn's generated tokens were reused
     fallback: str = ""  # a delta job rendered fully: why (see IncrementalRenderer.fallbacks)
+    # Tokens the engine adds by expanding the image placeholders in `appended` (vision models):
+    # the engine's prompt is this much longer than the ids (render/images.py).
+    image_tokens: int = 0
 
     def assemble(self, base: Optional[array]) -> tuple[array, array]:
         """(prefix, prompt) given the cached prefix this delta extends."""
@@ -206,6 +213,8 @@ class IncrementalRenderer:
         self.fallbacks: dict[str, int] = {}  # reason -> delta jobs rendered fully
         self.last_fallback = ""
         self.on_fallback: Optional[Callable[[str, tuple], None]] = None
+        # A vision model's image placeholder and token counts (None: text only; images never get here).
+        self.images: Optional[ImageTokens] = None
 
     def stats(self) -> dict[str, Any]:
         report = self.probe_report
@@ -231,6 +240,17 @@ class IncrementalRenderer:
             return array("i", self._encode(rendered)) if rendered else array("i")
         return array("i", rendered)
 
+    def _image_tokens(self, ids: array, images: Sequence[bytes]) -> int:
+        """The tokens the engine adds to `ids` by expanding its images (`images`: this render's, in order)."""
+        return self.images.extra_tokens(ids, images) if self.images is not None else 0
+
+    def _messages(self, items: Sequence[dict[str, Any]]) -> tuple[list[Message], list[int]]:
+        return messages_from_items(items, self.images.placeholder if self.images is not None else "[image]")
+
+    def _images(self, items: Sequence[dict[str, Any]]) -> list[bytes]:
+        # Checked at the edge (size, type) before a render is asked for.
+        return context_images(items, max_bytes=1 << 62) if self.images is not None else []
+
     def _fallback(self, reason: str, shape: tuple = ()) -> None:
         self.last_fallback = reason
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
@@ -248,7 +268,8 @@ class IncrementalRenderer:
     ) -> RenderResult:
         apply = self._applier(tools, effort)
         self.full_renders += 1
-        messages, starts = messages_from_items(items)
+        messages, starts = self._messages(items)
+        images = self._images(items)
         msgs = self._system(instructions) + messages
         text = apply(msgs, False) if msgs else ""
         with_gen = apply(msgs, True)
@@ -256,9 +277,12 @@ class IncrementalRenderer:
         if isinstance(with_gen, list) and not text:
             text = []
         suffix = with_gen[len(text) :]
+        prefix = self._tokens(text)
+        extra = self._image_tokens(prefix, images)
         if _starts(with_gen, text) and self._safe_cut(text, suffix):
-            return RenderResult(self._tokens(text), self._tokens(suffix), anchor, True, len(with_gen))
-        return RenderResult(self._tokens(text), array("i"), anchor, True, len(with_gen), self._tokens(with_gen))
+            return RenderResult(prefix, self._tokens(suffix), anchor, True, len(with_gen), image_tokens=extra)
+        return RenderResult(prefix, array("i"), anchor, True, len(with_gen), self._tokens(with_gen),
+                            image_tokens=extra)
 
     def delta(
         self,
@@ -278,10 +302,12 @@ class IncrementalRenderer:
         apply = self._applier(tools, effort)
         tools = tools or None
         system = self._system(instructions)
-        anchor_msgs, _ = messages_from_items(anchor_items)
-        both_msgs, both_starts = messages_from_items(list(anchor_items) + list(new_items))
+        anchor_msgs, _ = self._messages(anchor_items)
+        both_msgs, both_starts = self._messages(list(anchor_items) + list(new_items))
+        images = self._images(new_items)
         if prior is not None:
-            res = self._delta_reusing(system, anchor_msgs, both_msgs, both_starts, anchor_start, tools, prior, apply)
+            res = self._delta_reusing(system, anchor_msgs, both_msgs, both_starts, anchor_start, tools, prior, apply,
+                                      images)
             if res is not None:
                 return res
         shape = delta_steps(bool(system), bool(tools), False, both_msgs)
@@ -304,10 +330,13 @@ class IncrementalRenderer:
             return None
         self.delta_renders += 1
         new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
-        return RenderResult(self._tokens(delta_text), self._tokens(gen_text), new_anchor, False, len(with_gen))
+        appended = self._tokens(delta_text)
+        return RenderResult(appended, self._tokens(gen_text), new_anchor, False, len(with_gen),
+                            image_tokens=self._image_tokens(appended, images))
 
     def _delta_reusing(self, system, anchor_msgs, both_msgs, both_starts, anchor_start, tools,
-                       prior: PriorOutput, apply: Callable[..., Template]) -> Optional[RenderResult]:
+                       prior: PriorOutput, apply: Callable[..., Template],
+                       images: Sequence[bytes] = ()) -> Optional[RenderResult]:
         """The delta with the previous turn's generated tokens in place of a re-render of
         their text: used when the template renders that output as exactly what was generated."""
         shape = delta_steps(bool(system), bool(tools), True, both_msgs)
@@ -332,9 +361,11 @@ class IncrementalRenderer:
             return None
         self.delta_renders += 1
         self.reused_outputs += 1
-        appended = array("i", prior.generation) + array("i", prior.token_ids) + self._tokens(rest)
+        tail = self._tokens(rest)
+        appended = array("i", prior.generation) + array("i", prior.token_ids) + tail
         new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
-        return RenderResult(appended, self._tokens(gen_text), new_anchor, False, len(with_gen), reused_output=True)
+        return RenderResult(appended, self._tokens(gen_text), new_anchor, False, len(with_gen), reused_output=True,
+                            image_tokens=self._image_tokens(tail, images))
 
 
 def render_job(renderer: IncrementalRenderer, job: RenderJob) -> tuple[Optional[RenderResult], bool]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cluster.config import LoopserveConfig
+from cluster.core.render.images import ImageTokens, placeholder_of, processor_image_tokens
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
 from cluster.core.render.renderer import IncrementalRenderer
@@ -84,6 +85,23 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
         else:
             renderer.proven, renderer.probe_report = report.proven, report
     return renderer
+
+
+def attach_images(renderer: IncrementalRenderer, config: LoopserveConfig) -> None:
+    """A vision model's renderer renders images as the model's placeholder and asks the model's
+    processor how many tokens each becomes (`render/images.py`). Text-only models: nothing."""
+    images = config.model.images
+    if images is None:
+        return
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(config.model.resolved_path())
+    placeholder = placeholder_of(processor, images.placeholder)
+    if not placeholder:
+        raise ValueError(f"model {config.model.name!r}: its processor names no image token; "
+                         "set model.images.placeholder")
+    placeholder_id = processor.tokenizer.convert_tokens_to_ids(placeholder)
+    renderer.images = ImageTokens(placeholder, placeholder_id, processor_image_tokens(processor, placeholder_id))
 
 
 def watch_fallbacks(renderer: IncrementalRenderer, metrics) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from cluster.core.render.images import content_parts
 from cluster.core.turn.state import ResponseState
 from cluster.protocol.errors import ApiError
 
@@ -57,19 +58,13 @@ NON_TEXT_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "
 
 
 def reject_non_text(new_items: list[dict[str, Any]], model: str) -> None:
-    """The engines here take text only: an image or file part is a 400, never a silent stand-in
-    the model would answer about without having seen it."""
-    for i, item in enumerate(new_items):
-        kind = item.get("type", "message")
-        field = "content" if kind == "message" else "output" if kind == "function_call_output" else None
-        parts = item.get(field) if field else None
-        if not isinstance(parts, list):
-            continue
-        for j, part in enumerate(parts):
-            what = NON_TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
-            if what:
-                raise ApiError(400, f"The model '{model}' does not support {what} input; send text only.",
-                               param=f"input[{i}].{field}[{j}]", code="unsupported_value")
+    """A text-only model: an image or file part is a 400, never a silent stand-in the model would
+    answer about without having seen it."""
+    for i, field, j, part in content_parts(new_items):
+        what = NON_TEXT_PARTS.get(part.get("type"))
+        if what:
+            raise ApiError(400, f"The model '{model}' does not support {what} input; send text only.",
+                           param=f"input[{i}].{field}[{j}]", code="unsupported_value")
 
 
 def output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,11 +13,12 @@ from typing import Any, Awaitable, Callable, NamedTuple, Optional, Protocol
 
 from cluster import telemetry
 from cluster.core.messages import RenderJob, ToolSpec
+from cluster.core.render.images import ImageLimits, context_images, image_parts
 from cluster.core.render.renderer import RenderResult
 from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
 from cluster.core.turn.controls import check_output_controls
 from cluster.core.turn.sealed import open_sealed
-from cluster.core.turn.state import RenderKey, ResponseState, items_nbytes
+from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
 from cluster.core.turn.turn import Rendered, TurnTiming
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import ResponsesRequest
@@ -60,6 +61,7 @@ class TurnSettings:
     # The model's own sampling defaults (temperature, top_p) the engine applies to a request that
     # sets none: what a response reports it used.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    images: Optional[ImageLimits] = None  # a vision model's image limits (None: text only, images are a 400)
 
     @property
     def context_limit(self) -> int:
@@ -99,7 +101,8 @@ class TurnPreparer:
 
         async def fits(k: int) -> Optional[RenderResult]:
             rendered = await self.render(job.as_full(items[cuts[k]:]))
-            return rendered if len(rendered.assemble(None)[1]) <= self.settings.context_limit else None
+            fit = len(rendered.assemble(None)[1]) + rendered.image_tokens <= self.settings.context_limit
+            return rendered if fit else None
 
         # Galloping from the newest turn back: each render is at most about twice what is kept,
         # so the work is bounded by the model's context, not by how large the body is.
@@ -130,7 +133,7 @@ class TurnPreparer:
         """What `input_tokens` would be for this request (renders, does not generate); item
         references resolve in `owner`'s items only."""
         prepared = await self.prepare(req, parent, TurnTiming(), None, owner)
-        return len(prepared.rendered.prompt_token_ids)
+        return len(prepared.rendered.prompt_token_ids) + prepared.rendered.image_tokens
 
     async def _dereference(self, items: list[dict[str, Any]], owner: Optional[str],
                            held: int) -> tuple[list[dict[str, Any]], int]:
@@ -189,7 +192,10 @@ class TurnPreparer:
         with self.tracer.start_as_current_span("resolve_context", context=tctx):
             # Sealed blobs open for this tenant, or the request stops here: nothing of them reaches the model.
             new_items = open_sealed(new_items, self.sealer, owner)
-            reject_non_text(new_items, self.model_name)
+            if self.settings.images is None:
+                reject_non_text(new_items, self.model_name)
+            else:  # decoded and checked here, before a render or the engine sees them
+                context_images(new_items, self.settings.images.max_image_bytes)
             ctx = resolve_context(new_items, parent)
             limit = self.settings.max_context_bytes
             if limit is not None:
@@ -218,7 +224,8 @@ class TurnPreparer:
             job = RenderJob(req.instructions, tools_spec, delta=True, reasoning_effort=effort,
                             anchor_items=ctx.items[pre.anchor_start : pre.item_count],
                             new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start,
-                            prior=pre.prior if parent.output_start == pre.item_count else None)
+                            prior=pre.prior if parent.output_start == pre.item_count else None,
+                            new_images=st.images is not None and any(image_parts(ctx.items[pre.item_count:])))
             if st.verify_renders:
                 job.verify_items, job.verify_prefix = ctx.items, pre.token_ids
         else:
@@ -235,6 +242,8 @@ class TurnPreparer:
             span.end()
         extends = pre is not None and not rendered.full
         prefix, prompt = rendered.assemble(pre.token_ids if extends else None)
+        images = self._images(ctx.items, pre if extends else None)
+        image_tokens = rendered.image_tokens + (pre.image_tokens if extends else 0)
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
         timing.delta_tokens = rendered.delta_tokens
@@ -242,13 +251,25 @@ class TurnPreparer:
             ctx, rendered = await self._truncate(ctx, full_job)
             prefix, prompt = rendered.assemble(None)
             timing.full_render, extends = True, False
-        if len(prompt) > st.context_limit:
+            images, image_tokens = self._images(ctx.items, None), rendered.image_tokens
+        if st.images is not None:
+            st.images.check_count(len(images))
+        if len(prompt) + image_tokens > st.context_limit:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {st.context_limit} tokens, "
-                f"but the input has {len(prompt)} tokens.",
+                f"but the input has {len(prompt) + image_tokens} tokens.",
                 code="context_length_exceeded",
                 param="input",
             )
-        return Prepared(ctx, Rendered(prefix, prompt, rendered.anchor_start, extends, rendered.prompt_override is None),
-                        tools_spec, key)
+        return Prepared(ctx, Rendered(prefix, prompt, rendered.anchor_start, extends, rendered.prompt_override is None,
+                                      images, image_tokens), tools_spec, key)
+
+    def _images(self, items: list[dict[str, Any]], pre: Optional[RenderedPrefix]) -> tuple[bytes, ...]:
+        """The prompt's images, in order: the engine expands every placeholder of the prompt, the
+        parent's included, so a continuation sends them all (`pre`: the prefix it extends)."""
+        if self.settings.images is None:
+            return ()
+        if pre is None:
+            return tuple(context_images(items, self.settings.images.max_image_bytes))
+        return pre.images + tuple(context_images(items[pre.item_count:], self.settings.images.max_image_bytes))

@@ -40,6 +40,10 @@ class RenderedPrefix:
     # The generation prompt after `token_ids` and what the engine generated after it: the
     # next turn reuses those token ids (`render.IncrementalRenderer.delta`).
     prior: Optional[PriorOutput] = None
+    # A vision model's images in `token_ids` (decoded, in order) and the tokens the engine adds
+    # expanding them (`turn.Rendered`).
+    images: tuple[bytes, ...] = ()
+    image_tokens: int = 0
 
 
 @dataclass
@@ -83,7 +87,7 @@ def estimate_nbytes(state: ResponseState) -> int:
     The whole context counts, not only this response's own items: a cache that
     holds only this state keeps all of it alive.
     """
-    tokens = len(state.rendered.token_ids) * 4 if state.rendered else 0
+    tokens = len(state.rendered.token_ids) * 4 + sum(map(len, state.rendered.images)) if state.rendered else 0
     if state.rendered is not None and state.rendered.prior is not None:
         prior = state.rendered.prior
         tokens += 4 * (len(prior.generation) + len(prior.token_ids)) + len(prior.text)

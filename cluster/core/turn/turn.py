@@ -37,6 +37,10 @@ class Rendered:
     # The prefix was extended, not re-rendered: the prompt starts with the parent's prompt.
     extends_parent: bool = False
     prompt_extends_prefix: bool = True  # prompt = prefix + generation prompt
+    # A vision model's images in the prompt, in order (each one placeholder token in the ids), and
+    # the tokens the engine adds expanding them: the engine's prompt length is len(ids) + this.
+    images: tuple[bytes, ...] = ()
+    image_tokens: int = 0
 
 
 @dataclass
@@ -156,7 +160,8 @@ class Turn:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.rendered.prompt_token_ids)
+        """The engine's prompt length (a vision model's images expanded)."""
+        return len(self.rendered.prompt_token_ids) + self.rendered.image_tokens
 
     @property
     def engine_id(self) -> str:
@@ -189,6 +194,8 @@ class Turn:
             base_request_id=base_id if tail else None,
             base_len=base_len if tail else 0,
             expect_back=self.expect_back,
+            images=self.rendered.images,
+            image_tokens=self.rendered.image_tokens,
         )
 
     def evict_parent(self) -> None:
@@ -229,7 +236,7 @@ class Turn:
             instructions=req.instructions,
             tools=list(req.tools or []),
             rendered=RenderedPrefix(self.render_key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start,
-                                    engine_request_id, prior),
+                                    engine_request_id, prior, rendered.images, rendered.image_tokens),
             known_call_ids=ctx.known_call_ids | frozenset(calls),
             pending_call_ids=ctx.pending_call_ids + tuple(calls),
             store=req.store is not False,

@@ -1,0 +1,140 @@
+"""Images on a vision model (docs/protocol.md "Images"): the renderer keeps one placeholder token per
+image and counts what the engine's expansion adds, with the model's own processor; a turn and its
+continuation send the engine every image of the prompt; bad images are the API's 400s.
+
+Runs on the generated `loopserve-tiny-vision` (a tiny Idefics3: tokenizer, template, processor) and
+the scripted engine; tests/integration/test_vision.py runs the same on the real vLLM engine."""
+
+import base64
+import io
+import os
+
+import pytest
+
+from cluster.core.render.images import ImageLimits, ImageTokens, decode_image, processor_image_tokens
+from cluster.core.render.tokenizer import renderer_for
+from cluster.protocol.errors import ApiError
+from tests.support.harness import InProcessStack
+
+
+def png(width: int, height: int, color=(200, 30, 30)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def user(text: str, *images: bytes) -> dict:
+    parts = [{"type": "input_image", "image_url": data_url(i)} for i in images]
+    return {"type": "message", "role": "user", "content": [*parts, {"type": "input_text", "text": text}]}
+
+
+@pytest.fixture(scope="module")
+def vision():
+    from transformers import AutoProcessor
+
+    from cluster.models.builtin import ensure_builtin
+
+    path = ensure_builtin("loopserve-tiny-vision")
+    processor = AutoProcessor.from_pretrained(path)
+    placeholder_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return processor, placeholder_id
+
+
+def vision_stack(vision, **kw) -> InProcessStack:
+    processor, placeholder_id = vision
+    stack = InProcessStack(processor.tokenizer, **kw)
+    stack.renderer.images = ImageTokens(processor.image_token, placeholder_id,
+                                        processor_image_tokens(processor, placeholder_id))
+    stack.driver.settings.images = ImageLimits(max_per_context=3, max_image_bytes=64 * 1024)
+    return stack
+
+
+def expanded_len(vision, image: bytes) -> int:
+    """What the model's processor makes of one image (the count vLLM's expansion gives it)."""
+    processor, placeholder_id = vision
+    from PIL import Image
+
+    return len(processor(text=processor.image_token, images=[Image.open(io.BytesIO(image))])["input_ids"][0])
+
+
+def test_an_image_is_one_placeholder_token_and_its_expansion_is_counted(vision):
+    processor, placeholder_id = vision
+    renderer = renderer_for(processor.tokenizer)
+    wide, tall = png(64, 40), png(30, 90)
+    assert (expanded_len(vision, wide), expanded_len(vision, tall)) == (34, 22)  # tiles depend on the size
+    renderer.images = vision_stack(vision).renderer.images
+    full = renderer.full([user("what is this", wide)], None, None)
+    assert full.appended.count(placeholder_id) == 1
+    assert full.image_tokens == 33
+    # A delta render counts only its own images; with the cached prefix it equals a full render.
+    items = [user("what is this", wide), {"type": "message", "role": "assistant", "content": "a box"},
+             user("and this", tall)]
+    delta = renderer.delta(items[:1], items[1:], 0, None, None)
+    assert delta is not None and delta.image_tokens == 21
+    whole = renderer.full(items, None, None)
+    assert whole.image_tokens == 33 + 21
+    assert full.appended + delta.appended == whole.appended
+
+
+def test_a_placeholder_typed_as_text_is_refused(vision):
+    processor, _ = vision
+    stack = vision_stack(vision)
+    with pytest.raises(ApiError) as err:
+        stack.renderer.full([user(f"look {processor.image_token} here")], None, None)
+    assert err.value.status == 400 and err.value.code == "invalid_value"
+
+
+@pytest.mark.parametrize("part,code,param", [
+    ({"type": "input_image", "image_url": "https://example.com/cat.png"}, "unsupported_value", "image_url"),
+    ({"type": "input_image", "file_id": "file_123"}, "unsupported_value", "file_id"),
+    ({"type": "input_image", "image_url": "data:text/plain;base64,aGk="}, "invalid_image_format", "image_url"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,***"}, "invalid_image_format", "image_url"),
+    ({"type": "input_image"}, "missing_required_parameter", "image_url"),
+])
+def test_images_the_server_does_not_take_are_400s_naming_the_part(part, code, param):
+    with pytest.raises(ApiError) as err:
+        decode_image(part, "input[0].content[1]", max_bytes=1024)
+    assert (err.value.status, err.value.code, err.value.param) == (400, code, f"input[0].content[1].{param}")
+
+
+async def test_an_image_turn_and_its_continuation_send_the_engine_every_image(vision):
+    stack = vision_stack(vision)
+    wide, tall = png(64, 40), png(30, 90)
+    first = await stack.run({"input": [user("what is this", wide)], "store": False})
+    assert first["status"] == "completed", first
+    sent = stack.engine_requests[-1]
+    assert sent.images == (wide,) and sent.image_tokens == 33
+    assert first["usage"]["input_tokens"] == len(sent.prompt_token_ids) + 33  # the engine's count
+    second = await stack.run({"previous_response_id": first["id"], "input": [user("and this", tall)],
+                              "store": False})
+    assert second["status"] == "completed", second
+    tail = stack.engine_requests[-1]
+    assert tail.is_tail  # only the new tokens travel ...
+    assert tail.images == (wide, tall) and tail.image_tokens == 33 + 21  # ... with every image of the prompt
+    assert second["usage"]["input_tokens"] == tail.base_len + len(tail.prompt_token_ids) + 33 + 21
+    assert stack.mismatches == 0
+
+
+async def test_image_limits_and_text_only_models(vision, tokenizer):
+    stack = vision_stack(vision)
+    with pytest.raises(ApiError) as err:
+        await stack.run({"input": [user("four", *[png(8 + i, 8) for i in range(4)])], "store": False})
+    assert err.value.code == "too_many_images"
+    two = await stack.run({"input": [user("two", png(20, 20), png(21, 20))], "store": False})
+    with pytest.raises(ApiError) as err:  # the limit is the conversation's (vLLM counts the whole prompt)
+        await stack.run({"previous_response_id": two["id"], "input": [user("two more", png(22, 20), png(23, 20))],
+                         "store": False})
+    assert err.value.code == "too_many_images"
+    with pytest.raises(ApiError) as err:
+        await stack.run({"input": [user("big", os.urandom(65 * 1024))], "store": False})  # checked before decoding
+    assert err.value.code == "image_too_large"
+    text_only = InProcessStack(tokenizer)
+    with pytest.raises(ApiError) as err:
+        await text_only.run({"input": [user("what is this", png(64, 40))], "store": False})
+    assert (err.value.code, err.value.param) == ("unsupported_value", "input[0].content[0]")
