@@ -63,10 +63,11 @@ def build_response(
         "text": text,
         "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
         "tools": echo_tools(request.tools),
-        "top_logprobs": 0,
+        "top_logprobs": 0,  # logprobs are not returned: a request asking for them is a 400
         "top_p": sampling.get("top_p", 1.0) if request.top_p is None else request.top_p,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
+        # vLLM's defaults (0: off) unless the request sets them; the engine applies what it reports.
+        "presence_penalty": 0.0 if request.presence_penalty is None else request.presence_penalty,
+        "frequency_penalty": 0.0 if request.frequency_penalty is None else request.frequency_penalty,
         "truncation": request.truncation or "disabled",
         "usage": None,
         "user": request.user,

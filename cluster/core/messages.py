@@ -103,6 +103,8 @@ class EngineRequest:
     max_tokens: int
     temperature: Optional[float] = None
     top_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
     tools: Sequence[ToolSpec] = ()
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True

@@ -195,6 +195,10 @@ class VLLMEngine:
             sampling["temperature"] = request.temperature
         if request.top_p is not None:
             sampling["top_p"] = request.top_p
+        if request.presence_penalty is not None:
+            sampling["presence_penalty"] = request.presence_penalty
+        if request.frequency_penalty is not None:
+            sampling["frequency_penalty"] = request.frequency_penalty
         from cluster.engines.constraints import structured_outputs
 
         if self.grammar_gate is not None:

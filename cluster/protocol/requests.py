@@ -143,6 +143,9 @@ class ResponsesRequest(_Tolerant):
     max_tool_calls: Optional[int] = Field(default=None, ge=0)
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     truncation: Optional[Literal["auto", "disabled"]] = "disabled"
     metadata: Optional[dict[str, str]] = None
     include: Optional[list[str]] = None

@@ -132,3 +132,18 @@ def test_a_schema_too_slow_to_compile_is_refused_and_another_sessions_turn_goes_
     ok = client.responses.create(model="loopserve-tiny", input="a number please", max_output_tokens=8,
                                  text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}}})
     assert ok.status in ("completed", "incomplete")
+
+
+def test_penalties_reach_the_engine_and_the_response_reports_them(vllm_url, client_for):
+    """`presence_penalty`/`frequency_penalty` are applied by vLLM, not only echoed: greedy output of
+    the random-weight model repeats tokens, which a strong frequency penalty changes."""
+    client = client_for(vllm_url)
+    body = dict(model="loopserve-tiny", input="read the file and fix the code " * 4, max_output_tokens=24,
+                temperature=0, store=False)
+    plain = client.responses.create(**body)
+    # Not arguments of the SDK's `create` (the Response object has the fields): sent as extra body.
+    penalised = client.responses.create(**body, extra_body={"frequency_penalty": 2.0, "presence_penalty": 1.5})
+    assert (plain.frequency_penalty, plain.presence_penalty) == (0.0, 0.0)
+    assert (penalised.frequency_penalty, penalised.presence_penalty) == (2.0, 1.5)
+    assert plain.output_text == client.responses.create(**body).output_text  # greedy: repeatable
+    assert penalised.output_text != plain.output_text

@@ -38,6 +38,9 @@ def tool_call_limit(req: ResponsesRequest) -> Optional[int]:
 def check_output_controls(req: ResponsesRequest, tools: list[dict[str, Any]], *, model: str,
                           can_force_tool_calls: bool) -> None:
     """Raise a 400 ApiError for output controls this request or model cannot have."""
+    if req.top_logprobs:
+        raise ApiError(400, "Unsupported parameter: 'top_logprobs' (this server returns no logprobs); omit it or "
+                            "send 0.", param="top_logprobs", code="unsupported_parameter")
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema" and not isinstance(fmt.schema_, dict):
         raise ApiError(400, "Missing required parameter: 'text.format.schema'.", param="text.format.schema",

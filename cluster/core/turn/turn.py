@@ -183,6 +183,8 @@ class Turn:
             max_tokens=self.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
             tools=self.tools,
             tool_choice=req.tool_choice,
             parallel_tool_calls=req.parallel_tool_calls is not False,

@@ -35,6 +35,11 @@ def test_requests_a_model_cannot_honour_are_400s():
     req = parse_request({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "read_file"},
                          "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}}})
     check_output_controls(req, normalize_tools(req.tools), model="m", can_force_tool_calls=True)
+    # No logprobs come back: asking for them is refused, not silently answered without them.
+    err = refused({"input": "x", "top_logprobs": 5})
+    assert (err.status, err.param, err.code) == (400, "top_logprobs", "unsupported_parameter")
+    req = parse_request({"input": "x", "top_logprobs": 0})
+    check_output_controls(req, [], model="m", can_force_tool_calls=True)
 
 
 def test_parallel_tool_calls_false_keeps_one_call():
