@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from cluster.bench.local import LOCAL_ADMIN_KEY
-from tests.support.apps import CODEX_MARK, CODEX_SECOND, SCRIPTED_ANSWER
+from tests.support.apps import CODEX_LISTED, CODEX_MARK, CODEX_SECOND, CODEX_SUMMARY, SCRIPTED_ANSWER
 
 pytestmark = pytest.mark.integration
 
@@ -41,23 +41,27 @@ def completed_items(events: list[dict], kind: str) -> list[dict]:
     return [e["item"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == kind]
 
 
-def test_codex_runs_a_multi_turn_task_over_websocket_mode(codex_url, node_clients, tmp_path):
-    home, work = tmp_path / "home", tmp_path / "work"
-    (home / ".codex").mkdir(parents=True)
-    work.mkdir()
-    (home / ".codex" / "config.toml").write_text(f"""
+def codex_config(url: str, extra: str = "") -> str:
+    return f"""
 model = "loopserve-tiny"
 model_provider = "loopserve"
-
+{extra}
 [model_providers.loopserve]
 name = "loopserve"
-base_url = "{codex_url}/v1"
+base_url = "{url}/v1"
 wire_api = "responses"
 supports_websockets = true
 env_key = "LOOPSERVE_API_KEY"
 request_max_retries = 0
 stream_max_retries = 0
-""")
+"""
+
+
+def test_codex_runs_a_multi_turn_task_over_websocket_mode(codex_url, node_clients, tmp_path):
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True)
+    work.mkdir()
+    (home / ".codex" / "config.toml").write_text(codex_config(codex_url))
     before = server_stats(codex_url)["turn_transport"]
 
     # Turn 1: a tool call Codex runs in its sandbox, then the answer (same socket, chained).
@@ -88,6 +92,37 @@ stream_max_retries = 0
     # Each continuation rendered only its new items, the first turn after Codex's warm-up
     # (developer message after developer message) included: no fallback to a full render.
     assert stats["render_inline"]["delta_renders"] >= 4 and stats["render_inline"]["fallbacks"] == {}
+
+
+def test_codex_compacts_mid_task_and_continues_from_the_summary(codex_url, node_clients, tmp_path):
+    """Codex's compaction round trip: past its token limit it compacts (with a provider of its own,
+    locally: one request carrying its checkpoint prompt, over the same socket), replaces the
+    history with the summary, and finishes the task from it, with no error."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True)
+    work.mkdir()
+    (home / ".codex" / "config.toml").write_text(codex_config(codex_url))
+    events, _ = codex(node_clients, home, work, "Say hi.")
+    base = events[-1]["usage"]["input_tokens"]  # Codex's instructions and tools: every request has them
+    # A limit the first request stays under and the request with the 3,000-line tool output passes.
+    limit = f"model_auto_compact_token_limit = {base + 2500}"
+    (home / ".codex" / "config.toml").write_text(codex_config(codex_url, limit))
+    events, stderr = codex(node_clients, home, work, "Now list the numbers please.")
+    assert "Falling back from WebSockets" not in stderr, stderr[-4000:]
+    assert not [e for e in events if e["type"] in ("error", "turn.failed")], events
+    commands = completed_items(events, "command_execution")
+    assert CODEX_LISTED in commands[0]["aggregated_output"]
+    messages = [m["text"] for m in completed_items(events, "agent_message")]
+    assert messages[-1] == f"Resumed from the summary: the marker was {CODEX_LISTED}.", (messages, events)
+    assert events[-1]["type"] == "turn.completed"
+    # Codex recorded the compaction: the history was replaced by the server-written summary, the
+    # 3,000-line tool output dropped, and the rest of the task ran on that.
+    [compacted] = [json.loads(line)["payload"] for path in (home / ".codex" / "sessions").rglob("*.jsonl")
+                   for line in path.read_text().splitlines() if '"type":"compacted"' in line]
+    assert CODEX_SUMMARY in compacted["message"]
+    kept = compacted["replacement_history"]
+    assert [item["type"] for item in kept] == ["message"] * len(kept)  # no tool calls or outputs
+    assert CODEX_SUMMARY in json.dumps(kept[-1])
 
 
 def test_node_sdk_responses_ws_runs_a_tool_loop(scripted_url, node_clients):

@@ -113,7 +113,17 @@ def _exec_call(cmd: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": "exec_command", "arguments": {"cmd": cmd}}) + "\n</tool_call>"
 
 
+# Compaction: Codex with a provider of its own compacts locally, with one request that carries its
+# checkpoint prompt; the scripted summary then stands for the history, and the task goes on from it.
+CODEX_COMPACT_PROMPT = "CONTEXT CHECKPOINT COMPACTION"  # in Codex 0.171's compaction prompt
+CODEX_SUMMARY, CODEX_LISTED = "LOOPSERVE_SUMMARY_3", "LOOPSERVE_LIST_9"
+
 CODEX_RULES = [
+    {"contains": CODEX_COMPACT_PROMPT, "text": f"{CODEX_SUMMARY}: the numbers were listed; marker {CODEX_LISTED}."},
+    {"contains": CODEX_SUMMARY, "text": f"Resumed from the summary: the marker was {CODEX_LISTED}."},
+    {"contains": CODEX_LISTED, "text": _exec_call("echo LOOPSERVE_AFTER_$((2+3))")},
+    {"contains": "list the numbers", "text": _exec_call("seq 1 3000; echo LOOPSERVE_LIST_$((4+5))")},
+    {"contains": "Say hi", "text": "Hi."},
     {"contains": CODEX_SECOND, "text": "The file still holds the marker. All done."},
     {"contains": "now read it back", "text": _exec_call("cat marker.txt; echo LOOPSERVE_SECOND_$((3+4))")},
     {"contains": CODEX_MARK, "text": "I wrote the marker file. Done."},
