@@ -138,3 +138,20 @@ async def test_image_limits_and_text_only_models(vision, tokenizer):
     with pytest.raises(ApiError) as err:
         await text_only.run({"input": [user("what is this", png(64, 40))], "store": False})
     assert (err.value.code, err.value.param) == ("unsupported_value", "input[0].content[0]")
+
+
+async def test_an_image_in_a_tool_output_reaches_the_engine(vision):
+    """Codex's view_image tool answers with an input_image inside the function_call_output."""
+    stack = vision_stack(vision)
+    tools = [{"type": "function", "name": "view_image", "parameters": {"type": "object", "properties": {}}}]
+    first = await stack.run({"input": "look at the screenshot", "tools": tools, "tool_choice": "required",
+                             "store": False})
+    [call] = [item for item in first["output"] if item["type"] == "function_call"]
+    shot = png(64, 40)
+    second = await stack.run({"previous_response_id": first["id"], "tools": tools, "store": False, "input": [
+        {"type": "function_call_output", "call_id": call["call_id"],
+         "output": [{"type": "input_image", "image_url": data_url(shot)}]}]})
+    assert second["status"] == "completed", second
+    sent = stack.engine_requests[-1]
+    assert sent.images == (shot,) and sent.image_tokens == 33
+    assert stack.mismatches == 0
