@@ -18,6 +18,16 @@ from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
 log = logging.getLogger(__name__)
 
 
+def image_placeholder_id(model: ModelConfig) -> int:
+    from transformers import AutoProcessor
+
+    from cluster.core.render.images import placeholder_of
+
+    processor = AutoProcessor.from_pretrained(model.resolved_path())
+    placeholder = placeholder_of(processor, model.images.placeholder if model.images else None)
+    return processor.tokenizer.convert_tokens_to_ids(placeholder)
+
+
 def open_image(data: bytes):
     import io
 
@@ -107,6 +117,9 @@ class VLLMEngine:
         # that leave temperature/top_p unset, as vLLM's server does.
         self.sampling_defaults: dict[str, float] = {}
         self.grammar_gate = None
+        # A vision model never generates its image placeholder: a continuation that reuses the
+        # generated tokens would hold a placeholder without an image (vLLM refuses the prompt).
+        self.no_placeholder: dict[int, float] = {}
 
     async def start(self) -> None:
         if _on_cpu():
@@ -170,6 +183,8 @@ class VLLMEngine:
                     self.kv_capacity_tokens, cache.num_gpu_blocks or 0, self.block_size,
                     self.llm.model_config.dtype)
         diff = self.llm.model_config.get_diff_sampling_param()
+        if self.model.images is not None:
+            self.no_placeholder = {await asyncio.to_thread(image_placeholder_id, self.model): -100.0}
         self.sampling_defaults = {k: v for k, v in diff.items()
                                   if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 
@@ -195,6 +210,8 @@ class VLLMEngine:
             sampling["temperature"] = request.temperature
         if request.top_p is not None:
             sampling["top_p"] = request.top_p
+        if self.no_placeholder:
+            sampling["logit_bias"] = self.no_placeholder
         if request.presence_penalty is not None:
             sampling["presence_penalty"] = request.presence_penalty
         if request.frequency_penalty is not None:
