@@ -4,8 +4,11 @@ An HAProxy left behind by an earlier loopserve (killed before `loopserve-haproxy
 to its proxy, or started without it) keeps the HTTP port and the stats port; Serve's proxy then
 dies with HAProxy's "cannot bind socket" and nothing answers. Such an HAProxy is recognised by
 what it is: an `haproxy` whose parent is gone (re-parented to init or a subreaper) and whose
-config is one Serve wrote (`.../haproxy-serve/...`). It is stopped. Anything else on the ports is
-named, with its pid, and the start is refused. Linux /proc only; elsewhere nothing is checked.
+config is one Serve wrote (`.../haproxy-serve/...`). It is stopped, and so is an orphaned Ray worker
+(`ray::...`) still holding a port after its cluster was killed (a replica's listener can sit on any
+free port, the HTTP port of the next start included, until the worker notices its raylet is gone).
+Anything else on the ports is named, with its pid, and the start is refused. Linux /proc only;
+elsewhere nothing is checked.
 """
 
 from __future__ import annotations
@@ -29,9 +32,27 @@ class PortHolder:
     port: int
 
     @property
+    def orphaned(self) -> bool:
+        return self.ppid == 1 or not _alive(self.ppid) or _name(self.ppid) in ("systemd", "init", "tini")
+
+    @property
+    def serve_haproxy(self) -> bool:
+        return self.name == "haproxy" and SERVE_HAPROXY_MARK in self.cmdline
+
+    @property
+    def ray_worker(self) -> bool:
+        # Ray names its worker processes `ray::<actor>` (a Serve replica: `ray::ServeReplica:...`).
+        return self.name.startswith("ray::")
+
+    @property
     def stale_serve_haproxy(self) -> bool:
-        orphaned = self.ppid == 1 or not _alive(self.ppid) or _name(self.ppid) in ("systemd", "init", "tini")
-        return self.name == "haproxy" and SERVE_HAPROXY_MARK in self.cmdline and orphaned
+        return self.serve_haproxy and self.orphaned
+
+    @property
+    def stale(self) -> bool:
+        """Left by a Ray cluster that is gone: its HAProxy, or one of its workers (a replica's
+        listener) whose raylet died with a SIGKILL of the group and which has not exited yet."""
+        return (self.serve_haproxy or self.ray_worker) and self.orphaned
 
 
 def _read(path: str) -> str:
@@ -101,11 +122,11 @@ def clear_ports(ports: Iterable[int], *, wait_s: float = 15.0) -> Optional[str]:
         if not left:
             return None
         for holder in left:
-            if SERVE_HAPROXY_MARK not in holder.cmdline or holder.name != "haproxy":
+            if not (holder.serve_haproxy or holder.ray_worker):
                 return (f"port {holder.port} is in use by pid {holder.pid} ({holder.name}: {holder.cmdline[:120]}); "
                         "stop it or choose another --port")
-            if holder.stale_serve_haproxy and holder.pid not in signalled:
-                print(f"loopserve: stopping HAProxy pid {holder.pid} left on port {holder.port} by an earlier "
+            if holder.stale and holder.pid not in signalled:
+                print(f"loopserve: stopping {holder.name} pid {holder.pid} left on port {holder.port} by an earlier "
                       "loopserve that did not stop cleanly", flush=True)
                 signalled.add(holder.pid)
                 try:
@@ -114,6 +135,6 @@ def clear_ports(ports: Iterable[int], *, wait_s: float = 15.0) -> Optional[str]:
                     pass
         if time.monotonic() > deadline:
             h = left[0]
-            return (f"port {h.port} is held by HAProxy pid {h.pid} of a Ray Serve cluster that is still running "
+            return (f"port {h.port} is held by {h.name} pid {h.pid} of a Ray Serve cluster that is still running "
                     f"(its parent, pid {h.ppid}, is alive); stop that cluster (`ray stop`) or choose another --port")
         time.sleep(0.2)

@@ -138,3 +138,27 @@ def test_a_stale_serve_haproxy_is_stopped_and_any_other_holder_is_named(tmp_path
         assert refused is not None and f"pid {os.getpid()}" in refused and str(http) in refused
     finally:
         other.close()
+
+
+def test_an_orphaned_ray_worker_on_the_port_is_stopped(tmp_path):
+    """After a SIGKILL of `loopserve serve`'s group, a Ray worker (a replica) can outlive its raylet
+    for a while, its listener on the port the next start wants: that start stops it, not refuses.
+    (Seen in CI: `port ... is in use by pid ... (ray::ServeRepli...)` right after the SIGKILL.)"""
+    port = free_port()
+    out = subprocess.run([sys.executable, "-c", (
+        "import subprocess, sys\n"
+        "code = ('import ctypes, socket, time\\n'\n"
+        "        'ctypes.CDLL(None).prctl(15, b\"ray::ServeRepli\", 0, 0, 0)\\n'\n"
+        f"        's = socket.socket(); s.bind((\"127.0.0.1\", {port})); s.listen(); time.sleep(60)')\n"
+        "p = subprocess.Popen([sys.executable, '-c', code], start_new_session=True,\n"
+        "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid)\n")], check=True, capture_output=True, text=True)
+    orphan_pid = int(out.stdout)
+    try:
+        assert wait_for(lambda: holders([port]) != [])
+        [orphan] = holders([port])
+        assert orphan.pid == orphan_pid and orphan.name == "ray::ServeRepli" and orphan.stale
+        assert clear_ports([port], wait_s=10) is None
+        assert holders([port]) == []
+    finally:
+        kill_quietly(orphan_pid)
