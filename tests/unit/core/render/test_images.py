@@ -155,3 +155,15 @@ async def test_an_image_in_a_tool_output_reaches_the_engine(vision):
     sent = stack.engine_requests[-1]
     assert sent.images == (shot,) and sent.image_tokens == 33
     assert stack.mismatches == 0
+
+
+async def test_the_output_room_leaves_space_for_the_images_tokens(vision):
+    """With no max_output_tokens, a turn may generate up to the context: counted with the images
+    expanded, or the engine would refuse prompt + max_tokens past the model's length."""
+    stack = vision_stack(vision, max_model_len=160)
+    stack.driver.settings.default_max_tokens = 1000
+    resp = await stack.run({"input": [user("what is this", png(64, 40))], "store": False})
+    assert resp["status"] in ("completed", "incomplete"), resp
+    sent = stack.engine_requests[-1]
+    assert sent.image_tokens == 33
+    assert len(sent.prompt_token_ids) + sent.image_tokens + sent.max_tokens == 160
