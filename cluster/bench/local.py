@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import tempfile
 import time
@@ -9,11 +10,25 @@ from typing import Any, Optional
 
 from cluster.ingress import IngressMode, apply_ingress_env
 
+# Ports nothing hands out on its own while a cluster starts. The kernel's ephemeral range
+# (32768-60999 by default) is where bind(0) and outgoing connections land, Ray picks its agents'
+# ports at random from there up to 65535, its workers take 10002-19999 and Serve's direct ingress
+# 30000-31000. A port drawn from the ephemeral range could be taken by the very cluster it was
+# chosen for before HAProxy binds it ("cannot bind socket": seen on CI).
+QUIET_PORTS = range(20000, 30000)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, outside every range the kernel or Ray allocate from by themselves."""
+    for _ in range(200):
+        port = random.choice(QUIET_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {QUIET_PORTS.start}-{QUIET_PORTS.stop - 1}")
 
 
 def add_ingress_argument(ap) -> None:

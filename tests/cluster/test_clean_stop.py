@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ import httpx
 import pytest
 import yaml
 
+from cluster.bench.local import free_port
 from cluster.stale_ingress import holders
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS = 50
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_session_processes(session: str) -> list[str]:

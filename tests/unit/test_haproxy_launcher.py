@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.bench.local import free_port
 from cluster.haproxy_launcher import real_binary, secure_config
 from cluster.stale_ingress import clear_ports, holders
 
@@ -39,12 +40,6 @@ listen stats
   stats uri /stats
   stats refresh 1s
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_stats_page_binds_loopback_or_goes_away():
