@@ -133,7 +133,7 @@ class EngineReplica:
         if it is expected back (its socket is open, or it called tools)."""
         gate = self.gate
         ticket, admitted = None, False
-        held, expect_back = len(req.prompt_token_ids) + req.image_tokens, req.expect_back
+        held, expect_back = req.engine_len, req.expect_back
         try:
             if gate is not None:
                 key = pin_key(req.cache_salt, req.session_key)

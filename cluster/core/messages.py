@@ -135,6 +135,11 @@ class EngineRequest:
     image_tokens: int = 0
 
     @property
+    def engine_len(self) -> int:
+        """The prompt's length as the engine counts it (images expanded); a tail's base excluded."""
+        return len(self.prompt_token_ids) + self.image_tokens
+
+    @property
     def is_tail(self) -> bool:
         return self.base_request_id is not None
 

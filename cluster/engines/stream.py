@@ -38,7 +38,7 @@ async def stream_chunks(
     that ends inside an opened think tag, as Qwen3-style templates do, starts the output in
     reasoning) and, at the end, the whole output (the next turn reuses its token ids).
     """
-    prompt_tokens = len(request.prompt_token_ids) + request.image_tokens  # as the engine expands images
+    prompt_tokens = request.engine_len
     if prompt_tokens >= engine.max_model_len:
         yield [EngineFailure(400, f"The prompt has {prompt_tokens} tokens; "
                                   f"the model's limit is {engine.max_model_len}.",

@@ -206,7 +206,7 @@ class TurnDriver:
             def seal(text: str) -> str:
                 return seal_reasoning(text, sealer, owner)
         asm = EventAssembler(response, stream_id=t.stream_id, seal_reasoning=seal)
-        room = st.max_model_len - len(rendered.prompt_token_ids) - rendered.image_tokens
+        room = st.max_model_len - rendered.engine_len
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,

@@ -245,7 +245,7 @@ class TurnStream:
         # max_output_tokens bounds the whole response; the context bounds each call.
         settings = preparer.settings
         budget = (req.max_output_tokens or settings.default_max_tokens) - turn.used[2] - turn.output_tokens
-        room = settings.max_model_len - len(rendered.prompt_token_ids) - rendered.image_tokens
+        room = settings.max_model_len - rendered.engine_len
         turn.max_tokens = max(1, min(budget, room))
         if not turn.step:
             turn.first_span = (turn.context.new_start, len(turn.context.items))

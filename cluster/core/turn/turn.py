@@ -42,6 +42,11 @@ class Rendered:
     images: tuple[bytes, ...] = ()
     image_tokens: int = 0
 
+    @property
+    def engine_len(self) -> int:
+        """The prompt's length as the engine counts it (a vision model's images expanded)."""
+        return len(self.prompt_token_ids) + self.image_tokens
+
 
 @dataclass
 class TurnTiming:
@@ -161,7 +166,7 @@ class Turn:
     @property
     def prompt_len(self) -> int:
         """The engine's prompt length (a vision model's images expanded)."""
-        return len(self.rendered.prompt_token_ids) + self.rendered.image_tokens
+        return self.rendered.engine_len
 
     @property
     def engine_id(self) -> str:
