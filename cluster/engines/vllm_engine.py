@@ -19,13 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def image_placeholder_id(model: ModelConfig) -> int:
-    from transformers import AutoProcessor
+    from cluster.core.render.images import load_processor
 
-    from cluster.core.render.images import placeholder_of
-
-    processor = AutoProcessor.from_pretrained(model.resolved_path())
-    placeholder = placeholder_of(processor, model.images.placeholder if model.images else None)
-    return processor.tokenizer.convert_tokens_to_ids(placeholder)
+    return load_processor(model.resolved_path(), model.name, model.images.placeholder if model.images else None)[2]
 
 
 def open_image(data: bytes):

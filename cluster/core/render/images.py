@@ -90,9 +90,19 @@ def decode_image(part: dict[str, Any], param: str, max_bytes: int) -> bytes:
                        code="invalid_image_format") from None
 
 
-def context_images(items: Sequence[dict[str, Any]], max_bytes: int, prefix: str = "input") -> list[bytes]:
-    """Every image of `items` decoded, in render order (400 on the first bad one)."""
-    return [decode_image(part, f"{prefix}[{i}].{field}[{j}]", max_bytes) for i, field, j, part in image_parts(items)]
+def context_images(items: Sequence[dict[str, Any]], max_bytes: int, prefix: str = "input",
+                   memo: Optional[dict[int, bytes]] = None) -> list[bytes]:
+    """Every image of `items` decoded, in render order (400 on the first bad one). `memo` (by the
+    part's identity, for parts alive while it is) decodes a part seen before only once."""
+    if memo is None:
+        return [decode_image(part, f"{prefix}[{i}].{field}[{j}]", max_bytes) for i, field, j, part in image_parts(items)]
+    out = []
+    for i, field, j, part in image_parts(items):
+        data = memo.get(id(part))
+        if data is None:
+            data = memo[id(part)] = decode_image(part, f"{prefix}[{i}].{field}[{j}]", max_bytes)
+        out.append(data)
+    return out
 
 
 def digest(data: bytes) -> bytes:
@@ -160,3 +170,15 @@ def processor_image_tokens(processor: Any, placeholder_id: int) -> Callable[[byt
 
 def placeholder_of(processor: Any, override: Optional[str] = None) -> Optional[str]:
     return override or getattr(processor, "image_token", None)
+
+
+def load_processor(model_path: str, model_name: str, override: Optional[str] = None) -> tuple[Any, str, int]:
+    """A vision model's HF processor, its image placeholder token and that token's id (the
+    renderer writes the placeholder; the engine must never generate it)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    placeholder = placeholder_of(processor, override)
+    if not placeholder:
+        raise ValueError(f"model {model_name!r}: its processor names no image token; set model.images.placeholder")
+    return processor, placeholder, processor.tokenizer.convert_tokens_to_ids(placeholder)

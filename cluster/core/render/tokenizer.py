@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cluster.config import LoopserveConfig
-from cluster.core.render.images import ImageTokens, placeholder_of, processor_image_tokens
+from cluster.core.render.images import ImageTokens, load_processor, processor_image_tokens
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
 from cluster.core.render.renderer import IncrementalRenderer
@@ -93,14 +93,8 @@ def attach_images(renderer: IncrementalRenderer, config: LoopserveConfig) -> Non
     images = config.model.images
     if images is None:
         return
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(config.model.resolved_path())
-    placeholder = placeholder_of(processor, images.placeholder)
-    if not placeholder:
-        raise ValueError(f"model {config.model.name!r}: its processor names no image token; "
-                         "set model.images.placeholder")
-    placeholder_id = processor.tokenizer.convert_tokens_to_ids(placeholder)
+    processor, placeholder, placeholder_id = load_processor(config.model.resolved_path(), config.model.name,
+                                                            images.placeholder)
     renderer.images = ImageTokens(placeholder, placeholder_id, processor_image_tokens(processor, placeholder_id))
 
 

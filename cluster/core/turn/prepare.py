@@ -133,7 +133,7 @@ class TurnPreparer:
         """What `input_tokens` would be for this request (renders, does not generate); item
         references resolve in `owner`'s items only."""
         prepared = await self.prepare(req, parent, TurnTiming(), None, owner)
-        return len(prepared.rendered.prompt_token_ids) + prepared.rendered.image_tokens
+        return prepared.rendered.engine_len
 
     async def _dereference(self, items: list[dict[str, Any]], owner: Optional[str],
                            held: int) -> tuple[list[dict[str, Any]], int]:
@@ -186,6 +186,7 @@ class TurnPreparer:
         t0 = time.perf_counter()
         new_items = req.input_items() if items is None else items
         new_bytes: Optional[int] = None  # summed once: while dereferencing, or below
+        decoded: dict[int, bytes] = {}  # the new images, decoded once (checked here, sent below)
         if any(item.get("type") == "item_reference" for item in new_items):
             new_items, new_bytes = await self._dereference(new_items, owner,
                                                            parent.context_bytes if parent is not None else 0)
@@ -195,7 +196,7 @@ class TurnPreparer:
             if self.settings.images is None:
                 reject_non_text(new_items, self.model_name)
             else:  # decoded and checked here, before a render or the engine sees them
-                context_images(new_items, self.settings.images.max_image_bytes)
+                context_images(new_items, self.settings.images.max_image_bytes, memo=decoded)
             ctx = resolve_context(new_items, parent)
             limit = self.settings.max_context_bytes
             if limit is not None:
@@ -242,7 +243,7 @@ class TurnPreparer:
             span.end()
         extends = pre is not None and not rendered.full
         prefix, prompt = rendered.assemble(pre.token_ids if extends else None)
-        images = self._images(ctx.items, pre if extends else None)
+        images = self._images(ctx.items, pre if extends else None, decoded)
         image_tokens = rendered.image_tokens + (pre.image_tokens if extends else 0)
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
@@ -251,7 +252,7 @@ class TurnPreparer:
             ctx, rendered = await self._truncate(ctx, full_job)
             prefix, prompt = rendered.assemble(None)
             timing.full_render, extends = True, False
-            images, image_tokens = self._images(ctx.items, None), rendered.image_tokens
+            images, image_tokens = self._images(ctx.items, None, decoded), rendered.image_tokens
         if st.images is not None:
             st.images.check_count(len(images))
         if len(prompt) + image_tokens > st.context_limit:
@@ -265,11 +266,13 @@ class TurnPreparer:
         return Prepared(ctx, Rendered(prefix, prompt, rendered.anchor_start, extends, rendered.prompt_override is None,
                                       images, image_tokens), tools_spec, key)
 
-    def _images(self, items: list[dict[str, Any]], pre: Optional[RenderedPrefix]) -> tuple[bytes, ...]:
+    def _images(self, items: list[dict[str, Any]], pre: Optional[RenderedPrefix],
+                decoded: dict[int, bytes]) -> tuple[bytes, ...]:
         """The prompt's images, in order: the engine expands every placeholder of the prompt, the
         parent's included, so a continuation sends them all (`pre`: the prefix it extends)."""
         if self.settings.images is None:
             return ()
         if pre is None:
-            return tuple(context_images(items, self.settings.images.max_image_bytes))
-        return pre.images + tuple(context_images(items[pre.item_count:], self.settings.images.max_image_bytes))
+            return tuple(context_images(items, self.settings.images.max_image_bytes, memo=decoded))
+        return pre.images + tuple(context_images(items[pre.item_count:], self.settings.images.max_image_bytes,
+                                                 memo=decoded))

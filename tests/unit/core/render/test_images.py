@@ -103,6 +103,21 @@ def test_images_the_server_does_not_take_are_400s_naming_the_part(part, code, pa
     assert (err.value.status, err.value.code, err.value.param) == (400, code, f"input[0].content[1].{param}")
 
 
+def test_a_turn_decodes_each_new_image_once(monkeypatch):
+    """The preparer checks the new images, then sends them: one base64 decode per part."""
+    from cluster.core.render import images as images_module
+
+    calls = []
+    real = images_module.decode_image
+    monkeypatch.setattr(images_module, "decode_image", lambda part, *a: calls.append(part) or real(part, *a))
+    a, b = png(8, 8), png(9, 9, (0, 0, 255))
+    items = [user("two", a, b)]
+    memo: dict = {}
+    first = images_module.context_images(items, 1 << 20, memo=memo)
+    again = images_module.context_images(items, 1 << 20, memo=memo)
+    assert first == again == [a, b] and len(calls) == 2
+
+
 async def test_an_image_turn_and_its_continuation_send_the_engine_every_image(vision):
     stack = vision_stack(vision)
     wide, tall = png(64, 40), png(30, 90)
