@@ -140,9 +140,11 @@ class WebSocketSession:
     async def _perform(self, actions: list[Action]) -> None:
         if any(isinstance(a, Close) for a in actions):
             self._closing = True
-            if self._settle is not None and self._finished and any(
-                    isinstance(a, Close) and a.code == 1001 for a in actions):
-                await self._settle(list(self._finished))  # before the error that sends the client away
+            # Every server close sends the client to reconnect (drain: 1001; the connection's
+            # lifetime: 1000), maybe to another replica that reads its `previous_response_id`
+            # from the store: this socket's last responses are stored before it is told to go.
+            if self._settle is not None and self._finished:
+                await self._settle(list(self._finished))
         for action in actions:
             if isinstance(action, SendEvent):
                 await self._send_quietly(action.event)

@@ -168,23 +168,24 @@ async def test_drain_finishes_the_turn_in_flight_then_closes_1001(tokenizer):
     await p.session.shutdown()
 
 
-async def test_drain_closes_only_after_the_last_response_is_stored(tokenizer):
+async def test_a_server_close_comes_only_after_the_last_response_is_stored(tokenizer):
     """The reconnect error sends the client to another replica, which reads its
     `previous_response_id` from the store: that write (post-work) must have landed first,
     and a store that hangs delays the close only by the settle bound."""
     from cluster.core.turn.post_work import PostWorkQueue
 
-    stored, hung = [], []
+    stored, hung, peer = [], [], []  # peer[-1]: the client whose response is being stored
 
     async def persist(record):
         if hung:
             await asyncio.sleep(60)
         await asyncio.sleep(0.5)  # a slow store write, longer than the rest of the drain
-        stored.append((record.response_id, "error" in p.types()))  # was the client told to go yet?
+        stored.append((record.response_id, "error" in peer[-1].types()))  # was the client told to go yet?
 
     queue = PostWorkQueue({"persist": persist})
     stack = InProcessStack(tokenizer, tokens_per_second=50, post_work=queue)
     p = Peer(stack, settle=lambda ids: queue.settle(ids, timeout=1.0))
+    peer.append(p)
     await p.frame({"type": "response.create", "input": "hi"})
     await asyncio.sleep(0.2)
     await p.session.drain()
@@ -209,7 +210,20 @@ async def test_drain_closes_only_after_the_last_response_is_stored(tokenizer):
     await drain
     assert p2.closed == 1001 and p2.session.closed
     assert 0.25 < asyncio.get_running_loop().time() - started < 2
-    for s in (p.session, p2.session):
+
+    # The connection's lifetime ending sends the client to reconnect as well: stored first too.
+    hung.clear()
+    stored.clear()
+    p3 = Peer(stack, settle=lambda ids: queue.settle(ids, timeout=1.0), max_connection_seconds=0.3)
+    peer.append(p3)
+    await p3.frame({"type": "response.create", "input": "hi"})
+    for _ in range(100):
+        if p3.closed:
+            break
+        await asyncio.sleep(0.05)
+    assert p3.closed == 1000 and p3.sent[-1]["error"]["code"] == "websocket_connection_limit_reached"
+    assert stored == [(p3.terminals()[-1]["id"], False)]
+    for s in (p.session, p2.session, p3.session):
         await s.shutdown()
     for task in list(queue._tasks):
         task.cancel()
