@@ -14,18 +14,17 @@ Every run starts with a random prefix so no run hits the KV cache of another.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
+
+from cluster.bench.client import ClientTurn, http_turn, ws_turn, ws_url
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file from the repository",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
 INSTRUCTIONS = "You are a coding agent. Read files with read_file and fix the failing test."
 MODES = ("http-stateless", "http-chained", "websocket")
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 @dataclass
@@ -112,28 +111,11 @@ class Loop:
                 stateless = self.mode == "http-stateless"
                 history += new_items
                 body = self._body(history if stateless else new_items, None if stateless else prev)
-                body["stream"] = True
-                payload = json.dumps(body).encode()
-                t0 = time.perf_counter()
-                fe = ft = 0.0
-                final = None
-                async with client.stream("POST", self.base + "/v1/responses", content=payload,
-                                         headers={**headers, "content-type": "application/json"}) as r:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        ev = json.loads(line[6:])
-                        now = time.perf_counter() - t0
-                        fe = fe or now
-                        if not ft and ev["type"] in ("response.output_text.delta", "response.function_call_arguments.delta"):
-                            ft = now
-                        if ev["type"] in TERMINAL or ev["type"] == "error":
-                            final = ev
-                wall = time.perf_counter() - t0
-                if final is None or final["type"] == "error":
-                    raise RuntimeError(f"turn {i} failed: {final}")
-                resp = final["response"]
-                out.append(self._turn(i, resp, wall, fe, ft, len(payload)))
+                seen = await http_turn(client, self.base, body, headers=headers, keep_events=False)
+                if not seen.ok:
+                    raise RuntimeError(f"turn {i} failed: {seen.events[-1] if seen.events else None}")
+                resp = seen.response
+                out.append(self._turn(i, resp, seen))
                 if stateless:
                     history += [_as_input(o) for o in resp["output"]]
                 prev = resp["id"]
@@ -146,41 +128,28 @@ class Loop:
         from websockets.asyncio.client import connect
 
         out: list[Turn] = []
-        url = self.base.replace("http://", "ws://").replace("https://", "wss://") + "/v1/responses"
-        async with connect(url, open_timeout=60, max_size=None, compression=None,
+        async with connect(ws_url(self.base), open_timeout=60, max_size=None, compression=None,
                            additional_headers={"authorization": f"Bearer {self.api_key}",
                                                "x-session-id": self.session}) as ws:
             prev = None
             for i in range(self.turns):
-                body = self._body(new_items, prev)
-                payload = json.dumps({"type": "response.create", **body})
-                t0 = time.perf_counter()
-                await ws.send(payload)
-                fe = ft = 0.0
-                while True:
-                    ev = json.loads(await ws.recv())
-                    now = time.perf_counter() - t0
-                    fe = fe or now
-                    if not ft and ev["type"] in ("response.output_text.delta", "response.function_call_arguments.delta"):
-                        ft = now
-                    if ev["type"] in TERMINAL or ev["type"] == "error":
-                        break
-                wall = time.perf_counter() - t0
-                if ev["type"] == "error":
-                    raise RuntimeError(f"turn {i} failed: {ev}")
-                resp = ev["response"]
-                out.append(self._turn(i, resp, wall, fe, ft, len(payload.encode())))
+                seen = await ws_turn(ws, self._body(new_items, prev), keep_events=False)
+                if not seen.ok:
+                    raise RuntimeError(f"turn {i} failed: {seen.events[-1] if seen.events else None}")
+                resp = seen.response
+                out.append(self._turn(i, resp, seen))
                 prev = resp["id"]
                 new_items = self._next_items(i, resp["output"])
                 if self.delay:
                     await asyncio.sleep(self.delay)
         return out
 
-    def _turn(self, i: int, resp: dict[str, Any], wall: float, fe: float, ft: float, nbytes: int) -> Turn:
+    def _turn(self, i: int, resp: dict[str, Any], seen: ClientTurn) -> Turn:
         if self.progress:
             self.progress(self.mode, i + 1, self.turns)
         usage = resp.get("usage") or {}
-        return Turn(i + 1, resp["id"], wall, fe, ft, nbytes, usage.get("input_tokens", 0),
+        return Turn(i + 1, resp["id"], seen.wall_s, seen.first_event_s, seen.first_token_s, seen.sent_bytes,
+                    usage.get("input_tokens", 0),
                     (usage.get("input_tokens_details") or {}).get("cached_tokens", 0))
 
 

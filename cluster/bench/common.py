@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Optional
 
@@ -29,26 +28,18 @@ async def ws_loop(url: str, turns: int, text: str, headers: Optional[dict] = Non
     """One socket, `turns` chained creates; per turn: response id, client wall time, gap since last terminal."""
     from websockets.asyncio.client import connect
 
+    from cluster.bench.client import ws_turn, ws_url
+
     rows = []
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=30, max_size=None,
-                       additional_headers=headers or {}) as ws:
+    async with connect(ws_url(url), open_timeout=30, max_size=None, additional_headers=headers or {}) as ws:
         prev, last_terminal = None, None
         for i in range(turns):
             t0 = time.perf_counter()
-            await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "store": store,
-                                      "previous_response_id": prev, "input": f"Turn {i:02d}: {text}"}))
-            created_at = None
-            while True:
-                ev = json.loads(await ws.recv())
-                if ev["type"] == "response.created":
-                    created_at = time.perf_counter()
-                if ev["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
-                    break
-            if ev["type"] == "error":
-                raise RuntimeError(ev)
-            now = time.perf_counter()
-            rows.append({"id": ev["response"]["id"], "wall_ms": (now - t0) * 1000,
-                         "gap_ms": (created_at - last_terminal) * 1000 if last_terminal else None})
-            last_terminal = now
-            prev = ev["response"]["id"]
+            seen = await ws_turn(ws, {"model": "loopserve-tiny", "store": store, "previous_response_id": prev,
+                                      "input": f"Turn {i:02d}: {text}"}, keep_events=False)
+            response = seen.response
+            rows.append({"id": response["id"], "wall_ms": seen.wall_s * 1000,
+                         "gap_ms": (t0 + seen.created_s - last_terminal) * 1000 if last_terminal else None})
+            last_terminal = t0 + seen.wall_s
+            prev = response["id"]
     return rows

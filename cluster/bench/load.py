@@ -21,10 +21,10 @@ import time
 from collections import Counter
 from typing import Any
 
+from cluster.bench.client import ws_turn, ws_url
 from cluster.bench.local import add_ingress_argument
 from cluster.bench.local import stats as server_stats
-
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+from cluster.core.events import TERMINAL_EVENTS
 
 
 class SessionResult:
@@ -36,14 +36,13 @@ class SessionResult:
 
 
 async def _turn(ws, body: dict[str, Any], result: SessionResult) -> str | None:
-    await ws.send(json.dumps({"type": "response.create", **body}))
-    rid, seq, terminals, items = None, -1, 0, set()
-    while True:
-        ev = json.loads(await asyncio.wait_for(ws.recv(), 300))
+    seen = await ws_turn(ws, body, timeout=300)
+    if not seen.ok:  # refused before it was created
+        result.problems[f"error:{seen.last['error'].get('code')}"] += 1
+        return None
+    rid, seq, items = None, -1, set()
+    for ev in seen.events:
         kind = ev["type"]
-        if kind == "error" and rid is None:
-            result.problems[f"error:{ev['error'].get('code')}"] += 1
-            return None
         if ev.get("sequence_number", seq + 1) <= seq:
             result.problems["sequence_not_increasing"] += 1
         seq = ev.get("sequence_number", seq)
@@ -53,8 +52,7 @@ async def _turn(ws, body: dict[str, Any], result: SessionResult) -> str | None:
             result.problems["event_of_another_response"] += 1
         if "item_id" in ev:
             items.add(ev["item_id"])
-        if kind in TERMINAL:
-            terminals += 1
+        if kind in TERMINAL_EVENTS:
             output_ids = {o["id"] for o in ev["response"]["output"]}
             if not items <= output_ids:
                 result.problems["item_of_another_response"] += 1
@@ -77,7 +75,7 @@ async def session(url: str, n: int, turns: int, go: asyncio.Event, handshakes: a
     result = SessionResult()
     results.append(result)
     async with handshakes:
-        ws = await connect(url.replace("http://", "ws://") + "/v1/responses", open_timeout=120, close_timeout=5,
+        ws = await connect(ws_url(url), open_timeout=120, close_timeout=5,
                            compression=None, ping_interval=None, max_size=None)
     try:
         # One warm turn so the idle session holds a cached response (what memory per session measures).

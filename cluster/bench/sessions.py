@@ -43,10 +43,15 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from cluster.bench.agent_loop import progress_bar
+from cluster.bench.client import ws_turn, ws_url
 from cluster.bench.local import add_ingress_argument
-from cluster.bench.session_report import calibrate, calibration_table, plot_svg, summarize, table
-
-TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+from cluster.bench.session_report import (
+    calibrate,
+    calibration_table,
+    plot_svg,
+    summarize,
+    table,
+)
 
 
 @dataclass
@@ -114,20 +119,6 @@ class Row:
     sent_at: float = 0.0  # the client's clock (perf_counter) when the turn was sent
 
 
-async def _read_terminal(ws) -> tuple[dict, float]:
-    queued_at, queued = None, 0.0
-    while True:
-        ev = json.loads(await ws.recv())
-        kind = ev.get("type")
-        if kind == "response.queued":
-            queued_at = time.perf_counter()
-        elif queued_at is not None:
-            queued += time.perf_counter() - queued_at
-            queued_at = None
-        if kind in TERMINAL:
-            return ev, queued
-
-
 async def ws_session(system: str, url: str, model: str, index: int, n: int, w: Workload, store: bool,
                      tick) -> list[Row]:
     from websockets.asyncio.client import connect
@@ -135,21 +126,20 @@ async def ws_session(system: str, url: str, model: str, index: int, n: int, w: W
     rng = random.Random(w.seed * 100_003 + index)
     tag = session_tag(w, n, index)
     rows: list[Row] = []
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", max_size=None, compression=None,
-                       open_timeout=120, ping_timeout=None) as ws:
+    async with connect(ws_url(url), max_size=None, compression=None, open_timeout=120, ping_timeout=None) as ws:
         prev = None
         for turn in range(w.turns + 1):
             if turn:
                 await asyncio.sleep(w.pause_s(rng))
             text = f"Session {tag}: start the task." if not turn else tool_output(tag, turn, w.turn_size(rng))
-            body = {"type": "response.create", "model": model, "input": text, "max_output_tokens": w.output_tokens,
-                    "temperature": 0, "store": store}
+            body = {"model": model, "input": text, "max_output_tokens": w.output_tokens, "temperature": 0,
+                    "store": store}
             if prev:
                 body["previous_response_id"] = prev
             t0 = time.perf_counter()
-            await ws.send(json.dumps(body))
-            ev, queued = await _read_terminal(ws)
-            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, queued, t0))
+            seen = await ws_turn(ws, body, keep_events=False)
+            ev = seen.last
+            rows.append(_row(system, n, index, turn, ev, seen.wall_s, seen.queued_s, t0))
             tick()
             if ev.get("type") == "error" or ev["response"]["status"] == "failed":
                 break

@@ -81,24 +81,18 @@ async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len
 async def ws_chain(url: str, turns: int, chars: int, max_tokens: int, model: str) -> list[float]:
     from websockets.asyncio.client import connect
 
+    from cluster.bench.client import ws_turn, ws_url
+
     prefix = secrets.token_hex(8)
     times = []
-    async with connect(url.replace("http://", "ws://") + "/v1/responses", max_size=None, compression=None,
-                       open_timeout=60) as ws:
+    async with connect(ws_url(url), max_size=None, compression=None, open_timeout=60) as ws:
         prev = None
         for i in range(turns):
-            t0 = time.perf_counter()
-            await ws.send(json.dumps({"type": "response.create", "model": model, "store": False,
-                                      "previous_response_id": prev, "max_output_tokens": max_tokens,
-                                      "temperature": 0, "input": _message(i, chars, prefix)}))
-            while True:
-                ev = json.loads(await ws.recv())
-                if ev["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
-                    break
-            if ev["type"] == "error":
-                raise RuntimeError(ev)
-            times.append(time.perf_counter() - t0)
-            prev = ev["response"]["id"]
+            seen = await ws_turn(ws, {"model": model, "store": False, "previous_response_id": prev,
+                                      "max_output_tokens": max_tokens, "temperature": 0,
+                                      "input": _message(i, chars, prefix)}, keep_events=False)
+            prev = seen.response["id"]  # raises on a refused turn
+            times.append(seen.wall_s)
     return times
 
 
