@@ -164,14 +164,22 @@ class VLLMEngine:
 
             sched = vllm_config.scheduler_config
             sched.scheduler_cls = retaining_scheduler_for(bool(getattr(sched, "async_scheduling", False)))
-        self.preemptions = PreemptionCounter()
-        self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self.preemptions.factory],
-                                             disable_log_stats=True)
+        gate_warming = None
         if cfg.grammar_compile_timeout_s is not None:
             from cluster.engines.grammar_gate import GrammarGate
 
+            # The gate's worker (a process, xgrammar and the tokenizer: ~20 s of one core here)
+            # starts beside the engine's own start and is awaited below: a replica that reported
+            # ready while it still loaded took that core from the first turns (8 sessions started
+            # at once: turn 0 took 5.1 s instead of 1.6 s, `python -m cluster.bench.sessions`).
             self.grammar_gate = GrammarGate(self.model.resolved_path(), cfg.grammar_compile_timeout_s)
-            self._gate_warming = asyncio.get_running_loop().create_task(self.grammar_gate.warm())
+            gate_warming = asyncio.get_running_loop().create_task(self.grammar_gate.warm())
+            await asyncio.sleep(0)  # the worker process starts before the engine's start blocks this loop
+        self.preemptions = PreemptionCounter()
+        self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self.preemptions.factory],
+                                             disable_log_stats=True)
+        if gate_warming is not None:
+            await gate_warming
         cache = self.llm.vllm_config.cache_config
         self.block_size = int(cache.block_size or 16)
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self.block_size
