@@ -232,7 +232,9 @@ class EngineReplica:
         import ray
 
         kv = self.kv_figures()
+        gate = getattr(self.engine, "grammar_gate", None)
         return {**self.engine.stats.as_dict(), "replica": self.replica_id, "kv": kv,
+                "grammar_worker": {"ready": gate.ready, "refused": gate.refused} if gate is not None else None,
                 "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens, "bytes": self.prompts.nbytes,
                                     "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests),

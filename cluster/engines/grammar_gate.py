@@ -66,6 +66,12 @@ class GrammarGate:
         self._lock = asyncio.Lock()  # one compile at a time: the worker has one thread
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
         self._conn: Any = None
+        self._up = False  # the worker said it is ready
+
+    @property
+    def ready(self) -> bool:
+        """The worker is up: a new schema is compiled now, not after the worker starts."""
+        return self._up and self._proc is not None and self._proc.is_alive()
 
     async def warm(self) -> None:
         """Start the worker ahead of the first schema (a process and a tokenizer: seconds)."""
@@ -111,8 +117,10 @@ class GrammarGate:
             self._stop()
             raise RuntimeError("the grammar worker did not start")
         parent.recv()
+        self._up = True
 
     def _stop(self) -> None:
+        self._up = False
         if self._proc is not None:
             self._proc.kill()
             self._proc.join(5)

@@ -10,6 +10,17 @@ from tests.support.ws import sdk_response, sdk_turn
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
+def test_a_replica_serves_only_once_warm(vllm_url):
+    """First in this module, so it reads the app the moment it answers. A replica that reported
+    ready while its grammar worker still loaded (~20 s of a core) slowed the first turns of
+    every session started with it (8 sessions: turn 0 took 5.1 s instead of 1.5 s)."""
+    import httpx
+
+    from cluster.bench.local import admin_headers
+
+    engine = httpx.get(vllm_url + "/loopserve/stats", headers=admin_headers(), timeout=30).json()["engine"]
+    assert engine["grammar_worker"] == {"ready": True, "refused": 0}, engine["grammar_worker"]
+
 
 def test_multi_turn_websocket_session_reuses_the_prefix_kv(vllm_url, client_for):
     client = client_for(vllm_url)
