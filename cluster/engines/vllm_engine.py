@@ -176,10 +176,18 @@ class VLLMEngine:
             gate_warming = asyncio.get_running_loop().create_task(self.grammar_gate.warm())
             await asyncio.sleep(0)  # the worker process starts before the engine's start blocks this loop
         self.preemptions = PreemptionCounter()
-        self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self.preemptions.factory],
-                                             disable_log_stats=True)
+        try:
+            self.llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self.preemptions.factory],
+                                                 disable_log_stats=True)
+        except BaseException:
+            if self.grammar_gate is not None:  # no worker process left behind by a failed start
+                self.grammar_gate.close()
+            raise
         if gate_warming is not None:
-            await gate_warming
+            try:
+                await gate_warming
+            except Exception as exc:  # noqa: BLE001 - the first schema starts the worker again (check)
+                log.warning("grammar worker did not start: %s", exc)
         cache = self.llm.vllm_config.cache_config
         self.block_size = int(cache.block_size or 16)
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self.block_size
