@@ -67,12 +67,32 @@ def ingress_env(mode: IngressMode) -> dict[str, str]:
     return {**SERVE_FAST_PATH_ENV, **(HAPROXY_ENV if mode == "haproxy" else {})}
 
 
-# For a cluster on one machine (what `loopserve serve` and the benchmarks start), where Serve's
-# controller shares the cores with the engine: its control loop every 0.5 s instead of 0.1 s.
-# Measured (N=8 agent sessions on the real engine, 2 cores): the controller used ~3% of a core;
-# turn p50 7.11 -> 6.66-6.74 s, all sessions done 97.6 -> 94.4-95.1 s. Deploys and scaling
-# decisions react up to 0.4 s later. Multi-node heads (num-cpus 0) keep Serve's default.
-LOCAL_CLUSTER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+# For a cluster on one machine (what `loopserve serve`, the tests and the benchmarks start), where
+# Ray's own processes share the cores with the engine. vLLM's CPU kernels run one OpenMP thread per
+# core and meet at a barrier every layer, so a process that wakes on either core stalls both: a
+# background load of 8% of one core in 1 ms bursts made vLLM's own server 17% slower (N=8 agent
+# sessions, sum of turn latencies 764 -> 909 s), and an idle loopserve stack beside it cost about
+# as much. Idle, that stack took ~12% of a core, nearly all periodic housekeeping; these settings
+# lengthen the periods nobody on one machine needs short (idle: ~12% -> ~9% of a core):
+# - Serve's control loop every 0.5 s, not 0.1 s (deploys and scaling react up to 0.4 s later);
+# - Serve's cached request metrics flushed every 1 s, not 0.1 s (only their freshness changes);
+# - Ray's log monitor re-lists the log folder every 5 s, not every 0.1 s (a new replica's log
+#   reaches the driver's console up to 5 s later);
+# - no task events (the dashboard's task table; there is no dashboard), Ray's own metrics every
+#   30 s, the raylet's disk, GC and idle-worker checks every 1-5 s, no event-loop lag probe.
+# Multi-node heads started with `ray start` keep Ray's and Serve's defaults.
+LOCAL_CLUSTER_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_metrics_report_interval_ms": "30000",
+    "RAY_local_fs_monitor_interval_ms": "5000",
+    "RAY_raylet_check_gc_period_milliseconds": "1000",
+    "RAY_kill_idle_workers_interval_ms": "2000",
+    "RAY_io_context_event_loop_lag_collection_interval_ms": "-1",
+}
 
 
 def apply_ingress_env(mode: Optional[IngressMode]) -> None:

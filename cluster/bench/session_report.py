@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
@@ -144,3 +145,22 @@ def plot_svg(results: list[dict[str, Any]], path: Path) -> Path:
     parts.append("</svg>")
     path.write_text("\n".join(parts))
     return path
+
+
+def median_of_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per system and N: the median of each number over its rounds (`--rounds`); the
+    rounds' own p50s and done times ride along, so the spread stays visible."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in per_round:
+        groups[(r["system"], r["sessions"])].append(r)
+    merged = []
+    for (system, n), runs in groups.items():
+        row: dict[str, Any] = {"system": system, "sessions": n, "rounds": len(runs)}
+        for key in runs[0]:
+            values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+            if key not in row and key != "round" and len(values) == len(runs):
+                row[key] = statistics.median(values)
+        row["round_p50_s"] = [r.get("turn_p50_s") for r in runs]
+        row["round_done_s"] = [r.get("all_done_s") for r in runs]
+        merged.append(row)
+    return merged
