@@ -159,7 +159,8 @@ def median_of_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in runs[0]:
             values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
             if key not in row and key != "round" and len(values) == len(runs):
-                row[key] = statistics.median(values)
+                mid = statistics.median(values)
+                row[key] = int(mid) if all(isinstance(v, int) for v in values) and mid == int(mid) else round(mid, 3)
         row["round_p50_s"] = [r.get("turn_p50_s") for r in runs]
         row["round_done_s"] = [r.get("all_done_s") for r in runs]
         merged.append(row)

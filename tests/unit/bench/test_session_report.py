@@ -80,12 +80,15 @@ def test_rounds_are_merged_into_each_figures_median_per_system_and_n():
     from cluster.bench.session_report import median_of_rounds
 
     per_round = [{"system": "vllm", "sessions": 8, "round": r, "turn_p50_s": p50, "all_done_s": done, "hit": hit}
-                 for r, (p50, done, hit) in enumerate([(9.0, 120.0, 0.99), (11.0, 140.0, 0.98), (10.0, 125.0, None)])]
+                 for r, (p50, done, hit) in enumerate([(9.0, 120.0, 0.99), (11.1, 140.0, 0.98), (10.05, 125.0, None)])]
     per_round.append({"system": "loopserve", "sessions": 8, "round": 0, "turn_p50_s": 8.0, "all_done_s": 110.0,
                       "hit": 0.99})
     merged = {r["system"]: r for r in median_of_rounds(per_round)}
     vllm = merged["vllm"]
-    assert (vllm["turn_p50_s"], vllm["all_done_s"], vllm["rounds"]) == (10.0, 125.0, 3)
-    assert vllm["round_p50_s"] == [9.0, 11.0, 10.0]
+    assert (vllm["turn_p50_s"], vllm["all_done_s"], vllm["rounds"]) == (10.05, 125.0, 3)
+    assert vllm["round_p50_s"] == [9.0, 11.1, 10.05]
+    two = median_of_rounds([{"system": "vllm", "sessions": 8, "turn_p50_s": a, "preemptions": b}
+                            for a, b in ((11.1, 0), (11.2, 0))])[0]
+    assert (two["turn_p50_s"], two["preemptions"]) == (11.15, 0)  # as the table prints it: no 11.149999
     assert "hit" not in vllm  # a figure missing from one round has no median
     assert merged["loopserve"]["turn_p50_s"] == 8.0
