@@ -21,7 +21,8 @@ Per run it reports, from the client's side of every system:
 Systems: `loopserve` (WebSocket mode, `store: false`, the config as shipped),
 `vllm` (vLLM's own server, `/v1/responses` chained with previous_response_id),
 `agentic` (vLLM's agentic-api gateway over WebSocket, in front of that server), all on
-the same model, KV size and CPU threads, one after the other in one run. With
+the same model, KV size and CPU threads, one after the other in one run (`--rounds R`: R
+times, interleaved, each on fresh servers; medians reported). With
 `--engine scripted` the engine is the scripted stand-in with its modelled KV cache
 (engines/kv_model.py), and the comparison is loopserve with its KV budget against
 loopserve without it (hash-only placement, no retention): `loopserve-nobudget`.
