@@ -334,60 +334,65 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         print("\n" + table(per_round[-1:]), flush=True)
 
     real_kv_tokens: Optional[int] = None  # the real engine's capacity, seen by loopserve's run
+
+    def run_system(system: str, w_round: Workload, rnd: int) -> None:
+        nonlocal real_kv_tokens
+        with ExitStack() as stack:
+            if system.startswith("loopserve") or system == STAND_IN:
+                engine = "scripted" if system == STAND_IN else ns.engine
+                sys_kv = kv_tokens
+                if system == STAND_IN and ns.engine == "vllm":
+                    # The stand-in at the real engine's KV size: its hit curve is the calibration.
+                    sys_kv = ns.kv_tokens or real_kv_tokens or (ns.kv_blocks or 0) * 32 or 46_592
+                args = loopserve_args(ns.config, engine, ns.replicas, sys_kv, system == "loopserve", rates,
+                                      ns.kv_blocks, max(ns_values))
+                url = stack.enter_context(loopserve(args, ns.ingress))
+                model = args["model"]["name"]
+                for n in ns_values:
+                    before = loopserve_engine_stats(url)
+                    rows, elapsed = asyncio.run(run_sessions(system, url, model, n, w_round, "websocket"))
+                    after = loopserve_engine_stats(url)
+                    pre = sum(s.get("preemptions", 0) for s in after) - sum(s.get("preemptions", 0) for s in before)
+                    wait = max((s.get("max_queue_wait_s", 0.0) for s in after), default=0.0)
+                    capacity = max((s.get("capacity_tokens", 0) for s in after), default=0) or sys_kv
+                    if engine == "vllm" and capacity:
+                        real_kv_tokens = capacity
+                    record(system, n, rows, elapsed, {"round": rnd, "preemptions": pre,
+                                                      "server_max_queue_wait_s": wait,
+                                                      "engine_replicas": len(after), "kv_tokens": capacity})
+            else:
+                from cluster.bench.peers import agentic_api, vllm_metrics, vllm_server
+                from cluster.engines.vllm_engine import _on_cpu, resolve_dtype
+                from cluster.models.builtin import ensure_builtin
+
+                args = loopserve_args(ns.config, "vllm", 1, None, True, rates, ns.kv_blocks)
+                model_cfg, vcfg = args["model"], args["engine"].get("vllm", {})
+                model_dir = str(ensure_builtin(model_cfg.get("builtin", "loopserve-tiny")))
+                vurl = stack.enter_context(vllm_server(
+                    model_dir, served_name=model_cfg["name"], max_len=model_cfg.get("max_model_len", 8192),
+                    block_size=vcfg.get("block_size") or 32, kv_gib=vcfg.get("cpu_kvcache_space_gib", 1),
+                    # loopserve's engine's dtype: the same kernels and the same KV tokens side by side
+                    dtype=resolve_dtype(vcfg.get("dtype", "auto"), _on_cpu()), kv_blocks=ns.kv_blocks,
+                    log_path=str(out / f"{system}-vllm.log")))
+                url = stack.enter_context(agentic_api(vurl, str(out / "agentic.log"))) if system == "agentic" else vurl
+                for n in ns_values:
+                    before = vllm_metrics(vurl)
+                    rows, elapsed = asyncio.run(run_sessions(system, url, model_cfg["name"], n, w_round,
+                                                             "http" if system == "vllm" else "websocket", store=True))
+                    after = vllm_metrics(vurl)
+                    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                    qn = delta.get("vllm:request_queue_time_seconds_count", 0) or 1
+                    record(system, n, rows, elapsed, {
+                        "round": rnd, "preemptions": int(delta.get("vllm:num_preemptions_total", 0)),
+                        "server_mean_queue_wait_s": round(delta.get("vllm:request_queue_time_seconds_sum", 0) / qn, 3)})
+
     rounds = max(1, ns.rounds)
     for rnd in range(rounds):
         # Every system once per round, in the same order, each on a server started afresh: the
         # machine's drift over a run falls on all of them alike; each round its own texts and pauses.
         w_round = replace(w, seed=w.seed + rnd)
         for system in systems:
-            with ExitStack() as stack:
-                if system.startswith("loopserve") or system == STAND_IN:
-                    engine = "scripted" if system == STAND_IN else ns.engine
-                    sys_kv = kv_tokens
-                    if system == STAND_IN and ns.engine == "vllm":
-                        # The stand-in at the real engine's KV size: its hit curve is the calibration.
-                        sys_kv = ns.kv_tokens or real_kv_tokens or (ns.kv_blocks or 0) * 32 or 46_592
-                    args = loopserve_args(ns.config, engine, ns.replicas, sys_kv, system == "loopserve", rates,
-                                          ns.kv_blocks, max(ns_values))
-                    url = stack.enter_context(loopserve(args, ns.ingress))
-                    model = args["model"]["name"]
-                    for n in ns_values:
-                        before = loopserve_engine_stats(url)
-                        rows, elapsed = asyncio.run(run_sessions(system, url, model, n, w_round, "websocket"))
-                        after = loopserve_engine_stats(url)
-                        pre = sum(s.get("preemptions", 0) for s in after) - sum(s.get("preemptions", 0) for s in before)
-                        wait = max((s.get("max_queue_wait_s", 0.0) for s in after), default=0.0)
-                        capacity = max((s.get("capacity_tokens", 0) for s in after), default=0) or sys_kv
-                        if engine == "vllm" and capacity:
-                            real_kv_tokens = capacity
-                        record(system, n, rows, elapsed, {"round": rnd, "preemptions": pre,
-                                                          "server_max_queue_wait_s": wait,
-                                                          "engine_replicas": len(after), "kv_tokens": capacity})
-                else:
-                    from cluster.bench.peers import agentic_api, vllm_metrics, vllm_server
-                    from cluster.engines.vllm_engine import _on_cpu, resolve_dtype
-                    from cluster.models.builtin import ensure_builtin
-
-                    args = loopserve_args(ns.config, "vllm", 1, None, True, rates, ns.kv_blocks)
-                    model_cfg, vcfg = args["model"], args["engine"].get("vllm", {})
-                    model_dir = str(ensure_builtin(model_cfg.get("builtin", "loopserve-tiny")))
-                    vurl = stack.enter_context(vllm_server(
-                        model_dir, served_name=model_cfg["name"], max_len=model_cfg.get("max_model_len", 8192),
-                        block_size=vcfg.get("block_size") or 32, kv_gib=vcfg.get("cpu_kvcache_space_gib", 1),
-                        # loopserve's engine's dtype: the same kernels and the same KV tokens side by side
-                        dtype=resolve_dtype(vcfg.get("dtype", "auto"), _on_cpu()), kv_blocks=ns.kv_blocks,
-                        log_path=str(out / f"{system}-vllm.log")))
-                    url = stack.enter_context(agentic_api(vurl, str(out / "agentic.log"))) if system == "agentic" else vurl
-                    for n in ns_values:
-                        before = vllm_metrics(vurl)
-                        rows, elapsed = asyncio.run(run_sessions(system, url, model_cfg["name"], n, w_round,
-                                                                 "http" if system == "vllm" else "websocket", store=True))
-                        after = vllm_metrics(vurl)
-                        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-                        qn = delta.get("vllm:request_queue_time_seconds_count", 0) or 1
-                        record(system, n, rows, elapsed, {
-                            "round": rnd, "preemptions": int(delta.get("vllm:num_preemptions_total", 0)),
-                            "server_mean_queue_wait_s": round(delta.get("vllm:request_queue_time_seconds_sum", 0) / qn, 3)})
+            run_system(system, w_round, rnd)
     results = median_of_rounds(per_round) if rounds > 1 else per_round
     if rounds > 1:
         print("\nper round:\n" + table(per_round) + f"\n\nmedian of {rounds} rounds:")
