@@ -25,7 +25,7 @@ from cluster.serving.connection import ConnectionServices
 class ConnectionActor:
     async def __init__(
         self,
-        render: DeploymentHandle,
+        render: Optional[DeploymentHandle],  # None: full renders run here (`render_in_connection`)
         engine: DeploymentHandle,
         config: LoopserveConfig,
         safety: Optional[DeploymentHandle] = None,

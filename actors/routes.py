@@ -23,7 +23,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from actors.http import app, error_response, json_body, peak_rss_bytes, rss_bytes, sse
 from cluster import telemetry
-from cluster.core.events import TERMINAL_EVENTS
+from cluster.core.progress import TurnProgress
 from cluster.core.turn.admission import admit_create
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import TurnRequest, cache_salt
@@ -201,19 +201,16 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
     if req.stream:
         return StreamingResponse(_sse_stream(first, events), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-    final: Optional[dict[str, Any]] = None
-    error: Optional[dict[str, Any]] = None
+    progress = TurnProgress()
+    progress.observe(first)
     async for ev in events:
-        if ev["type"] in TERMINAL_EVENTS:
-            final = ev["response"]
-        elif ev["type"] == "error":
-            error = ev
-    if final is None:
+        progress.observe(ev)
+    if progress.final is None:
         return error_response(server_error())
-    if final["status"] == "failed" and error is not None:
-        e = error["error"]
+    if progress.status == "failed" and progress.error is not None:
+        error, e = progress.error, progress.error["error"]
         return error_response(ApiError(error.get("status", 500), e["message"], code=e.get("code"), param=e.get("param")))
-    return JSONResponse(final)
+    return JSONResponse(progress.final)
 
 
 async def _sse_stream(first: dict[str, Any], events):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from typing import Any, Optional, Union
 
@@ -29,14 +28,7 @@ def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None, fas
                             "graceful_shutdown_timeout_s": res.graceful_shutdown_timeout_s,
                             "graceful_shutdown_wait_loop_s": 0.5}
     if res.autoscaling is not None:
-        a = res.autoscaling
-        opts["autoscaling_config"] = {
-            "min_replicas": a.min_replicas,
-            "max_replicas": a.max_replicas,
-            "target_ongoing_requests": a.target_ongoing_requests,
-            "upscale_delay_s": a.upscale_delay_s,
-            "downscale_delay_s": a.downscale_delay_s,
-        }
+        opts["autoscaling_config"] = res.autoscaling.model_dump()  # Serve's AutoscalingConfig field names
     else:
         opts["num_replicas"] = res.num_replicas
     for key, value in res.serve_options.items():  # the operator's own Serve options win
@@ -55,10 +47,7 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
             # Keep the engine core in the replica's process: faster start, one actor.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         }
-        if not config.engine_deployment.num_gpus:
-            # Ray sets OMP_NUM_THREADS=1 for fractional-CPU actors; a CPU engine
-            # would then run its kernels on one thread.
-            env["OMP_NUM_THREADS"] = str(config.engine.vllm.cpu_threads or os.cpu_count() or 1)
+        # No OMP_NUM_THREADS: a CPU engine's kernel threads follow its core binding (VLLMEngine.start).
     opts = _options(config.engine_deployment, env, config.serve_fast_path)
     opts["health_check_timeout_s"] = 120
     if config.engine.direct_stream and "autoscaling_config" in opts:
@@ -124,7 +113,8 @@ def with_sealing_key(config: LoopserveConfig) -> LoopserveConfig:
 
 
 def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Application:
-    """Validate the config and bind ConnectionActor -> RenderActor, EngineReplica."""
+    """Validate the config and bind ConnectionActor -> RenderActor (unless `render_in_connection`), EngineReplica
+    (+ SafetyActor, GuardEngine when safety runs out of line)."""
     from actors.connection import ConnectionActor
     from actors.engine import EngineReplica
     from actors.render import RenderActor
@@ -137,7 +127,9 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
         check_can_make(config.model.builtin)  # a missing package fails here, not in every replica
     config = with_sealing_key(config)
     fast = config.serve_fast_path
-    render = RenderActor.options(**_options(config.render, fast_path=fast)).bind(config)
+    render = None
+    if not config.render_in_connection:
+        render = RenderActor.options(**_options(config.render, fast_path=fast)).bind(config)
     engine = EngineReplica.options(**engine_options(config)).bind(config)
     safety = None
     if config.safety.enabled and not config.safety.runs_inline:

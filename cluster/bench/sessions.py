@@ -38,14 +38,15 @@ import random
 import signal
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from cluster.bench.agent_loop import progress_bar
 from cluster.bench.client import ws_turn, ws_url
 from cluster.bench.local import add_ingress_argument
+from cluster.bench.session_systems import STAND_IN, loopserve, loopserve_args, loopserve_engine_stats
 from cluster.bench.session_report import (
     calibrate,
     calibration_table,
@@ -206,59 +207,17 @@ async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, t
     return [r for rows in results for r in rows], time.perf_counter() - t0
 
 
-# -- systems ---------------------------------------------------------------------------------
+# Before a system is measured: one short session through it (the engine's first passes of each
+# shape, connection set-up, allocators) and a pause for what a freshly started server still does in
+# the background (Ray's agents and log monitor after a cluster start, a peer's first metrics
+# scrapes). Every system gets the same: the run measures serving, not start-up.
+WARM_UP = Workload(turns=2, turn_chars=400, output_tokens=8, pause=(0.0, 0.0), seed=10_000)
+SETTLE_S = 5.0
 
 
-# The scripted engine's modelled KV cache without loopserve's budget (hash placement, no
-# retention: what vLLM does alone), run at the real engine's KV size and this CPU's rates.
-STAND_IN = "stand-in"
-
-
-def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
-                   rates: tuple[float, float], kv_blocks: Optional[int] = None, sessions: int = 0) -> dict[str, Any]:
-    import yaml
-
-    args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
-    args.setdefault("engine", {})
-    if kv_blocks:
-        args["engine"].setdefault("vllm", {})["num_gpu_blocks_override"] = kv_blocks
-    args["engine"]["kv_budget"] = {**args["engine"].get("kv_budget", {}), "enabled": budget}
-    args["store"] = {"backend": "none"}  # store: false sessions; the bench measures the engine path
-    args.setdefault("engine_deployment", {})["num_replicas"] = replicas
-    conn = args.setdefault("connection", {})
-    # Every session's socket open at once on the connection replica(s).
-    conn["max_ongoing_requests"] = max(conn.get("max_ongoing_requests", 256), sessions + 16)
-    if engine == "scripted":
-        args["engine"]["backend"] = "scripted"
-        args["engine"]["scripted"] = {"kv_capacity_tokens": kv_tokens or 46_592, "kv_block_size": 32,
-                                      "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
-                                      "max_output_tokens": 64, "serial_prefill": True,
-                                      "answer_text": "I ran the tool and read its output; next I will fix the failing test. " * 3}
-        args["engine_deployment"]["num_cpus"] = 0.1
-    return args
-
-
-@contextmanager
-def loopserve(args: dict[str, Any], ingress: str) -> Iterator[str]:
-    from cluster.bench.local import deploy, start_local_serve, stop_local_serve
-
-    url = deploy(start_local_serve(ingress=ingress), "sessions", "/", args, timeout=900)
-    try:
-        yield url
-    finally:
-        stop_local_serve()
-
-
-def loopserve_engine_stats(url: str, probes: int = 32) -> list[dict[str, Any]]:
-    """Every engine replica's `kv` figures (stats routed by session key: probe a few keys)."""
-    from cluster.bench.local import stats
-
-    seen: dict[str, dict[str, Any]] = {}
-    for i in range(probes):
-        engine = stats(url, session=f"probe-{i}")["engine"]
-        seen[engine.get("replica", str(i))] = {**engine.get("kv", {}), "prompt_tokens": engine["prompt_tokens"],
-                                               "cached_tokens": engine["cached_tokens"]}
-    return list(seen.values())
+def warm_up(system: str, url: str, model: str, transport: str, store: bool) -> None:
+    asyncio.run(run_sessions(f"{system} warm-up", url, model, 1, WARM_UP, transport, store=store))
+    time.sleep(SETTLE_S)
 
 
 def _exit_once(*_: Any) -> None:
@@ -348,6 +307,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                                       ns.kv_blocks, max(ns_values))
                 url = stack.enter_context(loopserve(args, ns.ingress))
                 model = args["model"]["name"]
+                warm_up(system, url, model, "websocket", store=False)
                 for n in ns_values:
                     before = loopserve_engine_stats(url)
                     rows, elapsed = asyncio.run(run_sessions(system, url, model, n, w_round, "websocket"))
@@ -375,10 +335,12 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     dtype=resolve_dtype(vcfg.get("dtype", "auto"), _on_cpu()), kv_blocks=ns.kv_blocks,
                     log_path=str(out / f"{system}-vllm.log")))
                 url = stack.enter_context(agentic_api(vurl, str(out / "agentic.log"))) if system == "agentic" else vurl
+                transport = "http" if system == "vllm" else "websocket"
+                warm_up(system, url, model_cfg["name"], transport, store=True)
                 for n in ns_values:
                     before = vllm_metrics(vurl)
-                    rows, elapsed = asyncio.run(run_sessions(system, url, model_cfg["name"], n, w_round,
-                                                             "http" if system == "vllm" else "websocket", store=True))
+                    rows, elapsed = asyncio.run(run_sessions(system, url, model_cfg["name"], n, w_round, transport,
+                                                             store=True))
                     after = vllm_metrics(vurl)
                     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                     qn = delta.get("vllm:request_queue_time_seconds_count", 0) or 1

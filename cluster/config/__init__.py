@@ -6,7 +6,7 @@ holds the top level and names every section, so `from cluster.config import X` f
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from cluster.config.auth import ApiKey, AuthConfig, KeysMissing, SealingConfig
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
@@ -65,13 +65,26 @@ class LoopserveConfig(StrictModel):
     """The engine replicas (one engine each)."""
     inline_delta_render: bool = True
     """Render delta jobs (anchor + new items, O(new)) in the connection actor itself: ~1 ms of work that would
-    otherwise cost a handle hop. Full renders (O(history): cache misses, stateless requests) still go to
-    RenderActor."""
+    otherwise cost a handle hop. Full renders (O(history): cache misses, stateless requests) go to a
+    RenderActor (or stay here: `render_in_connection`)."""
     serve_fast_path: bool = True
     """Ray Serve's low-latency request path for every deployment (see `cluster.ingress.SERVE_FAST_PATH_ENV`)."""
+    render_in_connection: bool = False
+    """Full renders too run in the connection replica (in a worker thread), and no RenderActor deployment is
+    started. For one-machine configs: every Ray worker process wakes ~100 times a second even when idle, and on
+    a CPU engine each wakeup can stall its OpenMP threads, so one process fewer is engine time back. Leave it off
+    where full renders should scale apart from sockets (many nodes, stateless traffic). Needs
+    `inline_delta_render` (its tokenizer renders)."""
     render_audit_every: int = Field(64, ge=0)
     """Every this many continuations rendered as deltas, one is rendered again in full after the turn (post-work,
-    on a RenderActor) and compared with what the engine was sent; on a mismatch the connection replica renders
+    where full renders run) and compared with what the engine was sent; on a mismatch the connection replica renders
     every turn in full from then on. 0: off. Needs `inline_delta_render` (its tokenizer compares texts)."""
     verify_renders: bool = False
     """Verify every incremental render against a full render (tests; O(history))."""
+
+    @model_validator(mode="after")
+    def _render_home(self) -> "LoopserveConfig":
+        if self.render_in_connection and not self.inline_delta_render:
+            raise ValueError("render_in_connection needs inline_delta_render: the connection replica's tokenizer "
+                             "is what renders")
+        return self

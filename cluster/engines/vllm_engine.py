@@ -126,6 +126,12 @@ class VLLMEngine:
             # multiprocess executor applies the binding to the worker it starts).
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(self.config.cpu_threads_bind,
                                                                        self.config.cpu_threads)
+            # vLLM gives its worker one OpenMP thread per bound core itself. An OMP_NUM_THREADS
+            # here (Ray sets one for every actor) would also reach the engine core process, which
+            # then keeps a multi-threaded torch pool whose threads spin after each op on the cores
+            # the kernels are bound to. vLLM's server, started without it, runs that process on
+            # one thread, and vLLM warns against the pool ("spin-wait contention").
+            os.environ.pop("OMP_NUM_THREADS", None)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

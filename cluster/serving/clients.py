@@ -39,21 +39,33 @@ def deployment_retry(config: LoopserveConfig) -> RetryPolicy:
 
 
 class RenderClient:
-    """The render port: a delta inline when this replica has the tokenizer, else the RenderActor."""
+    """The render port: a delta inline when this replica has the tokenizer; a full render on the
+    RenderActor, or in a worker thread of this replica when the app has no render replicas
+    (`render_in_connection`)."""
 
-    def __init__(self, handle: DeploymentHandle, retry: RetryPolicy,
+    def __init__(self, handle: Optional[DeploymentHandle], retry: RetryPolicy,
                  local: Optional[IncrementalRenderer] = None) -> None:
+        if handle is None and local is None:
+            raise ValueError("a RenderClient needs a RenderActor handle or a local renderer")
         self.handle, self.retry, self.local = handle, retry, local
         self.local_mismatches = 0
 
     async def __call__(self, job: RenderJob) -> Optional[RenderResult]:
         if self.local is not None and job.inline_ok:
-            result, mismatch = render_job(self.local, job)
-            self.local_mismatches += mismatch
-            return result
-        return await self.retry.call("render", lambda: self.handle.render.remote(job), replica_gone)
+            result, mismatch = render_job(self.local, job)  # O(new items): on the loop
+        elif self.handle is None:
+            # O(history): off the event loop, which serves every socket of this replica.
+            result, mismatch = await asyncio.to_thread(render_job, self.local, job)
+        else:
+            return await self.retry.call("render", lambda: self.handle.render.remote(job), replica_gone)
+        if mismatch:
+            self.local_mismatches += 1
+            log.error("incremental render differs from the full render; used the full one")
+        return result
 
     async def stats(self) -> dict[str, Any]:
+        if self.handle is None:
+            return self.local_stats()
         return await self.handle.stats.remote()
 
     def local_stats(self) -> Optional[dict[str, int]]:

@@ -81,7 +81,7 @@ class ConnectionServices:
         self.metrics.observe("loopserve.session_cache.entries", self._cache_entries, "responses held by session caches")
 
     @classmethod
-    async def build(cls, config: LoopserveConfig, *, render: DeploymentHandle, engine: DeploymentHandle,
+    async def build(cls, config: LoopserveConfig, *, render: Optional[DeploymentHandle], engine: DeploymentHandle,
                     safety: Optional[DeploymentHandle] = None) -> "ConnectionServices":
         retry = deployment_retry(config)
         local_renderer = None

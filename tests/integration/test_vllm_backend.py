@@ -158,3 +158,34 @@ def test_penalties_reach_the_engine_and_the_response_reports_them(vllm_url, clie
     assert (penalised.frequency_penalty, penalised.presence_penalty) == (2.0, 1.5)
     assert plain.output_text == client.responses.create(**body).output_text  # greedy: repeatable
     assert penalised.output_text != plain.output_text
+
+
+def _processes(comm: str) -> dict[int, dict[str, str]]:
+    """Every process on this machine named `comm`, with its environment."""
+    from pathlib import Path
+
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().strip() == comm:
+                raw = (proc / "environ").read_bytes().split(b"\0")
+                found[int(proc.name)] = dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_the_engine_processes_run_with_the_threads_vllms_own_server_gives_them(vllm_url):
+    """vLLM's server starts without OMP_NUM_THREADS: its engine core then serves on one torch
+    thread, and its worker gets one OpenMP thread per core it is bound to. An OMP_NUM_THREADS
+    inherited from the Ray actor gave the engine core a second torch pool, whose threads spin on
+    the cores the kernels are bound to."""
+    cores = [p for p in _processes("VLLM::EngineCor").values() if p.get("VLLM_CPU_OMP_THREADS_BIND")]
+    workers = [p for p in _processes("VLLM::Worker").values() if p.get("VLLM_CPU_OMP_THREADS_BIND")]
+    assert cores and workers, "no vLLM engine core and worker on this machine"
+    assert all("OMP_NUM_THREADS" not in env for env in cores), [env.get("OMP_NUM_THREADS") for env in cores]
+    for env in workers:
+        bound = env["VLLM_CPU_OMP_THREADS_BIND"]
+        count = sum(int(b) - int(a) + 1 if "-" in part else 1
+                    for part in bound.split(",") for a, _, b in [part.partition("-")])
+        assert env.get("OMP_NUM_THREADS") == str(count), (bound, env.get("OMP_NUM_THREADS"))

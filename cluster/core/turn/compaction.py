@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
-from cluster.core.events import TERMINAL_EVENTS, Event
+from cluster.core.events import Event
+from cluster.core.progress import TurnProgress
 from cluster.core.render.renderer import COMPACTION_SUMMARY, content_text
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.prepare import TurnSettings
@@ -105,13 +106,17 @@ async def summarise(run: RunPort, settings: TurnSettings, items: Sequence[dict[s
                                  "max_output_tokens": budget, "store": False})
         turn = TurnRequest(request, SessionCache(), session_key=f"compact:{new_id('cmp')}", owner=tenant)
         try:
-            final = [ev async for ev in run(turn) if ev["type"] in TERMINAL_EVENTS][-1]
+            progress = TurnProgress()
+            async for ev in run(turn):
+                progress.observe(ev)
         except ApiError as err:
             if err.code != "context_length_exceeded" or max_chars <= 256:
                 raise
             max_chars //= 2
             continue
-        response = final["response"]
+        response = progress.final
+        if response is None:  # the summary's stream ended without a terminal event (cancelled)
+            raise server_error("The conversation could not be summarized.")
         reason = (response.get("incomplete_details") or {}).get("reason")
         if response["status"] == "completed" or reason == "max_output_tokens":
             text = "".join(content_text(item.get("content")) for item in response["output"]

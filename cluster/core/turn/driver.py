@@ -14,7 +14,8 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from cluster import telemetry
-from cluster.core.events import TERMINAL_EVENTS, Event, EventAssembler, build_response
+from cluster.core.events import Event, EventAssembler, build_response
+from cluster.core.progress import TurnProgress
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
 from cluster.core.turn.compaction import compacted_window, needs_summary, summarise
 from cluster.core.turn.post_work import PostWorkQueue
@@ -123,10 +124,11 @@ class TurnDriver:
             telemetry.span_between(self.tracer, "parse", tctx, telemetry.ns_at(timing.started),
                                    telemetry.ns_at(t.parsed_at))
         status = "cancelled"  # until a terminal event (or a rejection) says otherwise
+        progress = TurnProgress()
         try:
             async for ev in self._run(t, timing, root, tctx):
-                if ev["type"] in TERMINAL_EVENTS:
-                    status = ev["response"]["status"]
+                progress.observe(ev)
+                status = progress.status or status
                 yield ev
         except ApiError as err:
             root.set_attribute("error.type", err.code or str(err.status))

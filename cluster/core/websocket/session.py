@@ -16,7 +16,8 @@ from collections import deque
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
-from cluster.core.events import TERMINAL_EVENTS, Event
+from cluster.core.events import Event
+from cluster.core.progress import Milestone, TurnProgress
 from cluster.core.turn.admission import admit_create, multi_agent_enabled
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
@@ -214,8 +215,7 @@ class WebSocketSession:
             create.commits = self.protocol.inflight.queued_steers_for(body)
             if create.commits:  # steering input queued for the parent goes first
                 body = steering.with_queued_input(body, create.commits)
-        rid: Optional[str] = None
-        final: Optional[dict[str, Any]] = None
+        progress = TurnProgress()
         try:
             req = admit_create(body, transport="websocket", admit=self._admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
@@ -244,20 +244,18 @@ class WebSocketSession:
                 keep_parent=self.protocol.inflight.from_other_lane(parent, stream_id),
                 agent=create.inbox,
             )):
-                kind = ev["type"]
-                if kind == "response.created":
-                    rid = ev["response"]["id"]
-                    self.protocol.inflight.started(create, rid)
-                elif kind == "response.output_item.added":
-                    self.protocol.inflight.emitted(create, ev["item"])
-                elif kind in TERMINAL_EVENTS:
-                    final = ev["response"]
-                    self._finished.append(final["id"])
+                step = progress.observe(ev)
+                if step is Milestone.CREATED:
+                    self.protocol.inflight.started(create, progress.response_id)
+                elif step is Milestone.ITEM_ADDED:
+                    self.protocol.inflight.emitted(create, progress.last_item)
+                elif step is Milestone.TERMINAL:
+                    self._finished.append(progress.response_id)
                 await self._send(ev)
             self.responses += 1
         except ApiError as err:
             stream_id = body.get("stream_id") if isinstance(body.get("stream_id"), str) else None
-            if rid is None and create.commits:  # the steering input was never committed: return it
+            if progress.response_id is None and create.commits:  # the steering input was never committed
                 for steer in create.commits:
                     await self._send_quietly(steering.failed_steer(
                         steer, "successor_creation_failed", f"The successor response could not be created: "
@@ -265,10 +263,10 @@ class WebSocketSession:
             else:
                 await self._send_error(err, stream_id=stream_id)
         finally:
-            self.protocol.inflight.ended(rid)
+            self.protocol.inflight.ended(progress.response_id)
         if not create.steers:
             return None
-        successor, events = self.protocol.inflight.after_steered(create, final)
+        successor, events = self.protocol.inflight.after_steered(create, progress.final)
         for ev in events:
             await self._send_quietly(ev)
         return successor

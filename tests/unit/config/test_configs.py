@@ -153,3 +153,18 @@ def test_serve_deployment_options_pass_through_and_unknown_ones_are_refused():
     assert engine_options(cfg)["max_replicas_per_node"] == 1
     with pytest.raises(ValidationError, match="max_ongoing_requets"):
         LoopserveConfig.model_validate({"connection": {"serve_options": {"max_ongoing_requets": 5}}})
+
+
+def test_autoscaling_settings_are_serves_own_fields():
+    """The section passes through to Serve unchanged: a field Serve renamed would fail here, not be
+    dropped silently at deploy time."""
+    from ray.serve.config import AutoscalingConfig
+
+    from cluster.app import _options
+    from cluster.config import AutoscalingSettings, DeploymentResources
+
+    settings = AutoscalingSettings(min_replicas=2, max_replicas=6, target_ongoing_requests=3, upscale_delay_s=5)
+    passed = _options(DeploymentResources(autoscaling=settings))["autoscaling_config"]
+    serve = AutoscalingConfig(**passed)
+    for name, value in settings.model_dump().items():
+        assert getattr(serve, name) == value, name

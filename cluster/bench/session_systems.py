@@ -1,0 +1,59 @@
+"""The loopserve systems of `cluster.bench.sessions`: their app args from a serve config, a
+local cluster serving them, and their engines' KV counters (the peers are in `peers.py`)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+# The scripted engine's modelled KV cache without loopserve's budget (hash placement, no
+# retention: what vLLM does alone), run at the real engine's KV size and this CPU's rates.
+STAND_IN = "stand-in"
+
+
+def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
+                   rates: tuple[float, float], kv_blocks: Optional[int] = None, sessions: int = 0) -> dict[str, Any]:
+    import yaml
+
+    args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
+    args.setdefault("engine", {})
+    if kv_blocks:
+        args["engine"].setdefault("vllm", {})["num_gpu_blocks_override"] = kv_blocks
+    args["engine"]["kv_budget"] = {**args["engine"].get("kv_budget", {}), "enabled": budget}
+    args["store"] = {"backend": "none"}  # store: false sessions; the bench measures the engine path
+    args.setdefault("engine_deployment", {})["num_replicas"] = replicas
+    conn = args.setdefault("connection", {})
+    # Every session's socket open at once on the connection replica(s).
+    conn["max_ongoing_requests"] = max(conn.get("max_ongoing_requests", 256), sessions + 16)
+    if engine == "scripted":
+        args["engine"]["backend"] = "scripted"
+        args["engine"]["scripted"] = {"kv_capacity_tokens": kv_tokens or 46_592, "kv_block_size": 32,
+                                      "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
+                                      "max_output_tokens": 64, "serial_prefill": True,
+                                      "answer_text": "I ran the tool and read its output; next I will fix the failing test. " * 3}
+        args["engine_deployment"]["num_cpus"] = 0.1
+    return args
+
+
+@contextmanager
+def loopserve(args: dict[str, Any], ingress: str) -> Iterator[str]:
+    from cluster.bench.local import deploy, start_local_serve, stop_local_serve
+
+    url = deploy(start_local_serve(ingress=ingress), "sessions", "/", args, timeout=900)
+    try:
+        yield url
+    finally:
+        stop_local_serve()
+
+
+def loopserve_engine_stats(url: str, probes: int = 32) -> list[dict[str, Any]]:
+    """Every engine replica's `kv` figures (stats routed by session key: probe a few keys)."""
+    from cluster.bench.local import stats
+
+    seen: dict[str, dict[str, Any]] = {}
+    for i in range(probes):
+        engine = stats(url, session=f"probe-{i}")["engine"]
+        seen[engine.get("replica", str(i))] = {**engine.get("kv", {}), "prompt_tokens": engine["prompt_tokens"],
+                                               "cached_tokens": engine["cached_tokens"]}
+    return list(seen.values())
