@@ -71,10 +71,10 @@ class LoopserveConfig(StrictModel):
     """Ray Serve's low-latency request path for every deployment (see `cluster.ingress.SERVE_FAST_PATH_ENV`)."""
     render_in_connection: bool = False
     """Full renders too run in the connection replica (in a worker thread), and no RenderActor deployment is
-    started. For one-machine configs: every Ray worker process wakes ~100 times a second even when idle, and on
-    a CPU engine each wakeup can stall its OpenMP threads, so one process fewer is engine time back. Leave it off
-    where full renders should scale apart from sockets (many nodes, stateless traffic). Needs
-    `inline_delta_render` (its tokenizer renders)."""
+    started: one Ray worker process (and its copy of the tokenizer) fewer, for small one-machine deployments.
+    Turn latency is the same either way (8 sessions on 2 cores, docs/benchmarks.md). Leave it off where full
+    renders should scale apart from sockets (many nodes, stateless traffic). Needs `inline_delta_render` (its
+    tokenizer renders)."""
     render_audit_every: int = Field(64, ge=0)
     """Every this many continuations rendered as deltas, one is rendered again in full after the turn (post-work,
     where full renders run) and compared with what the engine was sent; on a mismatch the connection replica renders
