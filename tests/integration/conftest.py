@@ -175,6 +175,9 @@ def node_clients() -> Path:
 
 @pytest.fixture(scope="module")
 def codex_url(serve_instance):
-    """The scripted engine scripted for a Codex task (CODEX_RULES), as Codex would reach it."""
-    args = scripted_app({"tokens_per_second": 2000, "max_output_tokens": 512, "answer_rules": CODEX_RULES})
+    """The scripted engine scripted for a Codex task (CODEX_RULES), as Codex would reach it; without
+    render replicas (`render_in_connection`): the full renders of Codex's first turn and of its
+    resume on a new socket run in the connection replica."""
+    args = scripted_app({"tokens_per_second": 2000, "max_output_tokens": 512, "answer_rules": CODEX_RULES},
+                        render_in_connection=True)
     yield from module_app("codex", "/codex", args, serve_instance, 240)

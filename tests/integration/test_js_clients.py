@@ -92,6 +92,11 @@ def test_codex_runs_a_multi_turn_task_over_websocket_mode(codex_url, node_client
     # Each continuation rendered only its new items, the first turn after Codex's warm-up
     # (developer message after developer message) included: no fallback to a full render.
     assert stats["render_inline"]["delta_renders"] >= 4 and stats["render_inline"]["fallbacks"] == {}
+    # No render replicas in this app: the first turn's and the resume's full renders ran here.
+    from ray import serve
+
+    assert "RenderActor" not in serve.status().applications["codex"].deployments
+    assert stats["render_inline"]["full_renders"] >= 2 and stats["render"] == stats["render_inline"]
 
 
 def test_codex_compacts_mid_task_and_continues_from_the_summary(codex_url, node_clients, tmp_path):
