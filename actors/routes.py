@@ -207,8 +207,9 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
         progress.observe(ev)
     if progress.final is None:
         return error_response(server_error())
-    if progress.status == "failed" and progress.error is not None:
-        error, e = progress.error, progress.error["error"]
+    error = progress.error
+    if progress.status == "failed" and error is not None:
+        e = error["error"]
         return error_response(ApiError(error.get("status", 500), e["message"], code=e.get("code"), param=e.get("param")))
     return JSONResponse(progress.final)
 

@@ -9,7 +9,7 @@ matching event type strings themselves. Type names come from the `openai` packag
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, get_args
 
 from openai.types.responses import ResponseCreatedEvent, ResponseErrorEvent, ResponseOutputItemAddedEvent
@@ -41,7 +41,6 @@ class TurnProgress:
     last_item: Optional[dict[str, Any]] = None
     final: Optional[dict[str, Any]] = None
     error: Optional[Event] = None
-    items: int = field(default=0)
 
     def observe(self, ev: Event) -> Milestone:
         kind = ev["type"]
@@ -50,7 +49,6 @@ class TurnProgress:
             return Milestone.CREATED
         if kind == ITEM_ADDED:
             self.last_item = ev["item"]
-            self.items += 1
             return Milestone.ITEM_ADDED
         if kind in TERMINAL_EVENTS:
             self.final = ev["response"]

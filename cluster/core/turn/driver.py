@@ -123,19 +123,20 @@ class TurnDriver:
         if t.parsed_at is not None:
             telemetry.span_between(self.tracer, "parse", tctx, telemetry.ns_at(timing.started),
                                    telemetry.ns_at(t.parsed_at))
-        status = "cancelled"  # until a terminal event (or a rejection) says otherwise
         progress = TurnProgress()
+        rejected = False
         try:
             async for ev in self._run(t, timing, root, tctx):
                 progress.observe(ev)
-                status = progress.status or status
                 yield ev
         except ApiError as err:
             root.set_attribute("error.type", err.code or str(err.status))
             root.set_status(telemetry.StatusCode.ERROR, err.message[:200])
-            status = "rejected"
+            rejected = True
             raise
         finally:
+            # No terminal event and no rejection: the turn was cancelled (client gone, interrupted).
+            status = "rejected" if rejected else progress.status or "cancelled"
             root.set_attribute("loopserve.status", status)
             self.metrics.turn_ended(t.transport, status)
             root.end()
