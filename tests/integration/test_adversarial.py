@@ -29,10 +29,11 @@ from cluster.core.websocket.steering import MAX_STEER_BYTES
 from tests.support.apps import module_app, scripted_app
 from tests.support.ws import TERMINAL, ws_url
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(720)]
 SOCKETS = 64
 FRAME = 1024 * 1024
 QUEUE = 4 * 1024 * 1024
+ANSWER_WITHIN = 240  # seconds after its last frame
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +69,24 @@ async def attacker(url: str, n: int) -> dict:
             for _ in range(2000):  # invalid frames, none of whose errors it reads
                 await ws.send("x")
             await asyncio.sleep(2)
-            wait = 90  # the first answer comes after 64 sockets' ~10 MB each are read (a CI run: > 12 s)
-            while True:  # now read whatever the server kept for it, until it has nothing more
+            # Read until the server has answered this attacker (a refusal or an error; a close is
+            # caught below), however long the ~900 MB the 64 sockets sent take to read: stop 32's CI
+            # gave up after 10 quiet seconds and failed; a run here had 60 of 64 sockets quiet for
+            # over 10 s, the slowest answered 24 s after its last frame. The deadline bounds a hang.
+            # Then read what else the server kept for it, until it has nothing more.
+            t0 = time.monotonic()
+            answered = False
+            while True:
+                wait = 10 if answered else t0 + ANSWER_WITHIN - time.monotonic()
                 try:
-                    raw = await asyncio.wait_for(ws.recv(), wait)
-                    wait = 10
+                    raw = await asyncio.wait_for(ws.recv(), max(wait, 0.1))
                 except asyncio.TimeoutError:
                     break
                 kind = json.loads(raw)["type"]
                 seen[kind] = seen.get(kind, 0) + 1
+                if not answered and kind in ("error", "response.steer.failed"):
+                    answered = True
+                    seen["answered_after_s"] = round(time.monotonic() - t0)
     except Exception as exc:  # closed by the server (1008 too_many_errors is one right answer)
         seen[f"closed:{type(exc).__name__}"] = 1
     return seen
@@ -125,7 +135,7 @@ async def test_sixty_four_hostile_clients_stay_under_the_ceiling_and_honest_sess
         honest_sessions = [asyncio.create_task(honest(url, 15)) for _ in range(2)]
         attacks = [asyncio.create_task(attacker(url, n)) for n in range(SOCKETS)]
         http = [asyncio.create_task(http_attacker(hostile_url, client)) for _ in range(SOCKETS)]
-        seen = await asyncio.wait_for(asyncio.gather(*attacks), 400)
+        seen = await asyncio.wait_for(asyncio.gather(*attacks), ANSWER_WITHIN + 180)
         codes = await asyncio.gather(*http)
         latencies = [x for lat in await asyncio.gather(*honest_sessions) for x in lat]
     after = await asyncio.to_thread(server_stats, hostile_url)
@@ -133,9 +143,10 @@ async def test_sixty_four_hostile_clients_stay_under_the_ceiling_and_honest_sess
     # HTTP: the over-long names are a 400; token counting is admitted and bounded (200 or 400)
     assert all(c[0] == 400 for c in codes), codes[:3]
     assert all(c[1] in (200, 400, 429) for c in codes), codes[:3]
-    # every attacker was answered: its steers or creates refused, or its socket closed
-    refused = sum(s.get("response.steer.failed", 0) + s.get("error", 0) for s in seen)
-    assert refused + sum(1 for s in seen if any(k.startswith("closed:") for k in s)) >= SOCKETS
+    # every attacker was answered within ANSWER_WITHIN: its steers or creates refused, or its socket closed
+    unanswered = [s for s in seen if not (s.get("response.steer.failed") or s.get("error")
+                                          or any(k.startswith("closed:") for k in s))]
+    assert not unanswered, (len(unanswered), unanswered[:5])
     # honest sessions: every turn completed (each event within honest()'s 240 s wait). How long they
     # took under the attack is printed, not asserted: on 2 shared cores the slowest took 27-62 s.
     assert len(latencies) == 30, latencies
@@ -144,7 +155,8 @@ async def test_sixty_four_hostile_clients_stay_under_the_ceiling_and_honest_sess
     grew = after["peak_rss_bytes"] - before["rss_bytes"]
     print(f"peak RSS growth {grew / 2**20:.0f} MiB; ceiling {2 * SOCKETS * per_socket / 2**20:.0f} MiB; "
           f"honest turn p max {max(latencies):.2f} s (alone {max(baseline_latency):.2f} s); "
-          f"slowest HTTP attacker {max(c[2] for c in codes):.1f} s")
+          f"slowest HTTP attacker {max(c[2] for c in codes):.1f} s; slowest WebSocket attacker answered "
+          f"{max(s.get('answered_after_s', 0) for s in seen)} s after its last frame")
     assert grew < 2 * SOCKETS * per_socket, grew
     # and it still answers like before
     assert (await honest(url, 2))[-1] < 30
