@@ -54,6 +54,10 @@ class PriorOutput:
     text: str
 
 
+# A delta whose new items are larger renders off the event loop (a thread, or the RenderActor).
+INLINE_RENDER_MAX_BYTES = 32 * 1024
+
+
 @dataclass(slots=True)
 class RenderJob:
     """Render a context (full) or only what follows a cached prefix (delta)."""
@@ -72,6 +76,7 @@ class RenderJob:
     verify_prefix: Optional[array] = None
     trace: Optional[TraceCarrier] = None
     new_images: bool = False  # delta: the new items hold images (the model's processor reads each)
+    new_bytes: int = 0  # delta: payload bytes of `new_items` (what inline rendering would tokenize)
 
     @property
     def mode(self) -> str:
@@ -79,9 +84,13 @@ class RenderJob:
 
     @property
     def inline_ok(self) -> bool:
-        """O(new items): cheap enough to run on an event loop (a new image is not: the model's
-        processor reads it)."""
-        return self.delta and self.verify_items is None and not self.new_images
+        """O(new items), and the new items small: cheap enough to run on an event loop that serves
+        other sockets and the replica's health checks. Not a new image (the model's processor reads
+        it), nor large new items: the tokenizer holds the GIL (~0.65 ms per KB on these CPUs), and
+        64 sockets each sending ~1 MB inputs kept a connection replica's loop busy past Serve's
+        health-check timeout, which restarted it under every honest socket (stop 32's CI)."""
+        return (self.delta and self.verify_items is None and not self.new_images
+                and self.new_bytes <= INLINE_RENDER_MAX_BYTES)
 
     def as_full(self, items: Sequence[Item]) -> "RenderJob":
         return RenderJob(self.instructions, self.tools, items=items, trace=self.trace,

@@ -57,7 +57,10 @@ class ConnectionServices:
         self.safety_ledger = SafetyLedger()
         self.post_work = PostWorkQueue({"usage": self.usage, "safety": self.safety_ledger},
                                        retries=config.post_work.retries, backoff_s=config.post_work.backoff_s)
-        self.driver = TurnDriver(turn_settings(config), render=render, engine=engine, safety=safety,
+        settings = turn_settings(config)
+        if render.local is not None:
+            settings.max_token_chars = render.local.max_token_chars
+        self.driver = TurnDriver(settings, render=render, engine=engine, safety=safety,
                                  post_work=self.post_work, metrics=self.metrics,
                                  items=store.get_item if store is not None else None, sealer=cluster_sealer(config))
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)

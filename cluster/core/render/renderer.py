@@ -215,6 +215,8 @@ class IncrementalRenderer:
         self.on_fallback: Optional[Callable[[str, tuple], None]] = None
         # A vision model's image placeholder and token counts (None: text only; images never get here).
         self.images: Optional[ImageTokens] = None
+        # The most characters one token stands for (`bounds.py`; None: no floor before tokenizing).
+        self.max_token_chars: Optional[int] = None
 
     def stats(self) -> dict[str, Any]:
         report = self.probe_report

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cluster.config import LoopserveConfig
+from cluster.core.render.bounds import max_token_chars
 from cluster.core.render.images import ImageTokens, load_processor, processor_image_tokens
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
@@ -75,6 +76,7 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()), decode=decode,
                                        eos=tokenizer.eos_token, template_source=template)
+        renderer.max_token_chars = max_token_chars(tokenizer)
     if probe:
         # Once per process for a tokenizer and template: every renderer of them gets the same proof.
         key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), renderer.template_source,

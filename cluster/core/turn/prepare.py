@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable, NamedTuple, Optional, Protocol
 
 from cluster import telemetry
 from cluster.core.messages import RenderJob, ToolSpec
+from cluster.core.render.bounds import kept_items, min_prompt_tokens
 from cluster.core.render.images import ImageLimits, context_images, image_parts
 from cluster.core.render.renderer import RenderResult
 from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
@@ -62,6 +63,9 @@ class TurnSettings:
     # sets none: what a response reports it used.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     images: Optional[ImageLimits] = None  # a vision model's image limits (None: text only, images are a 400)
+    # The most characters one token of the model stands for (`render/bounds.py`): inputs that cannot
+    # fit the context are refused before the tokenizer runs. None: no such floor.
+    max_token_chars: Optional[int] = None
 
     @property
     def context_limit(self) -> int:
@@ -198,6 +202,9 @@ class TurnPreparer:
             else:  # decoded and checked here, before a render or the engine sees them
                 context_images(new_items, self.settings.images.max_image_bytes, memo=decoded)
             ctx = resolve_context(new_items, parent)
+            floor = min_prompt_tokens(kept_items(new_items, req.truncation), self.settings.max_token_chars)
+            if floor > self.settings.context_limit:
+                raise context_too_long(self.settings.context_limit, floor, at_least=True)
             limit = self.settings.max_context_bytes
             if limit is not None:
                 # Payload the state will keep alive (rendered or not): bounded per context.
@@ -226,7 +233,8 @@ class TurnPreparer:
                             anchor_items=ctx.items[pre.anchor_start : pre.item_count],
                             new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start,
                             prior=pre.prior if parent.output_start == pre.item_count else None,
-                            new_images=st.images is not None and any(image_parts(ctx.items[pre.item_count:])))
+                            new_images=st.images is not None and any(image_parts(ctx.items[pre.item_count:])),
+                            new_bytes=items_nbytes(ctx.items[pre.item_count :]))
             if st.verify_renders:
                 job.verify_items, job.verify_prefix = ctx.items, pre.token_ids
         else:
@@ -256,13 +264,7 @@ class TurnPreparer:
         if st.images is not None:
             st.images.check_count(len(images))
         if len(prompt) + image_tokens > st.context_limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {st.context_limit} tokens, "
-                f"but the input has {len(prompt) + image_tokens} tokens.",
-                code="context_length_exceeded",
-                param="input",
-            )
+            raise context_too_long(st.context_limit, len(prompt) + image_tokens)
         return Prepared(ctx, Rendered(prefix, prompt, rendered.anchor_start, extends, rendered.prompt_override is None,
                                       images, image_tokens), tools_spec, key)
 
@@ -276,3 +278,9 @@ class TurnPreparer:
             return tuple(context_images(items, self.settings.images.max_image_bytes, memo=decoded))
         return pre.images + tuple(context_images(items[pre.item_count:], self.settings.images.max_image_bytes,
                                                  memo=decoded))
+
+
+def context_too_long(limit: int, tokens: int, at_least: bool = False) -> ApiError:
+    return ApiError(400, f"This model's maximum context length is {limit} tokens, but the input has "
+                         f"{'at least ' if at_least else ''}{tokens} tokens.",
+                    code="context_length_exceeded", param="input")

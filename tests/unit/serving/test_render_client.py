@@ -8,10 +8,11 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import LoopserveConfig
-from cluster.core.messages import RenderJob
+from cluster.core.messages import INLINE_RENDER_MAX_BYTES, RenderJob
 from cluster.core.render.renderer import render_job
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.retry import RetryPolicy
+from cluster.core.turn.state import items_nbytes
 from cluster.serving.clients import RenderClient
 
 ITEMS = [{"type": "message", "role": "user", "content": "List the files in src/"}]
@@ -66,6 +67,27 @@ def test_delta_render_stays_on_the_loop(tokenizer):
     result, loop_thread = asyncio.run(go())
     assert result is not None and not result.full
     assert spy.threads == [loop_thread]
+
+
+def test_a_large_delta_renders_off_the_loop(tokenizer):
+    """A delta whose new items are large (a ~1 MB tool output) is tokenized in a worker thread: on
+    the loop it would stall every socket of the replica and its health checks."""
+    renderer = renderer_for(tokenizer, probe=False)
+    first = renderer.full(ITEMS, None, [])
+    new = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "src/a.py"}]},
+           {"type": "message", "role": "user", "content": "y" * (INLINE_RENDER_MAX_BYTES + 1)}]
+    spy = ThreadSpy(renderer)
+    client = RenderClient(None, RetryPolicy(retries=0), spy)
+    job = RenderJob(None, [], delta=True, anchor_items=ITEMS[first.anchor_start:], new_items=new,
+                    anchor_start=first.anchor_start, new_bytes=items_nbytes(new))
+    assert not job.inline_ok
+
+    async def go():
+        return await client(job), threading.get_ident()
+
+    result, loop_thread = asyncio.run(go())
+    assert result is not None and not result.full and result.delta_tokens > INLINE_RENDER_MAX_BYTES
+    assert spy.threads and all(t != loop_thread for t in spy.threads), "a large delta blocked the event loop"
 
 
 def test_a_render_port_needs_somewhere_to_render():

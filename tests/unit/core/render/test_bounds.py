@@ -1,0 +1,63 @@
+"""The token floor known before tokenizing (`render/bounds.py`): it never exceeds what the
+tokenizer really produces, and an input over the context by that floor is refused unrendered."""
+
+import random
+
+import pytest
+
+from cluster.core.render.bounds import kept_items, max_token_chars, min_prompt_tokens, verbatim_chars
+from cluster.core.turn.cache import SessionCache
+from cluster.protocol.errors import ApiError
+from tests.support.harness import InProcessStack
+
+
+def user(text):
+    return {"type": "message", "role": "user", "content": text}
+
+
+def test_the_floor_never_exceeds_the_real_token_count(tokenizer):
+    longest = max_token_chars(tokenizer)
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    assert longest == max(map(len, vocab))
+    rng = random.Random(7)
+    pieces = [*vocab, "y" * 50, "  ", "\n", "é", "日本", "<|im_start|>", "abcdefghijklmnopqrstuvwxyz" * 3]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 400)))
+        tokens = len(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+        assert min_prompt_tokens([user(text)], longest) <= tokens, text
+
+
+def test_counted_text_is_what_every_template_renders():
+    items = [user("  abc  "), {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "de"}]},
+             {"type": "function_call_output", "call_id": "c", "output": "xyz"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "not counted"}]},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{\"a\": 1}"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "dropped by some templates"}]}]
+    assert verbatim_chars(items) == 3 + 2 + 3
+    assert min_prompt_tokens(items, None) == 0  # no bound known: no floor
+
+
+def test_truncation_auto_counts_only_what_it_cannot_drop():
+    items = [user("old"), {"type": "function_call_output", "call_id": "c", "output": "out"}, user("new")]
+    assert kept_items(items, "disabled") == items
+    assert kept_items(items, "auto") == items[2:]
+    assert kept_items(items[1:2], "auto") == items[1:2]  # no user message: nothing can be dropped
+
+
+async def test_an_input_that_cannot_fit_is_refused_before_it_is_rendered(tokenizer):
+    stack = InProcessStack(tokenizer, max_model_len=4096)
+    big = "y" * (4096 * max_token_chars(tokenizer) + 1000)
+    with pytest.raises(ApiError) as e:
+        await stack.run({"input": big}, SessionCache())
+    assert e.value.code == "context_length_exceeded" and "at least" in e.value.message
+    assert stack.render_jobs == []
+    # Under the floor it is rendered and the real count decides.
+    with pytest.raises(ApiError) as e:
+        await stack.run({"input": "y" * 5000}, SessionCache())
+    assert e.value.code == "context_length_exceeded" and "at least" not in e.value.message
+    assert len(stack.render_jobs) == 1
+    # A steer-sized delta (~1 MB) on a chained turn is refused the same way, unrendered.
+    ok = await stack.run({"input": "hi"}, cache := SessionCache())
+    with pytest.raises(ApiError) as e:
+        await stack.run({"previous_response_id": ok["id"], "input": [user(big)]}, cache)
+    assert "at least" in e.value.message and len(stack.render_jobs) == 2
