@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -70,7 +71,8 @@ async def stats(request: Request, last: int = 200, engine_session: Optional[str]
     picks the engine replica that session key routes to (else any one)."""
     conn.auth.authenticate_admin(request.headers.get("authorization"))
     figures = await conn.stats(last, ids.session_key(engine_session) if engine_session else None, rss_bytes())
-    return {**figures, "peak_rss_bytes": peak_rss_bytes()}
+    # pid: which process answered (a replica Serve replaced answers with another one)
+    return {**figures, "peak_rss_bytes": peak_rss_bytes(), "pid": os.getpid()}
 
 
 @app.websocket("/loopserve/echo")
