@@ -15,13 +15,16 @@ class RenderKey:
     """What a rendered token prefix depends on besides the items themselves."""
 
     instructions: Optional[str]
-    tools_json: str  # canonical JSON of the normalized tools
+    # JSON of the normalized tools in their own key order: templates render tools with `tojson`,
+    # which keeps dict order, so tools differing only in key order render differently (and the
+    # render audit re-renders from this text: sorted keys made every sampled check a mismatch).
+    tools_json: str
     reasoning_effort: Optional[str] = None
 
     @classmethod
     def of(cls, instructions: Optional[str], tools: list[dict[str, Any]],
            reasoning_effort: Optional[str] = None) -> "RenderKey":
-        return cls(instructions, json.dumps(tools, sort_keys=True, separators=(",", ":")), reasoning_effort)
+        return cls(instructions, json.dumps(tools, separators=(",", ":")), reasoning_effort)
 
 
 @dataclass

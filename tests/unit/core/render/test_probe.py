@@ -297,3 +297,29 @@ async def test_a_sampled_full_render_catches_what_the_probe_cannot(tiny_model_di
     assert "[cut]" in prompt and "A" * 3000 not in prompt
     await turn(tool_output(third, "C"))
     assert audit.mismatches == 1 and stack.driver.metrics.timings[-1].full_render
+
+
+async def test_the_sampled_check_agrees_with_exact_deltas_when_tools_are_rendered(tokenizer):
+    """The tiny model's template renders the tools with `tojson` (key order kept). The audit re-renders
+    from the turn's render key: it once held the tools with sorted keys, so every sampled check on a
+    turn with tools was a mismatch and the replica rendered every turn in full from then on."""
+    from cluster.core.render.audit import RenderAudit
+    from cluster.core.turn.post_work import PostWorkQueue
+
+    queue = PostWorkQueue(retries=0)
+    stack = InProcessStack(tokenizer, verify=True, post_work=queue)
+    audit = RenderAudit(stack.render, 1, decode=stack.renderer.decode, on_mismatch=stack.driver.preparer.render_fully)
+    queue.add("render_audit", audit)
+    tools = [{"type": "function", "name": "read_file", "description": "Read a file",  # keys not sorted
+              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+    cache, prev, new = SessionCache(), None, "Read the readme."
+    for i in range(4):
+        req = parse_request({"input": new, "tools": tools, "previous_response_id": prev})
+        resp = [ev async for ev in stack.driver.run(TurnRequest(req, cache, "s"))][-1]["response"]
+        await queue.drain()
+        prev, new = resp["id"], [{"type": "function_call_output", "call_id": o["call_id"], "output": f"file {i}"}
+                                 for o in resp["output"] if o["type"] == "function_call"]
+        new.append({"type": "message", "role": "user", "content": f"step {i}"})
+    assert "read_file" in stack.decode_raw(stack.engine_requests[-1].prompt_token_ids)  # tools are rendered
+    assert audit.checked == 3 and audit.mismatches == 0 and stack.mismatches == 0
+    assert stack.driver.preparer.deltas_off is None
