@@ -251,7 +251,12 @@ class _Connection:
                 if msg is None:
                     raise ChannelError("the engine channel closed")
                 if msg[0] == CHUNK:
-                    yield decode_chunk(msg[2])
+                    chunk = decode_chunk(msg[2])
+                    if chunk and isinstance(chunk[-1], EngineDone):
+                        # The engine's last word: its END is on the way, the request needs no CANCEL
+                        # (that could cut the replica's own work after it, e.g. its KV budget's).
+                        ended = True
+                    yield chunk
                 elif msg[0] == END:
                     ended = True
                     return

@@ -141,8 +141,9 @@ class EngineClient:
             try:
                 async for chunk in self.pool.stream(endpoint, req):
                     started = True
+                    if chunk and isinstance(chunk[-1], EngineDone):
+                        self.direct_turns += 1  # counted here: a caller may stop reading at the engine's last word
                     yield chunk
-                self.direct_turns += 1
                 return
             except ChannelError:
                 if started:
@@ -210,6 +211,8 @@ class EngineClient:
             async for chunk in gen:
                 if not routed.done():
                     routed.set_result(None)
+                if chunk and isinstance(chunk[-1], EngineDone):
+                    finished = True  # the engine's last word: a caller that stops here cancels nothing
                 yield chunk
             finished = True
         finally:

@@ -39,38 +39,50 @@ log = logging.getLogger("loopserve.turn")
 
 
 
-async def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Event]) -> AsyncIterator[EngineChunk]:
-    """The engine's chunks until `stop` is set. One reader task per turn feeds a queue that the
-    stop also ends (no task per chunk on the hot path); closing this generator cancels and awaits
-    the reader, so the caller's aclose of `chunks` (which aborts the generation) never meets a
-    running generator. Close it before `chunks`."""
-    if stop is None:
-        async for chunk in chunks:
-            yield chunk
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
+class _Until:
+    """The engine's chunks until `stop` is set. One reader task per turn, made at once (so the
+    engine request goes out before anything scheduled after it), feeds a queue that the stop
+    also ends (no task per chunk on the hot path); `aclose` cancels and awaits the reader, so
+    the caller's aclose of `chunks` (which aborts the generation) never meets a running
+    generator. Close it before `chunks`."""
 
-    async def read() -> None:
+    _END = object()
+
+    def __init__(self, chunks: AsyncIterator[EngineChunk], stop: asyncio.Event) -> None:
+        self.stop = stop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.reader = asyncio.ensure_future(self._read(chunks))
+        self.stopper = asyncio.ensure_future(stop.wait())
+        self.stopper.add_done_callback(lambda f: f.cancelled() or self.queue.put_nowait(self._END))
+
+    async def _read(self, chunks: AsyncIterator[EngineChunk]) -> None:
         try:
             async for chunk in chunks:
-                queue.put_nowait(chunk)
+                self.queue.put_nowait(chunk)
         except Exception as exc:  # noqa: BLE001 - re-raised on the consumer side
-            queue.put_nowait(exc)
-        queue.put_nowait(end)
+            self.queue.put_nowait(exc)
+        self.queue.put_nowait(self._END)
 
-    reader = asyncio.ensure_future(read())
-    stopper = asyncio.ensure_future(stop.wait())
-    stopper.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(end))
-    try:
-        while (item := await queue.get()) is not end and not stop.is_set():
-            if isinstance(item, Exception):
-                raise item
-            yield item
-    finally:
-        stopper.cancel()
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+    def __aiter__(self) -> "_Until":
+        return self
+
+    async def __anext__(self) -> EngineChunk:
+        item = await self.queue.get()
+        if item is self._END or self.stop.is_set():
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.stopper.cancel()
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+
+
+def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Event]) -> AsyncIterator[EngineChunk]:
+    """`chunks`, or (with a stop event: WebSocket turns) an `_Until` over them, reading already."""
+    return chunks if stop is None else _Until(chunks, stop)
 
 
 @dataclass
@@ -268,6 +280,7 @@ class TurnStream:
         chunks = self._engine_chunks()
         stop = turn.stop
         until = _until(chunks, stop.event if stop is not None else None)
+        safety.start_input()  # after the engine call: the request is sent before the input is classified
         try:
             async for chunk in until:
                 for piece in chunk:
@@ -312,8 +325,8 @@ class TurnStream:
                         continue
                     for ev in events:
                         yield ev
-                if flag:
-                    break
+                if flag or done is not None:
+                    break  # EngineDone is the engine's last word: its stream's end is not waited for
             if not flag:
                 flag = await safety.finish()
         except ApiError as err:

@@ -97,6 +97,38 @@ async def test_leaving_early_aborts_the_generation_on_the_engine():
         await server.close()
 
 
+async def test_a_caller_that_stops_at_the_engines_last_word_cancels_nothing_on_the_engine():
+    """A turn ends at EngineDone (the terminal event waits for no END frame); what the engine
+    replica does after yielding it (its KV budget's bookkeeping) must not be cut by a CANCEL."""
+    after_done = asyncio.Event()
+    cancelled = []
+
+    async def engine(req):
+        yield [TextPiece("hi")]
+        yield [EngineDone(10, 4, 1, "stop", replica="r", engine_s=0.1, first_token_s=0.05)]
+        try:
+            await asyncio.sleep(0.3)  # the replica's own work after the stream's last chunk
+            after_done.set()
+        except asyncio.CancelledError:
+            cancelled.append(req.request_id)
+            raise
+
+    server = ChannelServer(engine)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    pool = ChannelPool()
+    try:
+        stream = pool.stream(server.endpoint, request(3))
+        async for chunk in stream:
+            if isinstance(chunk[-1], EngineDone):
+                break
+        await stream.aclose()
+        await asyncio.wait_for(after_done.wait(), 5)
+        assert cancelled == []
+    finally:
+        await pool.close()
+        await server.close()
+
+
 async def test_a_channel_that_is_gone_is_an_error_before_the_first_chunk():
     server = ChannelServer(Engine())
     await server.start("127.0.0.1", bind="127.0.0.1")

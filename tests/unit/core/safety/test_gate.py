@@ -83,6 +83,40 @@ async def test_allowed_input_adds_no_latency_to_the_first_token(tokenizer):
     assert 0.3 <= timing.first_token < 0.5, timing
 
 
+class EngineRequestsAtCheck:
+    """A safety port that notes how many engine requests had gone out when each check began."""
+
+    def __init__(self) -> None:
+        self.stack = None
+        self.seen: list[int] = []
+
+    async def __call__(self, texts):
+        self.seen.append(len(self.stack.engine_requests))
+        return [v.as_dict() for v in POLICY.classify(texts)]
+
+
+@pytest.mark.parametrize("transport", ["http", "websocket"])
+async def test_the_input_check_starts_after_the_engine_request_went_out(tokenizer, transport):
+    """Local classifiers run on the replica's event loop: a check that ran first would hold the
+    engine request back by its whole classification time (~1 ms for a 2 KB tool output), when it
+    is meant to overlap the prefill."""
+    port = EngineRequestsAtCheck()
+    stack = port.stack = InProcessStack(tokenizer, safety=port)
+    body = {"model": "loopserve-tiny", "input": "please read the config", "store": False}
+    if transport == "websocket":
+        p = Peer(stack)
+        await p.frame({"type": "response.create", **body})
+        await p.idle()
+        assert p.types()[-1] == "response.completed"
+    else:
+        events = []
+        async for ev in stack.driver.run(TurnRequest(parse_request(body), SessionCache(), session_key="s")):
+            events.append(ev)
+            await asyncio.sleep(0)  # a transport's send gives the loop away between events
+        assert events[-1]["type"] == "response.completed"
+    assert port.seen == [1]
+
+
 @pytest.mark.parametrize("classifier_delay", [0.0, 0.3], ids=["prompt-verdicts", "verdicts-lag-the-engine"])
 async def test_flagged_output_stops_the_stream_mid_way(tokenizer, classifier_delay):
     # With a classifier slower than the engine (0.3 s a chunk, a 32-character

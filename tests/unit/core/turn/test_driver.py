@@ -145,3 +145,34 @@ async def test_cancelling_a_turn_stops_the_engine(tokenizer):
         await task
     assert stack.engine.stats.aborted == 1
     assert stack.engine.stats.output_tokens < 15
+
+
+@pytest.mark.parametrize("transport", ["http", "websocket"])
+async def test_a_turn_ends_at_the_engines_last_word_not_at_the_end_of_its_stream(tokenizer, transport):
+    """EngineDone is the last thing an engine says: the terminal event goes out then, not after
+    the engine replica's own work behind it (its digests, its KV budget) and its stream's end."""
+    from tests.support.peer import Peer
+
+    stack = InProcessStack(tokenizer)
+    engine = stack.driver.services.engine
+    closed = []
+
+    async def slow_to_end(req):
+        try:
+            async for chunk in engine(req):
+                yield chunk
+            await asyncio.sleep(30)
+        finally:
+            closed.append(req.request_id)
+
+    stack.driver.services.engine = slow_to_end
+    body = {"model": "loopserve-tiny", "input": "hi", "store": False}
+    if transport == "websocket":
+        p = Peer(stack)
+        await p.frame({"type": "response.create", **body})
+        await p.idle()  # bounded: 10 s
+        assert p.types()[-1] == "response.completed"
+    else:
+        response = await asyncio.wait_for(stack.run(body), 10)
+        assert response["status"] == "completed"
+    assert len(closed) == 1  # and the stream was closed, not left to run
