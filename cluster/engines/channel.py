@@ -23,7 +23,7 @@ import ssl
 import struct
 from array import array
 from dataclasses import astuple, fields
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
 import msgpack
 
@@ -57,6 +57,17 @@ _IMAGES = _REQUEST_FIELDS.index("images")
 
 class ChannelError(Exception):
     """The channel failed (connection refused or lost, bad secret)."""
+
+
+class StopSignal(Protocol):
+    """What ends a stream from outside (the turn's `Stop`: a WebSocket interrupt or steer)."""
+
+    def is_set(self) -> bool: ...
+
+    def watch(self, on_set: Callable[[], None]) -> Callable[[], None]: ...
+
+
+_STOPPED = object()  # a stream's queue entry: its caller's stop was set
 
 
 # -- codec ------------------------------------------------------------------------------
@@ -239,15 +250,22 @@ class _Connection:
                 queue.put_nowait(None)
             self.writer.close()
 
-    async def stream(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def stream(self, req: EngineRequest, stop: Optional[StopSignal] = None) -> AsyncIterator[EngineChunk]:
+        """The request's chunks; a `stop` set ends them at once (and aborts the generation):
+        it queues behind what arrived, so the caller needs no task of its own to watch it."""
+        if stop is not None and stop.is_set():
+            return
         n = self.next_id = self.next_id + 1
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[n] = queue
+        unwatch = stop.watch(lambda: queue.put_nowait(_STOPPED)) if stop is not None else None
         ended = False
         try:
             self.writer.write(_frame([START, n, encode_request(req)]))
             while True:
                 msg = await queue.get()
+                if msg is _STOPPED:
+                    return
                 if msg is None:
                     raise ChannelError("the engine channel closed")
                 if msg[0] == CHUNK:
@@ -263,6 +281,8 @@ class _Connection:
                 else:
                     raise ChannelError(f"the engine failed: {msg[2]}")
         finally:
+            if unwatch is not None:
+                unwatch()
             self.streams.pop(n, None)
             if not ended and not self.closed:
                 self.writer.write(_frame([CANCEL, n]))  # left early: abort on the engine
@@ -301,9 +321,10 @@ class ChannelPool:
         conn = self._conns[endpoint] = _Connection(reader, writer)
         return conn
 
-    async def stream(self, endpoint: str, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def stream(self, endpoint: str, req: EngineRequest,
+                     stop: Optional[StopSignal] = None) -> AsyncIterator[EngineChunk]:
         conn = await self._connection(endpoint)
-        async for chunk in conn.stream(req):
+        async for chunk in conn.stream(req, stop):
             yield chunk
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ from cluster.core.messages import KV_MOVE, EngineChunk, EngineDone, EngineFailur
 from cluster.core.render.renderer import IncrementalRenderer, RenderResult, render_job
 from cluster.core.retry import RetryPolicy
 from cluster.core.safety.classifiers import SafetyService
+from cluster.core.turn.turn import Stop, until_stopped
 from cluster.engines.channel import ChannelError, ChannelPool
 
 log = logging.getLogger("loopserve.connection")
@@ -112,21 +113,21 @@ class EngineClient:
         self.direct_turns = self.handle_turns = self.channel_fallbacks = self.migrations = 0
         self._route: OrderedDict[str, str] = OrderedDict()  # session key -> routing key, for moved sessions
 
-    async def __call__(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def __call__(self, req: EngineRequest, stop: Optional[Stop] = None) -> AsyncIterator[EngineChunk]:
         """The engine's chunks; a replica that had no KV room for the session for too long
         sends it elsewhere once (`KV_MOVE`): it is placed again under a new routing key (the
         placement router puts it where there is headroom) and the same request goes there
         (a tail prompt is then resent whole by the caller: the new replica lacks its base)."""
         if not req.moved and req.session_key in self._route:
             req = replace(req, moved=True)  # moved once already: it waits where it is now
-        async for chunk in self._call(req):
+        async for chunk in self._call(req, stop):
             if (not req.moved and chunk and isinstance(chunk[0], EngineFailure) and chunk[0].code == KV_MOVE):
                 self.migrations += 1
                 self._route[req.session_key] = f"{req.session_key}#moved"
                 while len(self._route) > self.max_sessions:
                     self._route.popitem(last=False)
                 self.endpoints.pop(req.session_key, None)
-                async for moved in self._call(replace(req, moved=True)):
+                async for moved in self._call(replace(req, moved=True), stop):
                     yield moved
                 return
             yield chunk
@@ -134,12 +135,12 @@ class EngineClient:
     def _routing_key(self, session_key: str) -> str:
         return self._route.get(session_key, session_key)
 
-    async def _call(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def _call(self, req: EngineRequest, stop: Optional[Stop]) -> AsyncIterator[EngineChunk]:
         endpoint = await self._endpoint(req.session_key) if self.pool is not None else None
         if endpoint:
             started = False
             try:
-                async for chunk in self.pool.stream(endpoint, req):
+                async for chunk in self.pool.stream(endpoint, req, stop):
                     started = True
                     if chunk and isinstance(chunk[-1], EngineDone):
                         self.direct_turns += 1  # counted here: a caller may stop reading at the engine's last word
@@ -154,10 +155,14 @@ class EngineClient:
         self.handle_turns += 1
         # A replica that died before the first chunk: the router moves the session to a
         # live replica (a full prefill there). Mid-stream: the turn fails.
-        async for chunk in self.retry.stream("engine", lambda: self._stream(req), replica_gone):
-            if self.pool is not None and chunk and isinstance(chunk[-1], EngineDone) and chunk[-1].channel:
-                self._remember(req.session_key, chunk[-1].channel)
-            yield chunk
+        chunks = until_stopped(self.retry.stream("engine", lambda: self._stream(req), replica_gone), stop)
+        try:
+            async for chunk in chunks:
+                if self.pool is not None and chunk and isinstance(chunk[-1], EngineDone) and chunk[-1].channel:
+                    self._remember(req.session_key, chunk[-1].channel)
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     async def _endpoint(self, session_key: str) -> str:
         """The channel of the replica Serve's router places this session on: remembered, or

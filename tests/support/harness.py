@@ -18,6 +18,7 @@ from cluster.core.safety.classifiers import Classifier
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.prepare import TurnSettings
 from cluster.core.turn.sealed import compaction_item
+from cluster.core.turn.turn import until_stopped
 from cluster.engines.parsers import vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted import ScriptedEngine
@@ -74,7 +75,11 @@ class InProcessStack:
         self.mismatches += mismatch
         return result
 
-    async def engine_port(self, req: EngineRequest):
+    def engine_port(self, req: EngineRequest, stop=None):
+        """The engine port: the replica's stream, ending when the turn's stop is set."""
+        return until_stopped(self.engine_stream(req), stop)
+
+    async def engine_stream(self, req: EngineRequest):
         """The EngineReplica's path, minus Ray: resolve a tail prompt, run, stream chunks."""
         if self.fail_engine:
             raise RuntimeError("engine replica died")

@@ -38,53 +38,6 @@ from cluster.protocol.requests import parse_request
 log = logging.getLogger("loopserve.turn")
 
 
-
-class _Until:
-    """The engine's chunks until `stop` is set. One reader task per turn, made at once (so the
-    engine request goes out before anything scheduled after it), feeds a queue that the stop
-    also ends (no task per chunk on the hot path); `aclose` cancels and awaits the reader, so
-    the caller's aclose of `chunks` (which aborts the generation) never meets a running
-    generator. Close it before `chunks`."""
-
-    _END = object()
-
-    def __init__(self, chunks: AsyncIterator[EngineChunk], stop: asyncio.Event) -> None:
-        self.stop = stop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.reader = asyncio.ensure_future(self._read(chunks))
-        self.stopper = asyncio.ensure_future(stop.wait())
-        self.stopper.add_done_callback(lambda f: f.cancelled() or self.queue.put_nowait(self._END))
-
-    async def _read(self, chunks: AsyncIterator[EngineChunk]) -> None:
-        try:
-            async for chunk in chunks:
-                self.queue.put_nowait(chunk)
-        except Exception as exc:  # noqa: BLE001 - re-raised on the consumer side
-            self.queue.put_nowait(exc)
-        self.queue.put_nowait(self._END)
-
-    def __aiter__(self) -> "_Until":
-        return self
-
-    async def __anext__(self) -> EngineChunk:
-        item = await self.queue.get()
-        if item is self._END or self.stop.is_set():
-            raise StopAsyncIteration
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    async def aclose(self) -> None:
-        self.stopper.cancel()
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
-
-
-def _until(chunks: AsyncIterator[EngineChunk], stop: Optional[asyncio.Event]) -> AsyncIterator[EngineChunk]:
-    """`chunks`, or (with a stop event: WebSocket turns) an `_Until` over them, reading already."""
-    return chunks if stop is None else _Until(chunks, stop)
-
-
 @dataclass
 class _Step:
     done: Optional[EngineDone] = None
@@ -167,7 +120,10 @@ class TurnStream:
             for attempt in range(2):
                 turn.timing.prompt_tokens_sent = len(request.prompt_token_ids)
                 request.sent_at_ns = time.time_ns()
-                stream = services.engine(request)
+                stream = services.engine(request, turn.stop)
+                # Made now, the input check's task runs after the one sending the request (a port's
+                # reader task was made already; a bare stream sends it before it first waits).
+                self.safety.start_input()
                 try:
                     async for chunk in stream:
                         if (attempt == 0 and request.is_tail and chunk and isinstance(chunk[0], EngineFailure)
@@ -277,12 +233,10 @@ class TurnStream:
         flag: Optional[dict[str, Any]] = None
         engine_start = time.perf_counter()
         call_limit = tool_call_limit(req)
-        chunks = self._engine_chunks()
+        chunks = self._engine_chunks()  # ends when the turn's stop is set (the port sees to it)
         stop = turn.stop
-        until = _until(chunks, stop.event if stop is not None else None)
-        safety.start_input()  # after the engine call: the request is sent before the input is classified
         try:
-            async for chunk in until:
+            async for chunk in chunks:
                 for piece in chunk:
                     if isinstance(piece, EngineQueued):  # waiting for room in the engine's KV budget
                         for ev in asm.queued():
@@ -343,7 +297,6 @@ class TurnStream:
                 yield ev
             return
         finally:
-            await until.aclose()  # first: it may be reading `chunks`
             await chunks.aclose()
         timing.engine += time.perf_counter() - engine_start
         step.ended = True  # unless it ends with a result below

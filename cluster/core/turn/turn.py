@@ -25,8 +25,11 @@ from cluster.core.turn.post_work import PostWorkQueue
 from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
 from cluster.protocol.requests import ResponsesRequest
 
-# An engine replica's stream: EngineRequest -> chunks (a Ray handle stream in production).
-EnginePort = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
+# An engine replica's stream: (EngineRequest, the turn's Stop or None) -> chunks. A port ends
+# its stream as soon as the stop is set (the generation is then aborted like any stream left
+# early): the direct channel does so on the queue it already reads, other ports through
+# `until_stopped`.
+EnginePort = Callable[[EngineRequest, Optional["Stop"]], AsyncIterator[EngineChunk]]
 
 
 @dataclass
@@ -90,14 +93,69 @@ class Stop:
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.reason: Optional[str] = None
+        self._watchers: list[Callable[[], None]] = []
 
     def set(self, reason: str) -> None:
         if not self.event.is_set():  # the first reason wins
             self.reason = reason
             self.event.set()
+            for watcher in list(self._watchers):
+                watcher()
 
     def is_set(self) -> bool:
         return self.event.is_set()
+
+    def watch(self, on_set: Callable[[], None]) -> Callable[[], None]:
+        """Call `on_set` (on the loop, at once) when the stop is set; returns the unwatch."""
+        self._watchers.append(on_set)
+        return lambda: self._watchers.remove(on_set) if on_set in self._watchers else None
+
+
+class _UntilStopped:
+    """`chunks` until `stop` is set, for a stream that cannot end itself on a stop (a Ray handle
+    stream, the in-process engine): one reader task feeds a queue that the stop also ends.
+    `aclose` cancels and awaits the reader (which closes `chunks`, aborting the generation)."""
+
+    _END = object()
+
+    def __init__(self, chunks: AsyncIterator[EngineChunk], stop: Stop) -> None:
+        self.stop = stop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.reader = asyncio.ensure_future(self._read(chunks))
+        self.unwatch = stop.watch(lambda: self.queue.put_nowait(self._END))
+
+    async def _read(self, chunks: AsyncIterator[EngineChunk]) -> None:
+        try:
+            async for chunk in chunks:
+                self.queue.put_nowait(chunk)
+        except Exception as exc:  # noqa: BLE001 - re-raised on the consumer side
+            self.queue.put_nowait(exc)
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        self.queue.put_nowait(self._END)
+
+    def __aiter__(self) -> "_UntilStopped":
+        return self
+
+    async def __anext__(self) -> EngineChunk:
+        item = await self.queue.get()
+        if item is self._END or self.stop.is_set():
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.unwatch()
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+
+
+def until_stopped(chunks: AsyncIterator[EngineChunk], stop: Optional[Stop]) -> AsyncIterator[EngineChunk]:
+    """`chunks` ending when `stop` is set (`chunks` itself without a stop)."""
+    return chunks if stop is None else _UntilStopped(chunks, stop)
 
 
 def cache_salt(tenant: Optional[str]) -> str:

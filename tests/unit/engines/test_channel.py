@@ -129,6 +129,35 @@ async def test_a_caller_that_stops_at_the_engines_last_word_cancels_nothing_on_t
         await server.close()
 
 
+async def test_a_stop_ends_the_stream_at_once_and_aborts_the_generation():
+    """A WebSocket interrupt or steer sets the turn's stop: the channel's stream ends on it
+    without waiting for the engine's next chunk (no reader task of the caller's own watches it)."""
+    from cluster.core.turn.turn import Stop
+
+    engine = Engine(delay=1.0)
+    server = ChannelServer(engine)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    pool = ChannelPool()
+    stop = Stop()
+    try:
+        stream = pool.stream(server.endpoint, request(9), stop)
+        assert await stream.__anext__() == CHUNKS[0]
+        asyncio.get_running_loop().call_later(0.05, stop.set, "interrupted")
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        assert asyncio.get_running_loop().time() - t0 < 0.5  # not the engine's next chunk (1 s away)
+        for _ in range(50):
+            if engine.closed:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.closed == ["req-9"]  # aborted on the engine
+        assert stop._watchers == []  # the stream stopped watching
+    finally:
+        await pool.close()
+        await server.close()
+
+
 async def test_a_channel_that_is_gone_is_an_error_before_the_first_chunk():
     server = ChannelServer(Engine())
     await server.start("127.0.0.1", bind="127.0.0.1")

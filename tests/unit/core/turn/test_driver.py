@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+from contextlib import aclosing
 
 import pytest
 
@@ -157,10 +158,11 @@ async def test_a_turn_ends_at_the_engines_last_word_not_at_the_end_of_its_stream
     engine = stack.driver.services.engine
     closed = []
 
-    async def slow_to_end(req):
+    async def slow_to_end(req, stop=None):
         try:
-            async for chunk in engine(req):
-                yield chunk
+            async with aclosing(engine(req, stop)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             await asyncio.sleep(30)
         finally:
             closed.append(req.request_id)
