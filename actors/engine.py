@@ -26,6 +26,7 @@ from cluster.core.messages import (
     EngineQueued,
     EngineRequest,
     ToolCallPiece,
+    done_of,
 )
 from cluster.core.render.tokenizer import load_tokenizer, token_codec
 from cluster.engines import Engine, engine_class
@@ -99,8 +100,9 @@ class EngineReplica:
         names this replica's direct channel for the session's next turns."""
         async with aclosing(self._generate(req)) as chunks:
             async for chunk in chunks:
-                if self.channel is not None and chunk and isinstance(chunk[-1], EngineDone):
-                    chunk[-1].channel = self.channel.endpoint
+                done = done_of(chunk)
+                if self.channel is not None and done is not None:
+                    done.channel = self.channel.endpoint
                 yield chunk
 
     async def _generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -116,8 +118,8 @@ class EngineReplica:
             self.prompts.remember(resolved)
             async with aclosing(self._budgeted(resolved)) as chunks:
                 async for chunk in chunks:
-                    if chunk and isinstance(chunk[-1], EngineDone):
-                        done = chunk[-1]
+                    done = done_of(chunk)
+                    if done is not None:
                         done.dispatch_s = max(0, start_ns - (req.sent_at_ns or start_ns)) / 1e9  # same host or NTP
                         if span.is_recording():
                             self._engine_spans(span, req, start_ns, done)

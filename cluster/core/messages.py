@@ -221,6 +221,12 @@ class EngineFailure:
 EnginePiece = Union[TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure, EngineQueued]
 EngineChunk = list[EnginePiece]  # what one item of an engine replica's stream carries
 
+
+def done_of(chunk: EngineChunk) -> Optional[EngineDone]:
+    """The stream's result if this chunk ends it: EngineDone is always a stream's last piece."""
+    last = chunk[-1] if chunk else None
+    return last if isinstance(last, EngineDone) else None
+
 __all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
-           "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
+           "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "done_of", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
            "ToolCallPiece"]

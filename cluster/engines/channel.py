@@ -37,6 +37,7 @@ from cluster.core.messages import (
     TextPiece,
     TokenProgress,
     ToolCallPiece,
+    done_of,
 )
 
 log = logging.getLogger("loopserve.channel")
@@ -270,7 +271,7 @@ class _Connection:
                     raise ChannelError("the engine channel closed")
                 if msg[0] == CHUNK:
                     chunk = decode_chunk(msg[2])
-                    if chunk and isinstance(chunk[-1], EngineDone):
+                    if done_of(chunk) is not None:
                         # The engine's last word: its END is on the way, the request needs no CANCEL
                         # (that could cut the replica's own work after it, e.g. its KV budget's).
                         ended = True

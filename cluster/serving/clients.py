@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster import telemetry
 from cluster.config import LoopserveConfig
-from cluster.core.messages import KV_MOVE, EngineChunk, EngineDone, EngineFailure, EngineRequest, RenderJob
+from cluster.core.messages import KV_MOVE, EngineChunk, EngineFailure, EngineRequest, RenderJob, done_of
 from cluster.core.render.renderer import IncrementalRenderer, RenderResult, render_job
 from cluster.core.retry import RetryPolicy
 from cluster.core.safety.classifiers import SafetyService
@@ -142,7 +142,7 @@ class EngineClient:
             try:
                 async for chunk in self.pool.stream(endpoint, req, stop):
                     started = True
-                    if chunk and isinstance(chunk[-1], EngineDone):
+                    if done_of(chunk) is not None:
                         self.direct_turns += 1  # counted here: a caller may stop reading at the engine's last word
                     yield chunk
                 return
@@ -158,8 +158,9 @@ class EngineClient:
         chunks = until_stopped(self.retry.stream("engine", lambda: self._stream(req), replica_gone), stop)
         try:
             async for chunk in chunks:
-                if self.pool is not None and chunk and isinstance(chunk[-1], EngineDone) and chunk[-1].channel:
-                    self._remember(req.session_key, chunk[-1].channel)
+                done = done_of(chunk)
+                if self.pool is not None and done is not None and done.channel:
+                    self._remember(req.session_key, done.channel)
                 yield chunk
         finally:
             await chunks.aclose()
@@ -216,7 +217,7 @@ class EngineClient:
             async for chunk in gen:
                 if not routed.done():
                     routed.set_result(None)
-                if chunk and isinstance(chunk[-1], EngineDone):
+                if done_of(chunk) is not None:
                     finished = True  # the engine's last word: a caller that stops here cancels nothing
                 yield chunk
             finished = True

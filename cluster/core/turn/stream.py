@@ -27,6 +27,7 @@ from cluster.core.messages import (
     TextPiece,
     TokenProgress,
     ToolCallPiece,
+    done_of,
 )
 from cluster.core.safety.gate import TurnSafety
 from cluster.core.turn.controls import tool_call_limit
@@ -129,10 +130,10 @@ class TurnStream:
                         if (attempt == 0 and request.is_tail and chunk and isinstance(chunk[0], EngineFailure)
                                 and chunk[0].code == PROMPT_BASE_MISSING):
                             break
-                        if chunk and isinstance(chunk[-1], EngineDone):
-                            span.set_attribute("loopserve.engine.replica", chunk[-1].replica)
-                            span.set_attribute("gen_ai.response.time_to_first_token_ms",
-                                               1000 * chunk[-1].first_token_s)
+                        done = done_of(chunk)
+                        if done is not None:
+                            span.set_attribute("loopserve.engine.replica", done.replica)
+                            span.set_attribute("gen_ai.response.time_to_first_token_ms", 1000 * done.first_token_s)
                         yield chunk
                     else:
                         return
