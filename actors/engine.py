@@ -170,9 +170,7 @@ class EngineReplica:
         """Wait for room; False when the session should move instead: several replicas, it was
         not moved before, it holds nothing here, and it waited `move_after_s`."""
         budget = self.config.engine.kv_budget
-        deployment = self.config.engine_deployment
-        replicas = deployment.autoscaling.max_replicas if deployment.autoscaling else deployment.num_replicas
-        if req.moved or replicas < 2:
+        if req.moved or self.config.engine_deployment.max_replicas < 2:
             await wait
             return True
         try:

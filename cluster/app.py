@@ -15,24 +15,16 @@ CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.Consiste
 KV_PLACEMENT_ROUTER = "cluster.kv_router.KvPlacementRouter"
 
 def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None, fast_path: bool = True) -> dict[str, Any]:
-    actor: dict[str, Any] = {"num_cpus": res.num_cpus}
-    if res.num_gpus:
-        actor["num_gpus"] = res.num_gpus
-    if res.resources:
-        actor["resources"] = dict(res.resources)
+    """A deployment's options: the config's Serve options as they are, plus the environment
+    loopserve's processes need (under the operator's own `runtime_env.env_vars`)."""
+    opts = res.serve_options()
     if fast_path:
         env = {**SERVE_FAST_PATH_ENV, **(env or {})}
     if env:
-        actor["runtime_env"] = {"env_vars": env}
-    opts: dict[str, Any] = {"max_ongoing_requests": res.max_ongoing_requests, "ray_actor_options": actor,
-                            "graceful_shutdown_timeout_s": res.graceful_shutdown_timeout_s,
-                            "graceful_shutdown_wait_loop_s": 0.5}
-    if res.autoscaling is not None:
-        opts["autoscaling_config"] = res.autoscaling.model_dump()  # Serve's AutoscalingConfig field names
-    else:
-        opts["num_replicas"] = res.num_replicas
-    for key, value in res.serve_options.items():  # the operator's own Serve options win
-        opts[key] = {**opts[key], **value} if isinstance(value, dict) and isinstance(opts.get(key), dict) else value
+        actor = opts["ray_actor_options"]
+        runtime_env = actor.setdefault("runtime_env", {})
+        runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+    opts.setdefault("graceful_shutdown_wait_loop_s", 0.5)
     return opts
 
 

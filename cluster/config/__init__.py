@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from cluster.config.auth import ApiKey, AuthConfig, KeysMissing, SealingConfig
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
-from cluster.config.deployments import AutoscalingSettings, DeploymentResources, RoutingConfig
+from cluster.config.deployments import DeploymentResources, RoutingConfig
 from cluster.config.engine import (
     AnswerRule,
     ChannelTlsConfig,
@@ -32,7 +32,7 @@ from cluster.config.service import (
     WebSocketConfig,
 )
 
-__all__ = ["AnswerRule", "ApiKey", "AuthConfig", "AutoscalingSettings", "CacheConfig", "ChannelTlsConfig",
+__all__ = ["AnswerRule", "ApiKey", "AuthConfig", "CacheConfig", "ChannelTlsConfig",
            "DeploymentResources", "EngineConfig", "GuardConfig", "KeysMissing", "KvBudgetConfig", "LimitsConfig",
            "LoopserveConfig", "ModelConfig", "OpsConfig", "PostWorkConfig", "RoutingConfig", "SafetyConfig",
            "ScriptedEngineConfig", "SealingConfig", "StoreConfig", "StrictModel", "TelemetryConfig", "TINY_MODEL_NAME",
@@ -60,7 +60,7 @@ class LoopserveConfig(StrictModel):
     render: DeploymentResources = Field(default_factory=DeploymentResources)
     """The render replicas (full renders: cache misses and stateless requests)."""
     engine_deployment: DeploymentResources = Field(
-        default_factory=lambda: DeploymentResources(num_cpus=0.5, max_ongoing_requests=64)
+        default_factory=lambda: DeploymentResources(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64)
     )
     """The engine replicas (one engine each)."""
     inline_delta_render: bool = True

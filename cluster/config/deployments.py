@@ -2,65 +2,133 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import copy
+import logging
+from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from cluster.config.base import StrictModel
 
+log = logging.getLogger("loopserve.config")
 
-class AutoscalingSettings(StrictModel):
-    """Ray Serve autoscaling on ongoing requests per replica."""
 
-    min_replicas: int = Field(1, ge=0)
-    """Fewest replicas."""
-    max_replicas: int = Field(4, ge=1)
-    """Most replicas."""
-    target_ongoing_requests: float = Field(8.0, gt=0)
-    """Ongoing requests per replica Serve aims for."""
-    upscale_delay_s: float = 10.0
-    """How long demand must stay high before a replica is added."""
-    downscale_delay_s: float = 300.0
-    """How long demand must stay low before a replica is removed."""
+# loopserve's own defaults under an `autoscaling_config` (Serve's would upscale a connection
+# deployment at 2 open WebSockets per replica and wait 30 s to do it).
+AUTOSCALING_DEFAULTS: dict[str, Any] = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0,
+                                        "upscale_delay_s": 10.0, "downscale_delay_s": 300.0}
+# What loopserve spelled differently before the options passed through (still read, with a warning).
+_OLD_SPELLINGS = {"num_cpus": "ray_actor_options.num_cpus", "num_gpus": "ray_actor_options.num_gpus",
+                  "resources": "ray_actor_options.resources", "autoscaling": "autoscaling_config",
+                  "serve_options": "the option's own name at this level"}
+
+
+def _serve_fields() -> tuple[set[str], set[str], set[str]]:
+    """The names Serve's own schemas know: deployment options, actor options, autoscaling."""
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema
+
+    return (set(DeploymentSchema.model_fields) - {"name"}, set(RayActorOptionsSchema.model_fields),
+            set(AutoscalingConfig.model_fields))
 
 
 class DeploymentResources(StrictModel):
-    """A deployment's replicas and their resources (Ray Serve deployment options)."""
+    """A deployment's Ray Serve options: the arguments of `@serve.deployment` under Serve's own
+    names (`num_replicas`, `ray_actor_options`, `max_ongoing_requests`, `autoscaling_config`,
+    `graceful_shutdown_timeout_s`, `max_queued_requests`, `health_check_period_s`,
+    `max_replicas_per_node`, `logging_config`, ...), passed to Serve as they are and checked by
+    Serve's own schemas at start (an unknown name is refused, with the known ones). The fields
+    below are the ones loopserve gives its own defaults."""
 
-    num_replicas: int = Field(1, ge=1)
-    """Replicas of the deployment (unless `autoscaling` is set)."""
-    num_cpus: float = 0.25
-    """CPUs Ray reserves for each replica."""
-    num_gpus: float = 0.0
-    """GPUs Ray reserves for each replica."""
-    resources: dict[str, float] = Field(default_factory=dict)
-    """Custom Ray resources, to place deployments on node groups (e.g. engines on GPU workers:
-    `{"loopserve_engine": 1}` with the node started with it)."""
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
+
+    num_replicas: Optional[Union[int, Literal["auto"]]] = None
+    """Replicas of the deployment; 1 when neither this nor `autoscaling_config` is set."""
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.25})
+    """Ray's resources for each replica (`num_cpus`, `num_gpus`, `memory`, `resources`: custom Ray resources to
+    place deployments on node groups, e.g. `{"loopserve_engine": 1}` with the node started with it;
+    `runtime_env`). `num_cpus` is 0.25 unless given."""
     max_ongoing_requests: int = 256
     """Requests (a WebSocket counts for its whole life) one replica takes at once; more wait in Serve."""
-    autoscaling: Optional[AutoscalingSettings] = None
-    """When set, replaces num_replicas."""
+    autoscaling_config: Optional[dict[str, Any]] = None
+    """Serve's autoscaling (`min_replicas`, `max_replicas`, `target_ongoing_requests`, `upscale_delay_s`,
+    `downscale_delay_s`, ...); what is not given is loopserve's default: 1-4 replicas, 8 ongoing requests
+    per replica, 10 s up, 300 s down. Replaces `num_replicas`."""
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0)
     """Scale-down/redeploy: how long a stopping replica may finish its work (connection replicas: the turns in
     flight on their sockets) before it is killed."""
-    serve_options: dict[str, Any] = Field(default_factory=dict)
-    """Any other Ray Serve deployment option, passed to Serve as it is (`max_queued_requests`,
-    `health_check_period_s`, `max_replicas_per_node`, `logging_config`, ...: the arguments of
-    `@serve.deployment`). Dict-valued options are merged into what loopserve sets (`ray_actor_options`,
-    `autoscaling_config`); the others replace it."""
 
-    @field_validator("serve_options")
+    @model_validator(mode="before")
     @classmethod
-    def _known_to_serve(cls, options: dict[str, Any]) -> dict[str, Any]:
-        import inspect
+    def _old_spellings(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not set(data) & set(_OLD_SPELLINGS):
+            return data
+        data = dict(data)
+        log.warning("deployment options %s: loopserve's old spelling, read as %s (Serve's own names)",
+                    sorted(set(data) & set(_OLD_SPELLINGS)),
+                    ", ".join(_OLD_SPELLINGS[k] for k in sorted(set(data) & set(_OLD_SPELLINGS))))
+        actor = dict(data.get("ray_actor_options") or {})
+        for key in ("num_cpus", "num_gpus", "resources"):
+            if key in data:
+                actor.setdefault(key, data.pop(key))
+        if actor:
+            data["ray_actor_options"] = actor
+        if "autoscaling" in data:
+            data.setdefault("autoscaling_config", data.pop("autoscaling"))
+        for key, value in (data.pop("serve_options", None) or {}).items():
+            mine = data.get(key)
+            data[key] = {**mine, **value} if isinstance(mine, dict) and isinstance(value, dict) else value
+        return data
 
-        from ray import serve
+    @model_validator(mode="after")
+    def _checked_by_serve(self) -> "DeploymentResources":
+        from ray.serve.config import AutoscalingConfig
+        from ray.serve.schema import DeploymentSchema
 
-        known = set(inspect.signature(serve.deployment).parameters) - {"_func_or_class", "name", "version"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"not Ray Serve deployment options: {unknown}; known: {sorted(known)}")
-        return options
+        known, actor_known, autoscaling_known = _serve_fields()
+        for what, given, names in (("Ray Serve deployment options", self.model_extra or {}, known),
+                                   ("Ray actor options", self.ray_actor_options, actor_known),
+                                   ("Serve autoscaling options", self.autoscaling_config or {}, autoscaling_known)):
+            unknown = sorted(set(given) - names)
+            if unknown:
+                raise ValueError(f"not {what}: {unknown}; known: {sorted(names)}")
+        self.ray_actor_options = {"num_cpus": 0.25, **self.ray_actor_options}
+        if self.autoscaling_config is not None:
+            if self.num_replicas not in (None, "auto"):
+                raise ValueError("num_replicas and autoscaling_config both set: autoscaling_config replaces it")
+            self.autoscaling_config = {**AUTOSCALING_DEFAULTS, **self.autoscaling_config}
+            AutoscalingConfig(**self.autoscaling_config)
+        try:
+            DeploymentSchema(name="check", **self.serve_options())
+        except ValidationError as exc:
+            raise ValueError(f"Ray Serve refuses these deployment options: {exc}") from None
+        return self
+
+    def serve_options(self) -> dict[str, Any]:
+        """The options for `@serve.deployment` (a fresh copy: callers add to it)."""
+        opts = copy.deepcopy(self.model_dump(exclude_none=True))
+        if self.autoscaling_config is None and self.num_replicas is None:
+            opts["num_replicas"] = 1
+        return opts
+
+    @property
+    def num_cpus(self) -> float:
+        return float(self.ray_actor_options.get("num_cpus", 0.25))
+
+    @property
+    def num_gpus(self) -> float:
+        return float(self.ray_actor_options.get("num_gpus") or 0)
+
+    @property
+    def resources(self) -> dict[str, float]:
+        return dict(self.ray_actor_options.get("resources") or {})
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this deployment can have."""
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config["max_replicas"])
+        return self.num_replicas if isinstance(self.num_replicas, int) else 1
 
 
 class RoutingConfig(StrictModel):

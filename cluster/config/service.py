@@ -85,7 +85,7 @@ class GuardConfig(StrictModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """The guard model's own engine."""
-    deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.5))
+    deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(ray_actor_options={"num_cpus": 0.5}))
     """The guard engine's replicas."""
     max_tokens: int = 10
     """Output tokens the guard model may use for a verdict."""
@@ -120,7 +120,7 @@ class SafetyConfig(StrictModel):
     """Where the `default`/`policy` classifiers run: `inline` in the connection replica (~0.1 ms a check; no handle
     hop before the first token) or `actor` (the SafetyActor deployment, scaled on its own). A `guard` always
     runs as an actor."""
-    deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(num_cpus=0.1))
+    deployment: DeploymentResources = Field(default_factory=lambda: DeploymentResources(ray_actor_options={"num_cpus": 0.1}))
     """The SafetyActor replicas (with `placement: actor`, or a guard)."""
 
     @property

@@ -108,13 +108,13 @@ def main(argv=None) -> int:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         base = f"http://127.0.0.1:{port}"
-        on_cpu = {"num_cpus": 0.1, "resources": {"loopserve_cpu_node": 1}}
+        on_cpu = {"ray_actor_options": {"num_cpus": 0.1, "resources": {"loopserve_cpu_node": 1}}}
         args = {
             "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 40}},
             "store": {"backend": "sqlite", "sqlite_path": os.path.join(temp, "responses.db")},
             "routing": {"engine_retries": 6},
             "connection": on_cpu, "render": on_cpu, "safety": {"deployment": on_cpu},
-            "engine_deployment": {"num_cpus": 0.1, "resources": {"loopserve_engine_node": 1}},
+            "engine_deployment": {"ray_actor_options": {"num_cpus": 0.1, "resources": {"loopserve_engine_node": 1}}},
         }
         url = deploy(base, "mn", "/", args, timeout=300)
         report["nodes"] = {"cpu": cpu_node.node_id, "engine": engine_node.node_id}

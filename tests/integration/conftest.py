@@ -45,7 +45,7 @@ def scripted_url(serve_instance, tmp_path_factory):
         # Production settings otherwise: delta renders inline in the connection actor
         # (no verify_renders); exactness is checked from outside (test_render_exactness).
         ops={"echo_route": True},
-        connection={"num_cpus": 0.1}, render={"num_cpus": 0.1}, engine_deployment={"num_cpus": 0.1},
+        connection={"ray_actor_options": {"num_cpus": 0.1}}, render={"ray_actor_options": {"num_cpus": 0.1}}, engine_deployment={"ray_actor_options": {"num_cpus": 0.1}},
     )
     return deploy_app("scripted", "/", args, serve_instance, 180)
 
@@ -65,7 +65,7 @@ def vllm_url(serve_instance):
         "auth": {"keys": [{"sha256": key_sha256("sk-test"), "tenant": "test"},
                           {"sha256": key_sha256(KEY_A), "tenant": "tenant-a"},
                           {"sha256": key_sha256(KEY_B), "tenant": "tenant-b"}]},
-        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
+        "connection": {"ray_actor_options": {"num_cpus": 0.1}}, "render": {"ray_actor_options": {"num_cpus": 0.1}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}},
     }
     yield from module_app("vllm", "/vllm", args, serve_instance, 400)
 
@@ -82,7 +82,7 @@ def smollm2_url(serve_instance):
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 64, "cpu_kvcache_space_gib": 1,
                                                 # as local.yaml: bfloat16 on AMX CPUs answers this model wrongly
                                                 "dtype": "float32"}},
-        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
+        "connection": {"ray_actor_options": {"num_cpus": 0.1}}, "render": {"ray_actor_options": {"num_cpus": 0.1}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}},
     }
     yield from module_app("smollm2", "/smollm2", args, serve_instance, 500)
 
@@ -109,7 +109,7 @@ def short_limit_url(serve_instance):
 def affinity_url(serve_instance):
     """Scripted engine with 3 replicas behind the session-affine (consistent-hash) router."""
     args = scripted_app({"tokens_per_second": 2000}, routing={"policy": "session_affinity", "num_fallback_replicas": 1},
-                        engine_deployment={"num_replicas": 3, "num_cpus": 0.05})
+                        engine_deployment={"num_replicas": 3, "ray_actor_options": {"num_cpus": 0.05}})
     yield from module_app("affinity", "/affinity", args, serve_instance, 240)
 
 
@@ -121,11 +121,11 @@ def guard_url(serve_instance):
     fake: no Llama Guard weights on this machine): it answers `unsafe / S10` for
     content with GUARD_UNSAFE, an unparseable answer for GUARD_GARBLED, else `safe`.
     """
-    args = scripted_app(safety={"classifier": "guard", "deployment": {"num_cpus": 0.05}, "guard": {
+    args = scripted_app(safety={"classifier": "guard", "deployment": {"ray_actor_options": {"num_cpus": 0.05}}, "guard": {
         "engine": {"backend": "scripted", "scripted": {"answer_text": "safe", "answer_rules": [
             {"contains": GUARD_UNSAFE, "text": "unsafe\nS10"},
             {"contains": GUARD_GARBLED, "text": "I am not sure what you mean"}]}},
-        "deployment": {"num_cpus": 0.05}}})
+        "deployment": {"ray_actor_options": {"num_cpus": 0.05}}}})
     yield from module_app("guard", "/guard", args, serve_instance, 240)
 
 
@@ -151,7 +151,7 @@ def otel_url(serve_instance, otlp_receiver):
                         telemetry={"enabled": True, "protocol": "http", "endpoint": otlp_receiver.url,
                                    "export_delay_ms": 100, "metrics_interval_ms": 500},
                         # The SafetyActor path, so one turn's trace spans four processes.
-                        safety={"placement": "actor", "deployment": {"num_cpus": 0.05}})
+                        safety={"placement": "actor", "deployment": {"ray_actor_options": {"num_cpus": 0.05}}})
     yield from module_app("otel", "/otel", args, serve_instance, 240)
 
 

@@ -24,8 +24,8 @@ def drain_args(tmp_path, generation: int) -> dict:
         "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 60, "answer_text": "x " * 30}},
         "store": {"backend": "sqlite", "sqlite_path": str(tmp_path / "drain.db")},
         "safety": {"enabled": False},
-        "connection": {"num_replicas": 2, "num_cpus": 0.05, "graceful_shutdown_timeout_s": 60},
-        "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+        "connection": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.05}, "graceful_shutdown_timeout_s": 60},
+        "render": {"ray_actor_options": {"num_cpus": 0.05}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.05}},
         "cache": {"max_entries": 64 + generation},  # a changed argument: Serve rolls every replica
     }
 

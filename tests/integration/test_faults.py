@@ -29,7 +29,7 @@ def faults_url(serve_instance, tmp_path_factory):
     args = scripted_app({"tokens_per_second": 30, "answer_text": "word " * 40, "max_output_tokens": 256},
                         store={"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("faults") / "r.db")},
                         engine_deployment={"num_replicas": 2},
-                        safety={"placement": "actor", "deployment": {"num_cpus": 0.05}})  # a SafetyActor to kill
+                        safety={"placement": "actor", "deployment": {"ray_actor_options": {"num_cpus": 0.05}}})  # a SafetyActor to kill
     yield from module_app("faults", "/faults", args, serve_instance, 240)
 
 
@@ -142,7 +142,7 @@ async def test_store_unavailable_requests_fail_cleanly_and_writes_resume(serve_i
             "store": {"backend": "postgres", "postgres_dsn": f"postgresql://postgres@127.0.0.1:{proxy.port}/loopserve_test",
                       "write_retry_s": 60},
             "safety": {"enabled": False},
-            "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
+            "connection": {"ray_actor_options": {"num_cpus": 0.05}}, "render": {"ray_actor_options": {"num_cpus": 0.05}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.05}},
         }
         url = await asyncio.to_thread(deploy_app, "pgcut", "/pgcut", args, serve_instance, 240)
         try:

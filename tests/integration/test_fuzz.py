@@ -88,7 +88,7 @@ def fuzz_url(serve_instance):
     args = scripted_app({"tokens_per_second": 100_000, "max_output_tokens": 16},
                         websocket={"max_frame_bytes": 1024 * 1024},
                         limits={"max_request_bytes": 1024 * 1024, "max_input_items": 100},
-                        safety={"deployment": {"num_cpus": 0.05}})
+                        safety={"deployment": {"ray_actor_options": {"num_cpus": 0.05}}})
     yield from module_app("fuzz", "/fuzz", args, serve_instance, 240)
 
 

@@ -22,7 +22,7 @@ def test_tensor_parallel_engine_serves_a_turn(serve_instance, client_for):
     args = {
         "model": {"max_model_len": 4096},
         "engine": {"backend": "vllm", "vllm": {"tensor_parallel_size": tp, "default_max_tokens": 8}},
-        "engine_deployment": {"num_gpus": 1, "num_cpus": 1},
+        "engine_deployment": {"ray_actor_options": {"num_gpus": 1, "num_cpus": 1}},
     }
     url = deploy_app("gpu", "/gpu", args, serve_instance, 600)
     resp = client_for(url).responses.create(model="loopserve-tiny", input="hi")

@@ -26,7 +26,7 @@ def small_kv_url(serve_instance, tmp_path_factory):
                                                "num_gpu_blocks_override": BLOCKS},
                    "kv_budget": {"ttl_initial_s": 120, "max_queue_wait_s": 60}},
         "safety": {"enabled": False},
-        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
+        "connection": {"ray_actor_options": {"num_cpus": 0.1}}, "render": {"ray_actor_options": {"num_cpus": 0.1}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}},
     }
     yield from module_app("smallkv", "/smallkv", args, serve_instance, 400)
 

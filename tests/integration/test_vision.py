@@ -29,7 +29,7 @@ def vision_url(serve_instance):
         "model": {"name": MODEL, "builtin": MODEL, "max_model_len": 2048},
         "store": {"backend": "none"},
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 4, "cpu_kvcache_space_gib": 1}},
-        "connection": {"num_cpus": 0.1}, "render": {"num_cpus": 0.1}, "engine_deployment": {"num_cpus": 0.5},
+        "connection": {"ray_actor_options": {"num_cpus": 0.1}}, "render": {"ray_actor_options": {"num_cpus": 0.1}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}},
     }
     yield from module_app("vision", "/vision", args, serve_instance, 400)
 

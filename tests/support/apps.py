@@ -16,7 +16,7 @@ SCRIPTED_ANSWER = (
 )
 
 # Scripted apps take small CPU shares: many of them share the test session's 4-CPU cluster.
-SMALL = {"connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05}}
+SMALL = {"connection": {"ray_actor_options": {"num_cpus": 0.05}}, "render": {"ray_actor_options": {"num_cpus": 0.05}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.05}}}
 
 
 def scripted_app(scripted: dict[str, Any] | None = None, **sections: Any) -> dict[str, Any]:
@@ -95,8 +95,8 @@ def pg_app_args() -> dict:
             {"sha256": key_sha256(KEY_LIMITED), "tenant": "tenant-c", "max_connections": 1,
              "requests_per_minute": 3},
         ]},
-        "connection": {"num_cpus": 0.05}, "render": {"num_cpus": 0.05}, "engine_deployment": {"num_cpus": 0.05},
-        "safety": {"deployment": {"num_cpus": 0.05}, "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
+        "connection": {"ray_actor_options": {"num_cpus": 0.05}}, "render": {"ray_actor_options": {"num_cpus": 0.05}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.05}},
+        "safety": {"deployment": {"ray_actor_options": {"num_cpus": 0.05}}, "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
         "websocket": {"allowed_origins": [ALLOWED_ORIGIN]},
     }
 

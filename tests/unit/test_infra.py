@@ -58,7 +58,7 @@ def test_rayservice_serve_config_loads_with_ray_and_our_schema():
     for res in (config.connection, config.render, config.safety.deployment, config.engine_deployment):
         for name in res.resources:
             assert any(name in offered for offered in groups.values()), name
-        assert res.autoscaling is not None and res.autoscaling.min_replicas >= 1
+        assert res.autoscaling_config is not None and res.autoscaling_config["min_replicas"] >= 1
     assert "loopserve_gpu_node" in config.engine_deployment.resources and config.engine_deployment.num_gpus == 1
     assert config.telemetry.enabled and config.telemetry.endpoint.endswith(":4317")
 

@@ -12,11 +12,13 @@ CONFIGS = sorted((Path(__file__).parents[3] / "serve_configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_shipped_configs_validate(path):
+def test_shipped_configs_validate(path, caplog):
     data = yaml.safe_load(path.read_text())
     for app in data["applications"]:
         assert app["import_path"] == "cluster.app:build_app"
-        LoopserveConfig.model_validate(app.get("args") or {})
+        with caplog.at_level("WARNING", logger="loopserve.config"):
+            LoopserveConfig.model_validate(app.get("args") or {})
+    assert "old spelling" not in caplog.text  # shipped configs use Serve's own names
 
 
 def test_typos_in_config_are_rejected():
@@ -82,7 +84,7 @@ def test_engines_autoscale_on_what_they_run_when_turns_bypass_the_handle():
     from cluster.autoscaling import engine_in_flight_policy
     from cluster.config import LoopserveConfig
 
-    auto = {"engine_deployment": {"autoscaling": {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 4}}}
+    auto = {"engine_deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 4}}}
     opts = engine_options(LoopserveConfig.model_validate(auto))
     assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:engine_in_flight_policy"
     off = engine_options(LoopserveConfig.model_validate({**auto, "engine": {"direct_stream": False}}))
@@ -137,34 +139,73 @@ def test_the_built_in_real_model_says_how_to_get_it_when_its_package_is_missing(
     assert main(["make-model", "smollm2-135m-instruct"]) == 2
 
 
-def test_serve_deployment_options_pass_through_and_unknown_ones_are_refused():
-    from pydantic import ValidationError
+def test_serve_deployment_options_pass_through_under_serves_own_names():
+    """A deployment's section holds `@serve.deployment`'s own arguments and reaches Serve as it is;
+    loopserve adds only its processes' environment (under the operator's own env_vars)."""
+    from ray.serve.schema import DeploymentSchema
 
     from cluster.app import connection_options
 
     cfg = LoopserveConfig.model_validate({
-        "connection": {"num_cpus": 0.5, "serve_options": {
-            "max_queued_requests": 100, "health_check_period_s": 5, "ray_actor_options": {"memory": 2 ** 30}}},
-        "engine_deployment": {"serve_options": {"max_replicas_per_node": 1}}})
+        "connection": {"max_queued_requests": 100, "health_check_period_s": 5, "max_ongoing_requests": 900,
+                       "ray_actor_options": {"memory": 2 ** 30, "resources": {"cpu_node": 1},
+                                             "runtime_env": {"env_vars": {"MINE": "1"}}}},
+        "engine_deployment": {"max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 3}}})
     opts = connection_options(cfg)
     assert opts["max_queued_requests"] == 100 and opts["health_check_period_s"] == 5
-    # merged into what loopserve sets, not replacing it
-    assert opts["ray_actor_options"]["memory"] == 2 ** 30 and opts["ray_actor_options"]["num_cpus"] == 0.5
-    assert engine_options(cfg)["max_replicas_per_node"] == 1
-    with pytest.raises(ValidationError, match="max_ongoing_requets"):
-        LoopserveConfig.model_validate({"connection": {"serve_options": {"max_ongoing_requets": 5}}})
+    assert opts["max_ongoing_requests"] == 900 and opts["num_replicas"] == 1
+    actor = opts["ray_actor_options"]
+    assert actor["memory"] == 2 ** 30 and actor["resources"] == {"cpu_node": 1}
+    assert actor["num_cpus"] == 0.25  # loopserve's default when not given
+    assert actor["runtime_env"]["env_vars"]["MINE"] == "1" and len(actor["runtime_env"]["env_vars"]) > 1
+    engine = engine_options(cfg)
+    assert engine["max_replicas_per_node"] == 1 and engine["ray_actor_options"]["num_cpus"] == 3
+    # Serve's own schema takes them unchanged
+    DeploymentSchema(name="ConnectionActor", **{k: v for k, v in opts.items() if k != "request_router_config"})
 
 
-def test_autoscaling_settings_are_serves_own_fields():
-    """The section passes through to Serve unchanged: a field Serve renamed would fail here, not be
-    dropped silently at deploy time."""
+@pytest.mark.parametrize("section, words", [
+    ({"max_ongoing_requets": 5}, "not Ray Serve deployment options: ['max_ongoing_requets']"),
+    ({"ray_actor_options": {"num_cpu": 1}}, "not Ray actor options: ['num_cpu']"),
+    ({"autoscaling_config": {"min_replica": 1}}, "not Serve autoscaling options: ['min_replica']"),
+    ({"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}, "must be greater than or equal to min_replicas"),
+    ({"num_replicas": 2, "autoscaling_config": {}}, "autoscaling_config replaces it"),
+    ({"max_queued_requests": "many"}, "max_queued_requests"),
+])
+def test_deployment_options_serve_would_refuse_fail_at_start_saying_what_is_wrong(section, words):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        LoopserveConfig.model_validate({"connection": section})
+    assert words in str(info.value)
+
+
+def test_autoscaling_config_takes_loopserves_defaults_for_what_it_does_not_say():
     from ray.serve.config import AutoscalingConfig
 
-    from cluster.app import _options
-    from cluster.config import AutoscalingSettings, DeploymentResources
+    from cluster.app import connection_options
 
-    settings = AutoscalingSettings(min_replicas=2, max_replicas=6, target_ongoing_requests=3, upscale_delay_s=5)
-    passed = _options(DeploymentResources(autoscaling=settings))["autoscaling_config"]
+    cfg = LoopserveConfig.model_validate({"connection": {"autoscaling_config": {"max_replicas": 6,
+                                                                                 "upscale_delay_s": 5}}})
+    passed = connection_options(cfg)["autoscaling_config"]
     serve = AutoscalingConfig(**passed)
-    for name, value in settings.model_dump().items():
-        assert getattr(serve, name) == value, name
+    assert (serve.min_replicas, serve.max_replicas, serve.upscale_delay_s) == (1, 6, 5)
+    assert (serve.target_ongoing_requests, serve.downscale_delay_s) == (8, 300)  # not Serve's 2 and 600
+    assert "num_replicas" not in connection_options(cfg) and cfg.connection.max_replicas == 6
+
+
+def test_the_old_spellings_still_read_as_serves_options(caplog):
+    """Configs written before the options passed through keep working, with a warning naming the new
+    spelling: `num_cpus`/`num_gpus`/`resources` -> `ray_actor_options`, `autoscaling` ->
+    `autoscaling_config`, `serve_options` -> the options themselves."""
+    from cluster.app import connection_options
+
+    with caplog.at_level("WARNING", logger="loopserve.config"):
+        cfg = LoopserveConfig.model_validate({"connection": {
+            "num_cpus": 0.5, "num_gpus": 1, "resources": {"n": 1}, "autoscaling": {"max_replicas": 3},
+            "serve_options": {"max_queued_requests": 7, "ray_actor_options": {"memory": 5}}}})
+    assert "ray_actor_options.num_cpus" in caplog.text and "autoscaling_config" in caplog.text
+    opts = connection_options(cfg)
+    assert {k: opts["ray_actor_options"][k] for k in ("num_cpus", "num_gpus", "resources", "memory")} == {
+        "num_cpus": 0.5, "num_gpus": 1, "resources": {"n": 1}, "memory": 5}
+    assert opts["autoscaling_config"]["max_replicas"] == 3 and opts["max_queued_requests"] == 7
