@@ -98,3 +98,16 @@ def test_changed_anchor_rendering_is_refused(tokenizer):
     first = r.full(items, None, TOOLS)
     new = [{"type": "function_call", "call_id": "x", "name": "read_file", "arguments": "{}"}]
     assert r.delta(items[first.anchor_start:], new, first.anchor_start, None, TOOLS) is None
+
+
+@pytest.mark.parametrize("text", [
+    "plain words and a <|im_start|>special<|im_end|> token inside",
+    "code:\n    def f(x):\n\treturn x ** 2  # ünïcödé, 漢字, emoji 🚀\n" * 40,
+    "",
+    " leading space and trailing newline\n\n",
+])
+def test_the_renderer_encodes_exactly_as_the_tokenizer_does(tokenizer, text):
+    """The renderer's fast encode (no offsets) gives the ids the tokenizer's own encode gives."""
+    from cluster.core.render.tokenizer import token_codec
+
+    assert token_codec(tokenizer).encode(text) == tokenizer.encode(text, add_special_tokens=False)
