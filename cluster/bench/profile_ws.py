@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from cluster.bench.local import add_ingress_argument
+
 ROLES = {"ConnectionActor": "connection", "RenderActor": "render", "SafetyActor": "safety",
          "EngineReplica": "engine", "ProxyActor": "proxy"}
 
@@ -64,6 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
     ap.add_argument("--out", default="bench_out/profile")
+    add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,8 +81,9 @@ def main(argv=None) -> None:
     else:
         from cluster.bench.runner import SCRIPTED
 
-        args = {"engine": {"backend": "scripted", "scripted": SCRIPTED}, "store": {"backend": "none"}}
-    url = _local_cluster(args)
+        args = {"engine": {"backend": "scripted", "scripted": SCRIPTED}, "store": {"backend": "none"},
+                "model": {"max_model_len": 262144}}  # as `loopserve bench`: 50 turns of 2 KB outgrow 32k
+    url = _local_cluster(args, ns.ingress)
     try:
         pids = serve_pids()
         print("processes:", pids)

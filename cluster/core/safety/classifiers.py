@@ -48,9 +48,12 @@ class ProfanityClassifier:
     """The scikit-learn model shipped inside `alt-profanity-check` (no download).
 
     Its `predict_prob` goes through `CalibratedClassifierCV` (5 calibrated
-    LinearSVCs, ~8 ms a call of sklearn overhead). The same arithmetic, done as
-    one sparse product over the stacked coefficients, takes ~0.05 ms; a unit
-    test checks both agree.
+    LinearSVCs, ~8 ms a call of sklearn overhead). The same arithmetic is done here
+    directly: the vectorizer's own analyzer, term counts looked up in its vocabulary,
+    tf-idf with its norm, one product with the stacked coefficients of the terms
+    present. sklearn's `transform` alone spent ~0.45 ms a call validating its sparse
+    matrices (0.5 ms for a 2 KB tool output against 0.07 ms here), twice a turn; a unit
+    test checks both agree with the package.
     """
 
     def __init__(self, threshold: float = 0.9) -> None:
@@ -69,12 +72,48 @@ class ProfanityClassifier:
         self._intercept = np.array([float(f.estimator.intercept_[0]) for f in folds])
         self._a = np.array([f.calibrators[0].a_ for f in folds])
         self._b = np.array([f.calibrators[0].b_ for f in folds])
+        v = self._vectorizer
+        # The tf-idf variants sklearn's transform computes (anything else: its own transform).
+        self._direct = (v.norm in ("l1", "l2", None) and getattr(v, "idf_", None) is not None and v.use_idf
+                        and v.dtype in (np.float64, float))
+        if self._direct:
+            self._analyze = v.build_analyzer()
+            self._vocabulary = v.vocabulary_
+            self._idf = np.asarray(v.idf_, dtype=np.float64)
+
+    def _decisions(self, texts: Sequence[str]):
+        """Each text's decision value per fold: what `vectorizer.transform(texts) @ coef + intercept` gives."""
+        np = self._np
+        if not self._direct:
+            return self._vectorizer.transform(list(texts)) @ self._coef + self._intercept
+        v, vocabulary, out = self._vectorizer, self._vocabulary, []
+        for text in texts:
+            counts: dict[int, int] = {}
+            for term in self._analyze(text):
+                j = vocabulary.get(term)
+                if j is not None:
+                    counts[j] = counts.get(j, 0) + 1
+            if not counts:
+                out.append(self._intercept)
+                continue
+            idx = np.fromiter(counts.keys(), dtype=np.intp, count=len(counts))
+            tf = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+            if v.binary:
+                tf[:] = 1.0
+            elif v.sublinear_tf:
+                tf = np.log(tf) + 1.0
+            x = tf * self._idf[idx]
+            norm = float(np.sqrt(x @ x)) if v.norm == "l2" else float(np.abs(x).sum()) if v.norm == "l1" else 1.0
+            if norm > 0:
+                x /= norm
+            out.append(x @ self._coef[idx] + self._intercept)
+        return np.vstack(out)
 
     def probabilities(self, texts: Sequence[str]) -> list[float]:
         if self._coef is None:
             return [float(p) for p in self._reference(list(texts))]
         np = self._np
-        decision = self._vectorizer.transform(list(texts)) @ self._coef + self._intercept
+        decision = self._decisions(texts)
         # sklearn's sigmoid calibration: P(class 1) = 1 / (1 + exp(a * f + b)), averaged over folds
         return [float(p) for p in (1.0 / (1.0 + np.exp(self._a * decision + self._b))).mean(axis=1)]
 

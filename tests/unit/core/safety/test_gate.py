@@ -239,8 +239,14 @@ async def test_hook_with_a_deadline_is_retried_until_it_then_counted():
 def test_fast_profanity_path_matches_the_package():
     from profanity_check import predict_prob
 
+    import random
+
+    rng = random.Random(7)
+    words = ("you are a fucking idiot damn shit read the file please kill process restart broken build "
+             "ünïcödé 漢字 🚀 the and of IDIOT Damn's").split()
     texts = ["read the file please", "you are a fucking idiot", "kill the process and restart it",
-             "this damn build is broken again", "", "x" * 3000]
+             "this damn build is broken again", "", "x" * 3000, "def f(x):\n    return x  # the idiot fix\n" * 60]
+    texts += [" ".join(rng.choice(words) for _ in range(rng.randint(0, 200))) for _ in range(100)]
     prof = ProfanityClassifier(0.9)
     assert prof.probabilities(texts) == pytest.approx([float(p) for p in predict_prob(texts)], abs=1e-9)
 
