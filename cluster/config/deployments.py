@@ -43,7 +43,8 @@ class DeploymentResources(StrictModel):
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
 
     num_replicas: Optional[Union[int, Literal["auto"]]] = None
-    """Replicas of the deployment; 1 when neither this nor `autoscaling_config` is set."""
+    """Replicas of the deployment; 1 when neither this nor `autoscaling_config` is set. `auto`: autoscaling
+    with loopserve's defaults (the same as `autoscaling_config: {}`)."""
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.25})
     """Ray's resources for each replica (`num_cpus`, `num_gpus`, `memory`, `resources`: custom Ray resources to
     place deployments on node groups, e.g. `{"loopserve_engine": 1}` with the node started with it;
@@ -93,8 +94,13 @@ class DeploymentResources(StrictModel):
             if unknown:
                 raise ValueError(f"not {what}: {unknown}; known: {sorted(names)}")
         self.ray_actor_options = {"num_cpus": 0.25, **self.ray_actor_options}
+        if self.num_replicas == "auto":
+            # Serve would read "auto" as its own defaults (1-100 replicas, 2 ongoing requests each);
+            # as an autoscaling_config it gets loopserve's, and engines their in-flight policy.
+            self.num_replicas = None
+            self.autoscaling_config = self.autoscaling_config or {}
         if self.autoscaling_config is not None:
-            if self.num_replicas not in (None, "auto"):
+            if self.num_replicas is not None:
                 raise ValueError("num_replicas and autoscaling_config both set: autoscaling_config replaces it")
             self.autoscaling_config = {**AUTOSCALING_DEFAULTS, **self.autoscaling_config}
             AutoscalingConfig(**self.autoscaling_config)
@@ -128,7 +134,7 @@ class DeploymentResources(StrictModel):
         """The most replicas this deployment can have."""
         if self.autoscaling_config is not None:
             return int(self.autoscaling_config["max_replicas"])
-        return self.num_replicas if isinstance(self.num_replicas, int) else 1
+        return self.num_replicas or 1
 
 
 class RoutingConfig(StrictModel):

@@ -192,6 +192,12 @@ def test_autoscaling_config_takes_loopserves_defaults_for_what_it_does_not_say()
     assert (serve.min_replicas, serve.max_replicas, serve.upscale_delay_s) == (1, 6, 5)
     assert (serve.target_ongoing_requests, serve.downscale_delay_s) == (8, 300)  # not Serve's 2 and 600
     assert "num_replicas" not in connection_options(cfg) and cfg.connection.max_replicas == 6
+    # num_replicas: auto is autoscaling with these defaults, and engines scale on their own count
+    auto = LoopserveConfig.model_validate({"engine_deployment": {"num_replicas": "auto"}})
+    opts = engine_options(auto)
+    assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 4
+    assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:engine_in_flight_policy"
+    assert auto.engine_deployment.max_replicas == 4
 
 
 def test_the_old_spellings_still_read_as_serves_options(caplog):
