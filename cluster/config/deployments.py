@@ -13,6 +13,7 @@ from cluster.config.base import StrictModel
 log = logging.getLogger("loopserve.config")
 
 
+DEFAULT_NUM_CPUS = 0.25  # what a replica reserves unless `ray_actor_options` says
 # loopserve's own defaults under an `autoscaling_config` (Serve's would upscale a connection
 # deployment at 2 open WebSockets per replica and wait 30 s to do it).
 AUTOSCALING_DEFAULTS: dict[str, Any] = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0,
@@ -45,7 +46,7 @@ class DeploymentResources(StrictModel):
     num_replicas: Optional[Union[int, Literal["auto"]]] = None
     """Replicas of the deployment; 1 when neither this nor `autoscaling_config` is set. `auto`: autoscaling
     with loopserve's defaults (the same as `autoscaling_config: {}`)."""
-    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.25})
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     """Ray's resources for each replica (`num_cpus`, `num_gpus`, `memory`, `resources`: custom Ray resources to
     place deployments on node groups, e.g. `{"loopserve_engine": 1}` with the node started with it;
     `runtime_env`). `num_cpus` is 0.25 unless given."""
@@ -62,12 +63,12 @@ class DeploymentResources(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _old_spellings(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not set(data) & set(_OLD_SPELLINGS):
+        old = sorted(set(data) & set(_OLD_SPELLINGS)) if isinstance(data, dict) else []
+        if not old:
             return data
         data = dict(data)
         log.warning("deployment options %s: loopserve's old spelling, read as %s (Serve's own names)",
-                    sorted(set(data) & set(_OLD_SPELLINGS)),
-                    ", ".join(_OLD_SPELLINGS[k] for k in sorted(set(data) & set(_OLD_SPELLINGS))))
+                    old, ", ".join(_OLD_SPELLINGS[k] for k in old))
         actor = dict(data.get("ray_actor_options") or {})
         for key in ("num_cpus", "num_gpus", "resources"):
             if key in data:
@@ -93,7 +94,7 @@ class DeploymentResources(StrictModel):
             unknown = sorted(set(given) - names)
             if unknown:
                 raise ValueError(f"not {what}: {unknown}; known: {sorted(names)}")
-        self.ray_actor_options = {"num_cpus": 0.25, **self.ray_actor_options}
+        self.ray_actor_options = {"num_cpus": DEFAULT_NUM_CPUS, **self.ray_actor_options}
         if self.num_replicas == "auto":
             # Serve would read "auto" as its own defaults (1-100 replicas, 2 ongoing requests each);
             # as an autoscaling_config it gets loopserve's, and engines their in-flight policy.
@@ -119,7 +120,7 @@ class DeploymentResources(StrictModel):
 
     @property
     def num_cpus(self) -> float:
-        return float(self.ray_actor_options.get("num_cpus", 0.25))
+        return float(self.ray_actor_options["num_cpus"])  # set by the validator
 
     @property
     def num_gpus(self) -> float:

@@ -227,6 +227,7 @@ def done_of(chunk: EngineChunk) -> Optional[EngineDone]:
     last = chunk[-1] if chunk else None
     return last if isinstance(last, EngineDone) else None
 
+
 __all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
            "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "done_of", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
            "ToolCallPiece"]
