@@ -108,14 +108,48 @@ def _frame(msg: list) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def _read(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> list:
-    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > limit:
-        raise ChannelError(f"frame of {size} bytes")
-    msg = msgpack.unpackb(await reader.readexactly(size), raw=False)
+def _message(body: Any) -> list:
+    msg = msgpack.unpackb(body, raw=False)
     if not isinstance(msg, list) or not msg:
         raise ChannelError("malformed frame")
     return msg
+
+
+async def _read(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> list:
+    """One frame, reading no byte past it (the handshake: what follows belongs to `Frames`)."""
+    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if size > limit:
+        raise ChannelError(f"frame of {size} bytes")
+    return _message(await reader.readexactly(size))
+
+
+class Frames:
+    """The frames of a stream, parsed from whatever one read brought: a burst of engine chunks
+    costs one await, not two a frame. Holds at most one frame (<= `limit`) plus one read."""
+
+    READ = 64 * 1024
+
+    def __init__(self, reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> None:
+        self._reader, self._limit = reader, limit
+        self._buf = bytearray()
+
+    async def next(self) -> list:
+        buf = self._buf
+        while True:
+            if len(buf) >= _LEN.size:
+                (size,) = _LEN.unpack_from(buf)
+                if size > self._limit:
+                    raise ChannelError(f"frame of {size} bytes")
+                end = _LEN.size + size
+                if len(buf) >= end:
+                    with memoryview(buf) as view:
+                        msg = _message(view[_LEN.size : end])
+                    del buf[:end]  # cheap at the front of a bytearray
+                    return msg
+            data = await self._reader.read(self.READ)
+            if not data:
+                raise asyncio.IncompleteReadError(bytes(buf), None)
+            buf += data
 
 
 # -- server (in the engine replica) ------------------------------------------------------
@@ -175,8 +209,9 @@ class ChannelServer:
             if len(hello) != 2 or hello[0] != HELLO or not hmac.compare_digest(str(hello[1]), self.secret):
                 return
             writer.write(_frame([HELLO, "ok"]))
+            frames = Frames(reader)
             while True:
-                msg = await _read(reader)
+                msg = await frames.next()
                 if msg[0] == START and (self.closing or len(self._tasks) >= self.max_streams):
                     # The caller goes back to the handle: Serve's router and back-pressure apply.
                     writer.write(_frame([ERROR, msg[1], "draining" if self.closing else "busy"]))
@@ -237,9 +272,10 @@ class _Connection:
         self.reader_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     async def _read_loop(self) -> None:
+        frames = Frames(self.reader)
         try:
             while True:
-                msg = await _read(self.reader)
+                msg = await frames.next()
                 queue = self.streams.get(msg[1])
                 if queue is not None:
                     queue.put_nowait(msg)

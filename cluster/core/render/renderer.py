@@ -180,11 +180,20 @@ class RenderResult:
     # the engine's prompt is this much longer than the ids (render/images.py).
     image_tokens: int = 0
 
+    def prefix(self, base: Optional[array]) -> array:
+        """The new prefix given the cached prefix this delta extends (the one copy of the history a
+        turn makes: the parent's prefix stays as it is, its state may be continued again)."""
+        return self.appended if self.full or base is None else base + self.appended
+
     def assemble(self, base: Optional[array]) -> tuple[array, array]:
         """(prefix, prompt) given the cached prefix this delta extends."""
-        prefix = self.appended if self.full or base is None else base + self.appended
+        prefix = self.prefix(base)
         prompt = self.prompt_override if self.prompt_override is not None else prefix + self.generation
         return prefix, prompt
+
+    def prompt_len(self, prefix: array) -> int:
+        """The engine prompt's length, `prefix` being what `prefix()` returned (no prompt is built)."""
+        return len(self.prompt_override) if self.prompt_override is not None else len(prefix) + len(self.generation)
 
     @property
     def delta_tokens(self) -> int:

@@ -90,7 +90,7 @@ class TurnDriver:
             if threshold is None or err.code != "context_length_exceeded":
                 raise
             prep, too_long = None, err
-        if threshold is None or (prep is not None and len(prep.rendered.prompt_token_ids) <= threshold):
+        if threshold is None or (prep is not None and prep.rendered.prompt_len <= threshold):
             return prep, None
         items = prep.context.items if prep is not None else (
             (list(parent.items) if parent is not None else []) + await self.preparer.input_items(req, parent, owner))

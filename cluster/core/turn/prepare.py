@@ -105,7 +105,7 @@ class TurnPreparer:
 
         async def fits(k: int) -> Optional[RenderResult]:
             rendered = await self.render(job.as_full(items[cuts[k]:]))
-            fit = len(rendered.assemble(None)[1]) + rendered.image_tokens <= self.settings.context_limit
+            fit = rendered.prompt_len(rendered.prefix(None)) + rendered.image_tokens <= self.settings.context_limit
             return rendered if fit else None
 
         # Galloping from the newest turn back: each render is at most about twice what is kept,
@@ -250,23 +250,25 @@ class TurnPreparer:
         finally:
             span.end()
         extends = pre is not None and not rendered.full
-        prefix, prompt = rendered.assemble(pre.token_ids if extends else None)
+        prefix = rendered.prefix(pre.token_ids if extends else None)
         images = self._images(ctx.items, pre if extends else None, decoded)
         image_tokens = rendered.image_tokens + (pre.image_tokens if extends else 0)
         timing.render = time.perf_counter() - t1
         timing.full_render = rendered.full
         timing.delta_tokens = rendered.delta_tokens
-        if len(prompt) > st.context_limit and req.truncation == "auto":
+        prompt_len = rendered.prompt_len(prefix)
+        if prompt_len > st.context_limit and req.truncation == "auto":
             ctx, rendered = await self._truncate(ctx, full_job)
-            prefix, prompt = rendered.assemble(None)
+            prefix = rendered.prefix(None)
+            prompt_len = rendered.prompt_len(prefix)
             timing.full_render, extends = True, False
             images, image_tokens = self._images(ctx.items, None, decoded), rendered.image_tokens
         if st.images is not None:
             st.images.check_count(len(images))
-        if len(prompt) + image_tokens > st.context_limit:
-            raise context_too_long(st.context_limit, len(prompt) + image_tokens)
-        return Prepared(ctx, Rendered(prefix, prompt, rendered.anchor_start, extends, rendered.prompt_override is None,
-                                      images, image_tokens), tools_spec, key)
+        if prompt_len + image_tokens > st.context_limit:
+            raise context_too_long(st.context_limit, prompt_len + image_tokens)
+        return Prepared(ctx, Rendered(prefix, rendered.generation, rendered.anchor_start, extends,
+                                      rendered.prompt_override, images, image_tokens), tools_spec, key)
 
     def _images(self, items: list[dict[str, Any]], pre: Optional[RenderedPrefix],
                 decoded: dict[int, bytes]) -> tuple[bytes, ...]:

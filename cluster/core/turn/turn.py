@@ -34,21 +34,45 @@ EnginePort = Callable[[EngineRequest, Optional["Stop"]], AsyncIterator[EngineChu
 
 @dataclass
 class Rendered:
+    """The turn's prompt: the prefix (cached for the next turn) and the generation prompt after it.
+    The whole prompt is never joined on the hot path: a continuation sends only its tail, so a turn
+    copies the session's history once (the new prefix), not twice."""
+
     prefix_token_ids: array  # the context without generation prompt (cached for the next turn)
-    prompt_token_ids: array  # what the engine gets
+    generation_token_ids: array  # the generation prompt, after the prefix (empty with an override)
     anchor_start: int
     # The prefix was extended, not re-rendered: the prompt starts with the parent's prompt.
     extends_parent: bool = False
-    prompt_extends_prefix: bool = True  # prompt = prefix + generation prompt
+    # A full render whose prompt is not prefix + generation prompt (no safe cut between them).
+    prompt_override: Optional[array] = None
     # A vision model's images in the prompt, in order (each one placeholder token in the ids), and
     # the tokens the engine adds expanding them: the engine's prompt length is len(ids) + this.
     images: tuple[bytes, ...] = ()
     image_tokens: int = 0
 
     @property
+    def prompt_extends_prefix(self) -> bool:
+        return self.prompt_override is None
+
+    @property
+    def prompt_len(self) -> int:
+        if self.prompt_override is not None:
+            return len(self.prompt_override)
+        return len(self.prefix_token_ids) + len(self.generation_token_ids)
+
+    def prompt_from(self, start: int = 0) -> array:
+        """The engine's prompt from token `start` on (a new array unless it is the override)."""
+        if self.prompt_override is not None:
+            return self.prompt_override[start:] if start else self.prompt_override
+        prefix = self.prefix_token_ids
+        if start >= len(prefix):
+            return self.generation_token_ids[start - len(prefix) :]
+        return (prefix[start:] if start else prefix) + self.generation_token_ids
+
+    @property
     def engine_len(self) -> int:
         """The prompt's length as the engine counts it (a vision model's images expanded)."""
-        return len(self.prompt_token_ids) + self.image_tokens
+        return self.prompt_len + self.image_tokens
 
 
 @dataclass
@@ -234,15 +258,15 @@ class Turn:
     def engine_request(self, *, whole: bool = False) -> EngineRequest:
         """The engine call; a continuation whose prompt extends its parent's sends only the tail."""
         req = self.request
-        prompt = self.rendered.prompt_token_ids
+        rendered = self.rendered
         base = self.parent.rendered if self.parent is not None else None
         base_id = base.engine_request_id if base is not None else None
         base_len = len(base.token_ids) if base is not None else 0
-        tail = not whole and base_id is not None and self.rendered.extends_parent and base_len < len(prompt)
+        tail = not whole and base_id is not None and rendered.extends_parent and base_len < rendered.prompt_len
         return EngineRequest(
             request_id=self.engine_id,
             session_key=self.session_key,
-            prompt_token_ids=prompt[base_len:] if tail else prompt,
+            prompt_token_ids=rendered.prompt_from(base_len if tail else 0),
             max_tokens=self.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
@@ -289,7 +313,7 @@ class Turn:
         engine_request_id = self.engine_id if engine_ran and rendered.prompt_extends_prefix else None
         prior = None
         if done is not None and done.output_ids and rendered.prompt_extends_prefix:
-            prior = PriorOutput(rendered.prompt_token_ids[len(rendered.prefix_token_ids):], done.output_token_ids,
+            prior = PriorOutput(rendered.generation_token_ids, done.output_token_ids,
                                 done.output_text)
         # A multi-step response's own input and output start where its first step's did.
         input_start, output_start = self.first_span if self.step else (ctx.new_start, len(ctx.items))

@@ -158,7 +158,10 @@ def test_serve_deployment_options_pass_through_under_serves_own_names():
     assert actor["memory"] == 2 ** 30 and actor["resources"] == {"cpu_node": 1}
     assert actor["num_cpus"] == 0.25  # loopserve's default when not given
     assert actor["runtime_env"]["env_vars"]["MINE"] == "1" and len(actor["runtime_env"]["env_vars"]) > 1
+    # Every replica tokenizes in its own thread (no rayon pool waking beside a CPU engine's kernels).
+    assert actor["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] == "false"
     engine = engine_options(cfg)
+    assert engine["ray_actor_options"]["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] == "false"
     assert engine["max_replicas_per_node"] == 1 and engine["ray_actor_options"]["num_cpus"] == 3
     # Serve's own schema takes them unchanged
     DeploymentSchema(name="ConnectionActor", **{k: v for k, v in opts.items() if k != "request_router_config"})

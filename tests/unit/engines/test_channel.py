@@ -8,7 +8,15 @@ from array import array
 import pytest
 
 from cluster.core.messages import EngineDone, EngineFailure, EngineRequest, TokenProgress
-from cluster.engines.channel import ChannelError, ChannelPool, ChannelServer, decode_request, encode_request
+from cluster.engines.channel import (
+    ChannelError,
+    ChannelPool,
+    ChannelServer,
+    Frames,
+    _frame,
+    decode_request,
+    encode_request,
+)
 from cluster.engines.output_parser import ReasoningPiece, TextPiece, ToolCallPiece
 
 CHUNKS = [[TextPiece("hel"), TokenProgress(2)], [ReasoningPiece("hm"), ToolCallPiece("read", '{"p": 1}')],
@@ -29,6 +37,30 @@ def test_a_request_round_trips_through_the_codec():
     req = request()
     back = decode_request(msgpack.unpackb(msgpack.packb(encode_request(req), use_bin_type=True), raw=False))
     assert back == req and isinstance(back.prompt_token_ids, array)
+
+
+async def test_frames_come_whole_and_in_order_however_the_bytes_are_cut():
+    # One read may bring many frames or part of one; a frame over the bound is refused before it is held.
+    msgs = [[3, n, "x" * (n * 997 % 70_000)] for n in range(40)]
+    wire = b"".join(_frame(m) for m in msgs)
+    for cut in (1, 7, 4096, len(wire)):
+        reader = asyncio.StreamReader()
+        for at in range(0, len(wire), cut):
+            reader.feed_data(wire[at : at + cut])
+        reader.feed_eof()
+        frames = Frames(reader)
+        assert [await frames.next() for _ in msgs] == msgs
+        with pytest.raises(asyncio.IncompleteReadError):
+            await frames.next()
+    reader = asyncio.StreamReader()
+    reader.feed_data(_frame([3, 1, "y" * 2000]))
+    with pytest.raises(ChannelError, match="frame of"):
+        await Frames(reader, limit=1000).next()
+    for body in (7, []):  # not a list, an empty one
+        reader = asyncio.StreamReader()
+        reader.feed_data(_frame(body))
+        with pytest.raises(ChannelError, match="malformed"):
+            await Frames(reader).next()
 
 
 class Engine:

@@ -77,6 +77,23 @@ async def test_a_tail_whose_base_is_gone_is_resent_whole(tokenizer):
     assert stack.driver.metrics.prompt_resends == 1
 
 
+def test_a_turns_prompt_is_its_prefix_then_its_generation_prompt_from_any_token_on():
+    from cluster.core.turn.turn import Rendered
+
+    prefix, gen = array("i", range(100)), array("i", [7, 8, 9])
+    rendered = Rendered(prefix, gen, 0)
+    whole = list(range(100)) + [7, 8, 9]
+    assert rendered.prompt_len == 103 and rendered.prompt_extends_prefix
+    for start in (0, 1, 99, 100, 101, 103):
+        assert list(rendered.prompt_from(start)) == whole[start:]
+    assert rendered.prompt_from(0) is not prefix and list(prefix) == list(range(100))  # the cached prefix stays
+    # A full render cut nowhere safe: the engine gets the override, the prefix is still what is cached
+    override = array("i", range(50))
+    odd = Rendered(prefix, array("i"), 0, prompt_override=override)
+    assert odd.prompt_len == 50 and not odd.prompt_extends_prefix
+    assert odd.prompt_from(0) is override and list(odd.prompt_from(10)) == list(range(10, 50))
+
+
 def test_a_prompt_base_is_per_tenant_and_per_request():
     prompts = SessionPrompts()
     base = EngineRequest("r1", "s", array("i", range(100)), 8, cache_salt="tenant-a")
