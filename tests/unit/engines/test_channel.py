@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from cluster.core.messages import EngineDone, EngineFailure, EngineRequest, TokenProgress
+from cluster.core.messages import EngineDone, EngineFailure, EngineQueued, EngineRequest, TokenProgress
 from cluster.engines.channel import (
     ChannelError,
     ChannelPool,
@@ -19,7 +19,8 @@ from cluster.engines.channel import (
 )
 from cluster.engines.output_parser import ReasoningPiece, TextPiece, ToolCallPiece
 
-CHUNKS = [[TextPiece("hel"), TokenProgress(2)], [ReasoningPiece("hm"), ToolCallPiece("read", '{"p": 1}')],
+CHUNKS = [[EngineQueued(2, 900)], [TextPiece("hel"), TokenProgress(2)], [ReasoningPiece("hm"),
+          ToolCallPiece("read", '{"p": 1}')],
           [EngineFailure(400, "no", code="c", param=None)],
           [EngineDone(10, 4, 5, "stop", replica="r", engine_s=0.5, first_token_s=0.1, channel="x")]]
 
