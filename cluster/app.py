@@ -41,7 +41,9 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
             # The torch-extension guard in this process and the ones vLLM starts.
             **startup_env(),
             "VLLM_CPU_KVCACHE_SPACE": str(config.engine.vllm.cpu_kvcache_space_gib),
-            # Keep the engine core in the replica's process: faster start, one actor.
+            # Not what its name suggests here: AsyncLLM always runs its engine core as a child process
+            # (`VLLM::EngineCore`). In vLLM 0.32 it only steers the sync LLMEngine, the deterministic
+            # external-launcher executor and a seed warning; kept as the engine has always been run.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         }
         # No OMP_NUM_THREADS: a CPU engine's kernel threads follow its core binding (VLLMEngine.start).
