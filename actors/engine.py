@@ -204,7 +204,7 @@ class EngineReplica:
         span.set_attribute("loopserve.engine.replica", self.replica_id)
 
     def _digest(self, req: EngineRequest) -> None:
-        self.prompt_digests[req.request_id] = hashlib.sha256(req.prompt_token_ids.tobytes()).hexdigest()
+        self.prompt_digests[req.request_id] = hashlib.sha256(req.prompt_token_ids).hexdigest()  # its bytes, uncopied
         if self.config.ops.prompt_text_digests:
             text = self._decode_raw(req.prompt_token_ids)
             self.prompt_text_digests[req.request_id] = hashlib.sha256(text.encode()).hexdigest()

@@ -45,7 +45,9 @@ class SessionPrompts:
             self.misses += 1
             return None
         self.hits += 1
-        return req.with_prompt(entry[1][: req.base_len] + req.prompt_token_ids)
+        prompt = entry[1][: req.base_len]  # a new array: the session's base is never changed
+        prompt.extend(req.prompt_token_ids)  # (in place: one copy of the history a turn, not two)
+        return req.with_prompt(prompt)
 
     def remember(self, req: EngineRequest) -> None:
         """Keep a (resolved) request's prompt as its session's base."""
