@@ -104,7 +104,7 @@ def _reader(cls: type) -> Callable[[Any], tuple]:
 
 
 # Pieces hold scalars only: their fields read as they are (`dataclasses.astuple` deep-copies each
-# value, ~15 us a piece, on every token of every stream).
+# value: 7.0 -> 1.1 us for a two-piece chunk, on every token of every stream).
 _ENCODERS = {cls: (kind, _reader(cls)) for kind, cls in enumerate(_PIECES)}
 
 
