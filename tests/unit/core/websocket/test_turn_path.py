@@ -1,0 +1,74 @@
+"""How far one chained WebSocket turn travels through the code, measured in process: the files
+with a Python call in them and the asyncio tasks it starts (each a handoff a chunk or a frame
+waits on). Ceilings, so a change that adds a file or a task to every turn's path shows here
+with the path it took.
+
+In process means the `WebSocketSession` with the driver, renderer, safety gate and the scripted
+engine behind `stream_chunks` (tests/support/harness.py); a served turn adds the route
+(actors/routes.py), the engine channel (engines/channel.py, serving/clients.py) and the engine
+replica (actors/engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import Counter
+from pathlib import Path
+
+from tests.support.harness import InProcessStack
+from tests.support.peer import TOOLS, Peer, wait_for
+
+ROOT = Path(__file__).resolve().parents[4]
+SOURCES = (str(ROOT / "cluster"), str(ROOT / "actors"))
+# A turn answered with a tool call, 2026-11-29: 26 files on the connection's side (session,
+# protocol, admission, the turn's driver, stream, context, controls, state, cache, rendering,
+# the safety gate, events, ids, telemetry, the output and tool-call parsers, ...) and 4 of the
+# scripted engine's (engines/scripted.py, stream.py, prompts.py, base.py).
+MAX_FILES = 30
+MAX_TASKS = 2  # the lane's task, and the engine stream's reader that lets a stop cut it
+
+
+def _create(i: int, prev: dict | None) -> dict:
+    text = f"turn {i}\n" + "x = 1\n" * 200
+    body = {"type": "response.create", "model": "loopserve-tiny", "tools": TOOLS, "store": False,
+            "input": [{"type": "message", "role": "user", "content": text}]}
+    if prev is not None:
+        body["previous_response_id"] = prev["id"]
+        calls = [o for o in prev["output"] if o["type"] == "function_call"]
+        if calls:
+            body["input"] = [{"type": "function_call_output", "call_id": c["call_id"], "output": text} for c in calls]
+    return body
+
+
+async def test_a_chained_websocket_turn_stays_on_a_short_path(tokenizer):
+    peer = Peer(InProcessStack(tokenizer))
+    loop = asyncio.get_running_loop()
+    files: Counter[str] = Counter()
+    tasks: list[str] = []
+
+    def on_call(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(SOURCES):
+            files[str(Path(frame.f_code.co_filename).relative_to(ROOT))] += 1
+
+    def task_factory(loop, coro, **kw):
+        tasks.append(getattr(coro, "__qualname__", repr(coro)))
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    prev = None
+    for i in range(5):  # the last one measured: a cache hit on a warm path, as in a long loop
+        measured = i == 4
+        if measured:
+            loop.set_task_factory(task_factory)
+            sys.setprofile(on_call)
+        try:
+            await peer.frame(_create(i, prev))
+            await wait_for(peer, "response.completed", i + 1)
+        finally:
+            sys.setprofile(None)
+            loop.set_task_factory(None)
+        assert "error" not in peer.types(), peer.sent[-1]
+        prev = [e for e in peer.sent if e["type"] == "response.completed"][-1]["response"]
+        await peer.idle()
+    assert prev["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the path measured is the cached one
+    assert len(files) <= MAX_FILES, "\n".join(f"{n:5d} {f}" for f, n in sorted(files.items()))
+    assert len(tasks) <= MAX_TASKS, tasks
