@@ -68,8 +68,10 @@ def _served(cmd: list[str], env: dict[str, str], port: int, what: str, log_path:
 
 @contextmanager
 def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: int = 32, kv_gib: int = 1,
-                dtype: str = "auto", kv_blocks: Optional[int] = None, log_path: Optional[str] = None) -> Iterator[str]:
-    """vLLM's own server (`/v1/responses` with its store on); yields its base URL."""
+                dtype: str = "auto", kv_blocks: Optional[int] = None, eager: bool = True,
+                log_path: Optional[str] = None) -> Iterator[str]:
+    """vLLM's own server (`/v1/responses` with its store on); yields its base URL. `eager`: no graph
+    capture (`--enforce-eager`), as loopserve's engine runs on a CPU unless its config says otherwise."""
     from cluster.torch_extras import expand_startup_env
 
     port = free_port()
@@ -77,9 +79,10 @@ def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: i
     env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
                               "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": threads})
     cmd = [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
-           "--served-model-name", served_name, "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_len),
+           "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(max_len),
            "--enable-prefix-caching", "--block-size", str(block_size), "--seed", "0"]
     cmd += ["--num-gpu-blocks-override", str(kv_blocks)] if kv_blocks else []
+    cmd += ["--enforce-eager"] if eager else []
     with _served(cmd, env, port, "vLLM's server", log_path) as url:
         yield url
 

@@ -322,7 +322,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                                                       "engine_replicas": len(after), "kv_tokens": capacity})
             else:
                 from cluster.bench.peers import agentic_api, vllm_metrics, vllm_server
-                from cluster.engines.vllm_engine import _on_cpu, resolve_dtype
+                from cluster.engines.vllm_engine import _on_cpu, resolve_dtype, resolve_enforce_eager
                 from cluster.models.builtin import ensure_builtin
 
                 args = loopserve_args(ns.config, "vllm", 1, None, True, rates, ns.kv_blocks)
@@ -333,6 +333,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     block_size=vcfg.get("block_size") or 32, kv_gib=vcfg.get("cpu_kvcache_space_gib", 1),
                     # loopserve's engine's dtype: the same kernels and the same KV tokens side by side
                     dtype=resolve_dtype(vcfg.get("dtype", "auto"), _on_cpu()), kv_blocks=ns.kv_blocks,
+                    eager=resolve_enforce_eager(vcfg.get("enforce_eager"), _on_cpu()),  # captured as loopserve's is
                     log_path=str(out / f"{system}-vllm.log")))
                 url = stack.enter_context(agentic_api(vurl, str(out / "agentic.log"))) if system == "agentic" else vurl
                 transport = "http" if system == "vllm" else "websocket"

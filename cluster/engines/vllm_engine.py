@@ -74,6 +74,11 @@ def resolve_dtype(dtype: str, on_cpu: bool) -> str:
     return dtype
 
 
+def resolve_enforce_eager(enforce_eager: bool | None, on_cpu: bool) -> bool:
+    """Unset: eager on a CPU (graph capture costs ~65 s at a first start there), vLLM's default elsewhere."""
+    return on_cpu if enforce_eager is None else enforce_eager
+
+
 class PreemptionCounter:
     """vLLM's preemptions, from its own iteration stats (a stat logger it calls per step)."""
 
@@ -140,7 +145,7 @@ class VLLMEngine:
             model=self.model.resolved_path(),
             served_model_name=self.model.name,
             dtype=resolve_dtype(cfg.dtype, _on_cpu()),
-            enforce_eager=cfg.enforce_eager or _on_cpu(),
+            enforce_eager=resolve_enforce_eager(cfg.enforce_eager, _on_cpu()),
             max_model_len=self.model.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             seed=cfg.seed,

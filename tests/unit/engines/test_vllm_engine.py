@@ -5,7 +5,7 @@ import os
 import pytest
 
 from cluster.engines import vllm_engine
-from cluster.engines.vllm_engine import cpu_threads_bind, resolve_dtype
+from cluster.engines.vllm_engine import cpu_threads_bind, resolve_dtype, resolve_enforce_eager
 
 
 @pytest.mark.parametrize("native, on_cpu, want", [(True, True, "auto"), (False, True, "float32"),
@@ -14,6 +14,26 @@ def test_auto_dtype_is_vllms_choice_except_float32_on_cpus_without_native_bf16(m
     monkeypatch.setattr(vllm_engine, "cpu_has_native_bf16", lambda: native)
     assert resolve_dtype("auto", on_cpu) == want
     assert resolve_dtype("bfloat16", on_cpu) == "bfloat16"  # an explicit dtype is kept
+
+
+def test_graph_capture_is_vllms_choice_on_gpus_eager_on_cpus_unless_the_config_says():
+    assert resolve_enforce_eager(None, on_cpu=True) is True
+    assert resolve_enforce_eager(None, on_cpu=False) is False
+    assert resolve_enforce_eager(False, on_cpu=True) is False  # local.yaml: captured on a CPU too
+    assert resolve_enforce_eager(True, on_cpu=False) is True
+
+
+def test_the_shipped_local_config_captures_the_engines_graph():
+    from pathlib import Path
+
+    import yaml
+
+    from cluster.config import LoopserveConfig
+
+    local = Path(__file__).parents[3] / "serve_configs" / "local.yaml"
+    args = yaml.safe_load(local.read_text())["applications"][0]["args"]
+    assert resolve_enforce_eager(LoopserveConfig.model_validate(args).engine.vllm.enforce_eager, on_cpu=True) is False
+    assert LoopserveConfig().engine.vllm.enforce_eager is None  # elsewhere: eager on a CPU, as before
 
 
 def test_kernel_threads_are_pinned_to_the_replicas_own_cores(monkeypatch):
