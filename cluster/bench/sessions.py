@@ -16,7 +16,7 @@ Per run it reports, from the client's side of every system:
   and output);
 - preemptions (the engine's own counter) and queue wait (the server's: loopserve's
   KV budget, vLLM's request queue time);
-- turn latency p50/p99 (the client's clock, send to terminal event) and the time
+- turn latency mean/p50/p99 (the client's clock, send to terminal event) and the time
   until every session is done.
 Systems: `loopserve` (WebSocket mode, `store: false`, the config as shipped),
 `vllm` (vLLM's own server, `/v1/responses` chained with previous_response_id),

@@ -18,6 +18,14 @@ def test_hit_is_cached_over_the_previous_turns_input_and_output():
     assert s["necessary_tokens"] == 50 + 500 + 500
 
 
+def test_the_mean_turn_latency_is_reported_beside_the_percentiles():
+    # latencies 1, 2, 3 (turn + 1) and an errored turn that does not count
+    rows = [_row(0, 0, 50, 0), _row(0, 1, 560, 60), _row(0, 2, 1070, 285), _row(1, 0, 0, 0, 0, status="error")]
+    s = summarize(rows, turns=2, elapsed=9.0)
+    assert (s["turn_mean_s"], s["turns"]) == (2.0, 3)
+    assert summarize([_row(0, 0, 0, 0, 0, status="error")], turns=2, elapsed=1.0)["turn_mean_s"] is None
+
+
 def test_an_errored_turn_restarts_the_chain_and_is_counted():
     rows = [_row(0, 0, 50, 0), _row(0, 1, 0, 0, 0, status="error"), _row(0, 2, 70, 0)]
     s = summarize(rows, turns=2, elapsed=1.0)
