@@ -10,6 +10,8 @@ from typing import Any, Iterator, Optional
 # The scripted engine's modelled KV cache without loopserve's budget (hash placement, no
 # retention: what vLLM does alone), run at the real engine's KV size and this CPU's rates.
 STAND_IN = "stand-in"
+# vLLM's server with an idle loopserve cluster (scripted engine) beside it on the machine.
+BESIDE_RAY = "vllm-beside-ray"
 
 
 def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,

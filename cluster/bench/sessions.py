@@ -26,6 +26,9 @@ times, interleaved, each on fresh servers; medians reported). With
 `--engine scripted` the engine is the scripted stand-in with its modelled KV cache
 (engines/kv_model.py), and the comparison is loopserve with its KV budget against
 loopserve without it (hash-only placement, no retention): `loopserve-nobudget`.
+`vllm-beside-ray`: vLLM's server while an idle loopserve cluster (Ray, Serve and loopserve's
+actors, on the scripted engine so no second vLLM) runs on the same machine: what the
+resident processes of a Ray Serve cluster alone cost vLLM's server's turns.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any, Optional
 from cluster.bench.agent_loop import progress_bar
 from cluster.bench.client import ws_turn, ws_url
 from cluster.bench.local import add_ingress_argument
-from cluster.bench.session_systems import STAND_IN, loopserve, loopserve_args, loopserve_engine_stats
+from cluster.bench.session_systems import BESIDE_RAY, STAND_IN, loopserve, loopserve_args, loopserve_engine_stats
 from cluster.bench.session_report import (
     calibrate,
     calibration_table,
@@ -325,6 +328,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 from cluster.engines.vllm_engine import _on_cpu, resolve_dtype, resolve_enforce_eager
                 from cluster.models.builtin import ensure_builtin
 
+                if system == BESIDE_RAY:  # an idle cluster, up before vLLM's server starts
+                    stack.enter_context(loopserve(loopserve_args(ns.config, "scripted", 1, None, True, rates),
+                                                  ns.ingress))
                 args = loopserve_args(ns.config, "vllm", 1, None, True, rates, ns.kv_blocks)
                 model_cfg, vcfg = args["model"], args["engine"].get("vllm", {})
                 model_dir = str(ensure_builtin(model_cfg.get("builtin", "loopserve-tiny")))
@@ -336,7 +342,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     eager=resolve_enforce_eager(vcfg.get("enforce_eager"), _on_cpu()),  # captured as loopserve's is
                     log_path=str(out / f"{system}-vllm.log")))
                 url = stack.enter_context(agentic_api(vurl, str(out / "agentic.log"))) if system == "agentic" else vurl
-                transport = "http" if system == "vllm" else "websocket"
+                transport = "websocket" if system == "agentic" else "http"
                 warm_up(system, url, model_cfg["name"], transport, store=True)
                 for n in ns_values:
                     before = vllm_metrics(vurl)

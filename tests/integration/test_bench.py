@@ -29,3 +29,21 @@ def test_every_mode_runs_and_only_stateless_resends_history(scripted_url):
 def test_echo_floor(scripted_url):
     floor = asyncio.run(echo_floor(scripted_url, n=50))
     assert 0 < floor["p50_ms"] < 1000
+
+
+def test_an_app_whose_replica_cannot_start_fails_with_the_replicas_error(serve_instance, tmp_path):
+    from ray import serve
+
+    from cluster.bench.local import deploy
+    from tests.support.apps import scripted_app
+
+    # A model folder with no tokenizer in it: the replicas that load one fail in their constructor.
+    args = scripted_app(model={"path": str(tmp_path)})
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            deploy(serve_instance, "no-tokenizer", "/no-tokenizer", args, timeout=120)
+        message = str(failed.value)
+        # the failed deployment named with its replica's own error, not only Serve's summary
+        assert "RenderActor (DEPLOY_FAILED): " in message and "Couldn't instantiate the backend tokenizer" in message, message
+    finally:
+        serve.delete("no-tokenizer")
