@@ -235,7 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", default="1,8,16", help="comma-separated N values")
     ap.add_argument("--systems", default=None, help="loopserve,vllm,agentic (real; add stand-in to calibrate the scripted engine's "
-                         "modelled KV against vLLM in the same run) | loopserve,loopserve-nobudget (scripted)")
+                         "modelled KV against vLLM in the same run; vllm-beside-ray: vLLM's server beside an idle "
+                         "cluster) | loopserve,loopserve-nobudget (scripted)")
     ap.add_argument("--engine", choices=["vllm", "scripted"], default="vllm")
     ap.add_argument("--config", default="serve_configs/local.yaml")
     ap.add_argument("--preset", choices=sorted(PRESETS))
