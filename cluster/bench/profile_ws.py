@@ -77,7 +77,7 @@ def main(argv=None) -> None:
 
     if ns.backend == "vllm":
         args = {"engine": {"backend": "vllm", "vllm": {"block_size": BLOCK, "default_max_tokens": 8}},
-                "model": {"max_model_len": MAX_LEN}, "store": {"backend": "none"}, "safety": {"enabled": False}}
+                "model": {"max_model_len": MAX_LEN["loopserve-tiny"]}, "store": {"backend": "none"}, "safety": {"enabled": False}}
     else:
         from cluster.bench.runner import SCRIPTED
 
