@@ -1,6 +1,7 @@
 """The agent-loop benchmark runs against the real app in every mode (so it cannot rot)."""
 
 import asyncio
+import re
 
 import pytest
 
@@ -43,7 +44,11 @@ def test_an_app_whose_replica_cannot_start_fails_with_the_replicas_error(serve_i
         with pytest.raises(RuntimeError) as failed:
             deploy(serve_instance, "no-tokenizer", "/no-tokenizer", args, timeout=120)
         message = str(failed.value)
-        # the failed deployment named with its replica's own error, not only Serve's summary
-        assert "RenderActor (DEPLOY_FAILED): " in message and "Couldn't instantiate the backend tokenizer" in message, message
+        # The failed deployment named with its replica's own error, not only Serve's summary. Which of
+        # the replicas that load a tokenizer gives up first is a race (the others may still be retrying).
+        failed_deployments = re.findall(r"^(\w+) \(DEPLOY_FAILED\): ", message, re.MULTILINE)
+        assert failed_deployments and set(failed_deployments) <= {"RenderActor", "EngineReplica", "ConnectionActor",
+                                                                   "SafetyActor", "GuardEngine"}, message
+        assert "Couldn't instantiate the backend tokenizer" in message, message
     finally:
         serve.delete("no-tokenizer")
