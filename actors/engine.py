@@ -33,7 +33,11 @@ from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
 from cluster.engines.channel import ChannelServer, tls_contexts
 from cluster.engines.kv_budget import KV_METRICS, BudgetPolicy
-from cluster.engines.parsers import reasoning_tags, tool_format, vllm_tool_call_extractor
+from cluster.engines.output_parser import (
+    reasoning_tags,
+    tool_format,
+    vllm_tool_call_extractor,
+)
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
 

@@ -24,14 +24,13 @@ from starlette.websockets import WebSocketDisconnect
 
 from actors.http import app, error_response, json_body, peak_rss_bytes, rss_bytes, sse
 from cluster import telemetry
-from cluster.core.progress import TurnProgress
-from cluster.core.turn.admission import admit_create
+from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import TurnRequest, cache_salt
 from cluster.core.websocket.session import WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
-from cluster.protocol.requests import session_header
+from cluster.protocol.requests import admit_create, session_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from cluster.serving.connection import ConnectionServices

@@ -24,19 +24,35 @@ from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
 from cluster.core.render.audit import RenderAudit
 from cluster.core.render.images import ImageLimits
-from cluster.core.render.tokenizer import attach_images, load_tokenizer, renderer_for, watch_fallbacks
+from cluster.core.render.tokenizer import (
+    attach_images,
+    load_tokenizer,
+    renderer_for,
+    watch_fallbacks,
+)
 from cluster.core.safety.classifiers import SafetyService, local_classifier
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
-from cluster.core.turn.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, UsageMeter, load_hook
+from cluster.core.turn.post_work import (
+    OutputTailCheck,
+    PostWorkQueue,
+    SafetyLedger,
+    UsageMeter,
+    load_hook,
+)
 from cluster.core.turn.prepare import TurnSettings
 from cluster.core.websocket.protocol import frame_too_large
 from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.channel import tls_contexts
-from cluster.engines.parsers import tool_format
+from cluster.engines.output_parser import tool_format
 from cluster.protocol.errors import ApiError
 from cluster.protocol.sealing import Sealer, new_key
-from cluster.serving.clients import EngineClient, RenderClient, SafetyClient, deployment_retry
+from cluster.serving.clients import (
+    EngineClient,
+    RenderClient,
+    SafetyClient,
+    deployment_retry,
+)
 from cluster.serving.responses import ResponsesService
 from cluster.store import ResponseStore, open_store
 

@@ -13,12 +13,16 @@ import time
 from typing import Any, Optional
 
 from cluster.core.events import build_response, replay_events, usage_object
-from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.compaction import compacted_window, kept_messages, needs_summary, summarise
+from cluster.core.turn.cache import ResponseState, SessionCache
+from cluster.core.turn.compaction import (
+    compacted_window,
+    kept_messages,
+    needs_summary,
+    summarise,
+)
+from cluster.core.turn.context import without_private
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import TurnRecord
-from cluster.core.turn.sealed import without_private
-from cluster.core.turn.state import ResponseState
 from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.errors import ApiError, previous_response_not_found
 from cluster.protocol.ids import new_id

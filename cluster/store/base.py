@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+from cluster.core.turn.cache import ResponseState
 from cluster.core.turn.context import output_as_context
-from cluster.core.turn.state import ResponseState
 
 
 @dataclass

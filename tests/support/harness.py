@@ -11,15 +11,20 @@ from contextlib import aclosing
 from typing import Any
 
 from cluster.config import ModelConfig, ScriptedEngineConfig
-from cluster.core.messages import PROMPT_BASE_MISSING, EngineFailure, EngineRequest, RenderJob
+from cluster.core.messages import (
+    PROMPT_BASE_MISSING,
+    EngineFailure,
+    EngineRequest,
+    RenderJob,
+)
 from cluster.core.render.renderer import render_job
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.safety.classifiers import Classifier
+from cluster.core.turn.context import compaction_item
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.prepare import TurnSettings
-from cluster.core.turn.sealed import compaction_item
 from cluster.core.turn.turn import until_stopped
-from cluster.engines.parsers import vllm_tool_call_extractor
+from cluster.engines.output_parser import vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted import ScriptedEngine
 from cluster.engines.stream import stream_chunks

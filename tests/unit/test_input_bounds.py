@@ -4,11 +4,16 @@ it picks, and the bytes a stored response's echo keeps alive (issue 22, items 2 
 
 import pytest
 
-from cluster.core.turn.state import ResponseState, _size, estimate_nbytes
+from cluster.core.turn.cache import ResponseState, _size, estimate_nbytes
 from cluster.core.turn.turn import TurnRequest
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError
-from cluster.protocol.requests import MAX_JSON_DEPTH, json_depth_error, parse_request, session_header
+from cluster.protocol.requests import (
+    MAX_JSON_DEPTH,
+    json_depth_error,
+    parse_request,
+    session_header,
+)
 from tests.support.harness import InProcessStack
 from tests.support.peer import Peer
 

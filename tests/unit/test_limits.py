@@ -7,8 +7,7 @@ import json
 import pytest
 
 from cluster.config import ModelConfig, ScriptedEngineConfig, WebSocketConfig
-from cluster.core.turn.cache import CacheMemory, SessionCache
-from cluster.core.turn.state import ResponseState
+from cluster.core.turn.cache import CacheMemory, ResponseState, SessionCache
 from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.base import EngineRequest, RecentKeys
 from cluster.engines.scripted import MAX_CACHED_SESSIONS, ScriptedEngine

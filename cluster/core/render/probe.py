@@ -72,7 +72,7 @@ def _thinks(text: str) -> Item:
 
 
 def _compaction() -> Item:
-    # As a turn sees it: the sealed blob opened (cluster/core/turn/sealed.py), its summary beside it.
+    # As a turn sees it: the sealed blob opened (cluster/core/turn/context.py), its summary beside it.
     return {"type": "compaction", "encrypted_content": "ls1.probe.sealed", COMPACTION_SUMMARY:
             "The user asked about main.py; it was read and holds one function, main(), that returns 0."}
 

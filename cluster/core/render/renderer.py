@@ -55,7 +55,7 @@ def content_text(content: Any, image_text: str = "[image]") -> str:
     return "".join(parts)
 
 
-# A compaction item's opened summary (cluster/core/turn/sealed.py opens the sealed blob before a
+# A compaction item's opened summary (cluster/core/turn/context.py opens the sealed blob before a
 # turn resolves): server-side only, never listed back to a client.
 COMPACTION_SUMMARY = "_summary"
 
@@ -224,7 +224,7 @@ class IncrementalRenderer:
         self.on_fallback: Optional[Callable[[str, tuple], None]] = None
         # A vision model's image placeholder and token counts (None: text only; images never get here).
         self.images: Optional[ImageTokens] = None
-        # The most characters one token stands for (`bounds.py`; None: no floor before tokenizing).
+        # The most characters one token stands for (`tokenizer.py`; None: no floor before tokenizing).
         self.max_token_chars: Optional[int] = None
 
     def stats(self) -> dict[str, Any]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from cluster.core.events import Event
-from cluster.core.progress import TurnProgress
+from cluster.core.messages import TurnProgress
 from cluster.core.render.renderer import COMPACTION_SUMMARY, content_text
 from cluster.core.turn.cache import SessionCache
+from cluster.core.turn.context import compaction_item
 from cluster.core.turn.prepare import TurnSettings
-from cluster.core.turn.sealed import compaction_item
 from cluster.core.turn.turn import TurnRequest
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.ids import new_id

@@ -15,15 +15,28 @@ from typing import Any, AsyncIterator, Optional
 
 from cluster import telemetry
 from cluster.core.events import Event, EventAssembler, build_response
-from cluster.core.progress import TurnProgress
+from cluster.core.messages import TurnProgress
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
+from cluster.core.turn.cache import ResponseState
 from cluster.core.turn.compaction import compacted_window, needs_summary, summarise
+from cluster.core.turn.context import INCLUDE_REASONING, seal_reasoning
 from cluster.core.turn.post_work import PostWorkQueue
-from cluster.core.turn.prepare import ItemLookup, Prepared, RenderPort, TurnPreparer, TurnSettings
-from cluster.core.turn.sealed import INCLUDE_REASONING, seal_reasoning
-from cluster.core.turn.state import ResponseState
+from cluster.core.turn.prepare import (
+    ItemLookup,
+    Prepared,
+    RenderPort,
+    TurnPreparer,
+    TurnSettings,
+)
 from cluster.core.turn.stream import TurnStream
-from cluster.core.turn.turn import EnginePort, Rendered, Turn, TurnRequest, TurnServices, TurnTiming
+from cluster.core.turn.turn import (
+    EnginePort,
+    Rendered,
+    Turn,
+    TurnRequest,
+    TurnServices,
+    TurnTiming,
+)
 from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import ResponsesRequest

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
 from cluster.core.retry import RetryPolicy
-from cluster.core.turn.state import items_nbytes
+from cluster.core.turn.cache import items_nbytes
 
 log = logging.getLogger(__name__)
 

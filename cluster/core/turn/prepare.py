@@ -13,13 +13,23 @@ from typing import Any, Awaitable, Callable, NamedTuple, Optional, Protocol
 
 from cluster import telemetry
 from cluster.core.messages import RenderJob, ToolSpec
-from cluster.core.render.bounds import kept_items, min_prompt_tokens
 from cluster.core.render.images import ImageLimits, context_images, image_parts
 from cluster.core.render.renderer import RenderResult
-from cluster.core.turn.context import ResolvedContext, normalize_tools, reject_non_text, resolve_context
+from cluster.core.render.tokenizer import kept_items, min_prompt_tokens
+from cluster.core.turn.cache import (
+    RenderedPrefix,
+    RenderKey,
+    ResponseState,
+    items_nbytes,
+)
+from cluster.core.turn.context import (
+    ResolvedContext,
+    normalize_tools,
+    open_sealed,
+    reject_non_text,
+    resolve_context,
+)
 from cluster.core.turn.controls import check_output_controls
-from cluster.core.turn.sealed import open_sealed
-from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
 from cluster.core.turn.turn import Rendered, TurnTiming
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import ResponsesRequest
@@ -63,7 +73,7 @@ class TurnSettings:
     # sets none: what a response reports it used.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     images: Optional[ImageLimits] = None  # a vision model's image limits (None: text only, images are a 400)
-    # The most characters one token of the model stands for (`render/bounds.py`): inputs that cannot
+    # The most characters one token of the model stands for (`render/tokenizer.py`): inputs that cannot
     # fit the context are refused before the tokenizer runs. None: no such floor.
     max_token_chars: Optional[int] = None
 

@@ -19,10 +19,19 @@ from cluster.core.messages import (
     PriorOutput,
     ToolSpec,
 )
-from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.context import ResolvedContext, output_as_context, output_call_ids
+from cluster.core.turn.cache import (
+    RenderedPrefix,
+    RenderKey,
+    ResponseState,
+    SessionCache,
+    items_nbytes,
+)
+from cluster.core.turn.context import (
+    ResolvedContext,
+    output_as_context,
+    output_call_ids,
+)
 from cluster.core.turn.post_work import PostWorkQueue
-from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState, items_nbytes
 from cluster.protocol.requests import ResponsesRequest
 
 # An engine replica's stream: (EngineRequest, the turn's Stop or None) -> chunks. A port ends

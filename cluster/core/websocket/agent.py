@@ -15,9 +15,9 @@ import asyncio
 import time
 from typing import Any, Optional
 
-from cluster.core.turn.admission import MULTI_AGENT_BETA
-from cluster.core.turn.state import items_nbytes
+from cluster.core.turn.cache import items_nbytes
 from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import MULTI_AGENT_BETA
 
 BETA = MULTI_AGENT_BETA
 # Bytes of injected tool output one connection may hold before its responses take them in: they

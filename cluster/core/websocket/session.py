@@ -17,8 +17,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
 from cluster.core.events import Event
-from cluster.core.progress import Milestone, TurnProgress
-from cluster.core.turn.admission import admit_create, multi_agent_enabled
+from cluster.core.messages import Milestone, TurnProgress
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import Lookup, TurnRequest
@@ -38,6 +37,7 @@ from cluster.core.websocket.protocol import (
     WebSocketProtocol,
 )
 from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.requests import admit_create, multi_agent_enabled
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ class Steer:
     @property
     def nbytes(self) -> int:
         """What this steer holds (its input as sent and as items; strings are shared)."""
-        from cluster.core.turn.state import items_nbytes
+        from cluster.core.turn.cache import items_nbytes
 
         return 2 * items_nbytes(self.items)
 

@@ -2,7 +2,7 @@
 assembler sends (both come from the `openai` package's types), for every way a response ends."""
 
 from cluster.core.events import EventAssembler, build_response, usage_object
-from cluster.core.progress import Milestone, TurnProgress
+from cluster.core.messages import Milestone, TurnProgress
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 

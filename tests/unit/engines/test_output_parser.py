@@ -2,7 +2,12 @@ import json
 
 import pytest
 
-from cluster.engines.output_parser import ReasoningPiece, StreamingOutputParser, TextPiece, ToolCallPiece
+from cluster.engines.output_parser import (
+    ReasoningPiece,
+    StreamingOutputParser,
+    TextPiece,
+    ToolCallPiece,
+)
 
 
 def run(parser, chunks):
@@ -25,7 +30,7 @@ def char_chunks(s):
 
 @pytest.fixture(scope="module")
 def hermes(tokenizer):
-    from cluster.engines.parsers import vllm_tool_call_extractor
+    from cluster.engines.output_parser import vllm_tool_call_extractor
 
     return vllm_tool_call_extractor("hermes", tokenizer)
 

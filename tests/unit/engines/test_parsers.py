@@ -9,8 +9,15 @@ import json
 
 import pytest
 
-from cluster.engines.output_parser import StreamingOutputParser, TextPiece, ToolCallPiece
-from cluster.engines.parsers import reasoning_tags, supported_tool_parsers, tool_format, vllm_tool_call_extractor
+from cluster.engines.output_parser import (
+    StreamingOutputParser,
+    TextPiece,
+    ToolCallPiece,
+    reasoning_tags,
+    supported_tool_parsers,
+    tool_format,
+    vllm_tool_call_extractor,
+)
 
 RECORDED = {
     "hermes": 'Let me read it.<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>',

@@ -12,7 +12,7 @@ from cluster.core.messages import INLINE_RENDER_MAX_BYTES, RenderJob
 from cluster.core.render.renderer import render_job
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.retry import RetryPolicy
-from cluster.core.turn.state import items_nbytes
+from cluster.core.turn.cache import items_nbytes
 from cluster.serving.clients import RenderClient
 
 ITEMS = [{"type": "message", "role": "user", "content": "List the files in src/"}]

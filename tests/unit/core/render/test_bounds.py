@@ -1,11 +1,16 @@
-"""The token floor known before tokenizing (`render/bounds.py`): it never exceeds what the
+"""The token floor known before tokenizing (`render/tokenizer.py`): it never exceeds what the
 tokenizer really produces, and an input over the context by that floor is refused unrendered."""
 
 import random
 
 import pytest
 
-from cluster.core.render.bounds import kept_items, max_token_chars, min_prompt_tokens, verbatim_chars
+from cluster.core.render.tokenizer import (
+    kept_items,
+    max_token_chars,
+    min_prompt_tokens,
+    verbatim_chars,
+)
 from cluster.core.turn.cache import SessionCache
 from cluster.protocol.errors import ApiError
 from tests.support.harness import InProcessStack

@@ -1,7 +1,11 @@
 from array import array
 
-from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.state import RenderedPrefix, RenderKey, ResponseState
+from cluster.core.turn.cache import (
+    RenderedPrefix,
+    RenderKey,
+    ResponseState,
+    SessionCache,
+)
 
 
 def state(rid: str, tokens: int = 10, text: str = "x") -> ResponseState:

@@ -30,7 +30,7 @@ def test_call_without_output_is_rejected_when_a_turn_starts():
 
 
 def test_pairing_spans_the_cached_history():
-    from cluster.core.turn.state import ResponseState
+    from cluster.core.turn.cache import ResponseState
 
     parent = ResponseState(
         response_id="r1", model="m", items=[user(), fc("c1")], output_start=1, instructions=None, tools=[],

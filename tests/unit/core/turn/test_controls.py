@@ -10,7 +10,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import normalize_tools
 from cluster.core.turn.controls import check_output_controls, tool_call_limit
 from cluster.core.turn.turn import TurnRequest
-from cluster.engines.parsers import TOOL_FORMATS
+from cluster.engines.output_parser import TOOL_FORMATS
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from tests.support.harness import InProcessStack

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from cluster.config import WebSocketConfig
-from cluster.core.turn.admission import admit_create
 from cluster.core.turn.cache import SessionCache
 from cluster.core.websocket.inflight import WsCreate
 from cluster.core.websocket.protocol import (
@@ -21,6 +20,7 @@ from cluster.core.websocket.protocol import (
     State,
     WebSocketProtocol,
 )
+from cluster.protocol.requests import admit_create
 
 
 def protocol(**cfg) -> WebSocketProtocol:

@@ -3,8 +3,8 @@ the transport's own rules."""
 
 import pytest
 
-from cluster.core.turn.admission import MULTI_AGENT_BETA, admit_create
 from cluster.protocol.errors import ApiError
+from cluster.protocol.requests import MULTI_AGENT_BETA, admit_create
 
 MULTI = {"input": "go", "multi_agent": {"enabled": True}}
 
