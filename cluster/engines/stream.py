@@ -64,13 +64,13 @@ async def stream_chunks(
     # generator now, which aborts the request, instead of whenever GC runs.
     async with aclosing(engine.generate(request)) as deltas:
         try:
-            first = await anext(deltas)
-        except StopAsyncIteration:
-            first = None
+            delta = await anext(deltas, None)
         except ValueError as exc:  # the engine refused the request (e.g. a schema structured outputs cannot compile)
             yield [EngineFailure(400, f"The request cannot be generated: {str(exc)[:300]}", code="invalid_value")]
             return
-        async for delta in _prepend(first, deltas):
+        # The deltas are read here directly (no generator chaining the first one back in front):
+        # each delta climbs one async-generator layer fewer on its way to the turn.
+        while delta is not None:
             output_tokens += delta.new_tokens
             output_ids.extend(delta.token_ids)
             if delta.new_tokens and not first_token:
@@ -86,13 +86,7 @@ async def stream_chunks(
                                         output_text=decode_raw(output_ids) if decode_raw else ""))
             if chunk:
                 yield chunk
-
-
-async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item
+            delta = await anext(deltas, None)
 
 
 async def coalesce(chunks: AsyncIterator[list], min_interval_s: float = 0.0) -> AsyncIterator[list]:

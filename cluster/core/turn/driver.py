@@ -139,9 +139,27 @@ class TurnDriver:
         progress = TurnProgress()
         rejected = False
         try:
-            async for ev in self._run(t, timing, root, tctx):
-                progress.observe(ev)
-                yield ev
+            # `_start` is a coroutine, not a generator: the stream's events come straight
+            # through here, one async-generator layer fewer for every event of the turn.
+            stream, first_events = await self._start(t, timing, root, tctx)
+            streaming = self.tracer.start_span("stream_events", context=tctx)
+            try:
+                for ev in first_events:
+                    progress.observe(ev)
+                    yield ev
+                async for ev in (stream.warm_up() if t.request.is_warm_up else stream.generate()):
+                    progress.observe(ev)
+                    yield ev
+            finally:
+                stream.safety.cancel()
+                streaming.end()
+                turn = stream.turn
+                root.set_attribute("gen_ai.usage.input_tokens", turn.prompt_len)
+                root.set_attribute("gen_ai.usage.output_tokens", turn.output_tokens)
+                root.set_attribute("loopserve.cached_tokens", turn.cached_tokens)
+                # Post-inference work is scheduled even when the client went away
+                # mid-turn (tokens were spent); never awaited here.
+                stream.schedule_post_work()
         except ApiError as err:
             root.set_attribute("error.type", err.code or str(err.status))
             root.set_status(telemetry.StatusCode.ERROR, err.message[:200])
@@ -154,7 +172,10 @@ class TurnDriver:
             self.metrics.turn_ended(t.transport, status)
             root.end()
 
-    async def _run(self, t: TurnRequest, timing: TurnTiming, root: Any, tctx: Any) -> AsyncIterator[Event]:
+    async def _start(self, t: TurnRequest, timing: TurnTiming, root: Any,
+                     tctx: Any) -> tuple[TurnStream, list[Event]]:
+        """The turn up to its first events: the context resolved and rendered, the response
+        created. Errors before `response.created` raise ApiError."""
         req, cache, session_key, owner, agent = t.request, t.cache, t.session_key, t.owner, t.agent
         self.check_model(req)
         parent: Optional[ResponseState] = None
@@ -229,26 +250,12 @@ class TurnDriver:
                     timing=timing, on_state=t.on_state, trace=tctx, include_timing=t.include_timing,
                     stop=t.stop, keep_parent=t.keep_parent, agent=agent, expect_back=t.transport == "websocket")
         stream = TurnStream(turn, asm, safety, self.services)
-        streaming = self.tracer.start_span("stream_events", context=tctx)
-        try:
-            events = asm.start()
-            timing.first_event = time.perf_counter() - timing.started
-            if compaction is not None:
-                events += asm.compaction(compaction)
-                turn.step_output_start = len(asm.response["output"])  # the item is in the context already
-            for ev in events:
-                yield ev
-            async for ev in (stream.warm_up() if req.is_warm_up else stream.generate()):
-                yield ev
-        finally:
-            safety.cancel()
-            streaming.end()
-            root.set_attribute("gen_ai.usage.input_tokens", turn.prompt_len)
-            root.set_attribute("gen_ai.usage.output_tokens", turn.output_tokens)
-            root.set_attribute("loopserve.cached_tokens", turn.cached_tokens)
-            # Post-inference work is scheduled even when the client went away
-            # mid-turn (tokens were spent); never awaited here.
-            stream.schedule_post_work()
+        events = asm.start()
+        timing.first_event = time.perf_counter() - timing.started
+        if compaction is not None:
+            events += asm.compaction(compaction)
+            turn.step_output_start = len(asm.response["output"])  # the item is in the context already
+        return stream, events
 
 
 __all__ = ["TurnDriver", "TurnSettings", "TurnTiming", "RenderPort", "EnginePort", "Rendered", "Turn", "TurnRequest"]

@@ -11,6 +11,7 @@ replica (actors/engine.py)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
 from collections import Counter
 from pathlib import Path
@@ -29,6 +30,20 @@ SOURCES = (str(ROOT / "cluster"), str(ROOT / "actors"))
 # engine's (engines/scripted.py, stream.py, prompts.py, base.py).
 MAX_FILES = 24
 MAX_TASKS = 2  # the lane's task, and the engine stream's reader that lets a stop cut it
+# Async generators a chunk climbs: each is one more `__anext__` resumed for every chunk. At
+# 14a47a1 (the issue's "9 stacked async generators"): 5 on the engine's side (the scripted
+# engine, `_prepend`, `stream_chunks`, the port, the turn's engine reader) and 4 on the turn's
+# (`_generate_step`, `generate`, the driver's `_run` and `run`). Now 3 and 3: the first delta is
+# read in `stream_chunks` itself and the driver's start is a coroutine, not a generator.
+MAX_GENERATOR_LAYERS = 6
+
+
+def _generator_layers(frame) -> int:
+    n = 0
+    while frame is not None:
+        n += bool(frame.f_code.co_flags & inspect.CO_ASYNC_GENERATOR)
+        frame = frame.f_back
+    return n
 
 
 def _create(i: int, prev: dict | None) -> dict:
@@ -48,10 +63,19 @@ async def test_a_chained_websocket_turn_stays_on_a_short_path(tokenizer):
     loop = asyncio.get_running_loop()
     files: Counter[str] = Counter()
     tasks: list[str] = []
+    # the deepest stack of async generators where the engine makes a chunk, and where the turn
+    # makes an event of it (the two sides run in different tasks)
+    layers = {"engine": 0, "turn": 0}
+    engine_generate = str(ROOT / "cluster/engines/scripted.py"), "generate"
+    turn_event = str(ROOT / "cluster/core/events.py"), "_ev"
 
     def on_call(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(SOURCES):
             files[str(Path(frame.f_code.co_filename).relative_to(ROOT))] += 1
+            where = (frame.f_code.co_filename, frame.f_code.co_name)
+            side = "engine" if where == engine_generate else "turn" if where == turn_event else None
+            if side:
+                layers[side] = max(layers[side], _generator_layers(frame))
 
     def task_factory(loop, coro, **kw):
         tasks.append(getattr(coro, "__qualname__", repr(coro)))
@@ -75,3 +99,5 @@ async def test_a_chained_websocket_turn_stays_on_a_short_path(tokenizer):
     assert prev["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the path measured is the cached one
     assert len(files) <= MAX_FILES, "\n".join(f"{n:5d} {f}" for f, n in sorted(files.items()))
     assert len(tasks) <= MAX_TASKS, tasks
+    assert layers["engine"] and layers["turn"], layers  # both sides seen
+    assert layers["engine"] + layers["turn"] <= MAX_GENERATOR_LAYERS, layers
