@@ -242,11 +242,6 @@ def done_of(chunk: EngineChunk) -> Optional[EngineDone]:
     return last if isinstance(last, EngineDone) else None
 
 
-__all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
-           "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "done_of", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
-           "ToolCallPiece"]
-
-
 def _type_of(event_class: Any) -> str:
     return get_args(event_class.model_fields["type"].annotation)[0]
 
@@ -293,3 +288,8 @@ class TurnProgress:
     def status(self) -> Optional[str]:
         """The final response's status (None until a terminal event)."""
         return self.final["status"] if self.final is not None else None
+
+
+__all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
+           "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "done_of", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
+           "ToolCallPiece", "Milestone", "TurnProgress"]
