@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -53,6 +53,14 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error")
     return error_response(server_error())
+
+
+async def deny(ws: WebSocket, err: ApiError) -> None:
+    """Refuses a WebSocket before the upgrade with the error as a plain HTTP response."""
+    try:
+        await ws.send_denial_response(JSONResponse(err.http_body(), status_code=err.status))
+    except Exception:  # the server does not support denial responses: refuse the upgrade
+        await ws.close(code=1008, reason=err.message[:120])
 
 
 def sse(event: dict[str, Any]) -> bytes:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from fastapi import Request, WebSocket
-from fastapi.responses import JSONResponse
 from ray.serve.handle import DeploymentHandle
 
 from cluster import telemetry
@@ -42,7 +40,6 @@ from cluster.core.turn.post_work import (
 )
 from cluster.core.turn.prepare import TurnSettings
 from cluster.core.websocket.protocol import frame_too_large
-from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.channel import tls_contexts
 from cluster.engines.output_parser import tool_format
 from cluster.protocol.errors import ApiError
@@ -54,6 +51,7 @@ from cluster.serving.clients import (
     deployment_retry,
 )
 from cluster.serving.responses import ResponsesService
+from cluster.serving.turns import TurnsService
 from cluster.store import ResponseStore, open_store
 
 log = logging.getLogger("loopserve.connection")
@@ -94,8 +92,9 @@ class ConnectionServices:
             self.post_work.add("render_audit", self.render_audit)
         for spec in config.post_work.hooks:
             self.post_work.add(spec, load_hook(spec, config))
-        self.ws_sessions: set[WebSocketSession] = set()
-        self.draining = False
+        self.turns = TurnsService(config, driver=self.driver, responses=self.responses, auth=self.auth,
+                                  memory=self.memory, engine=engine, metrics=self.metrics,
+                                  settle=self.settle_responses)
         self.metrics.observe("loopserve.session_cache.bytes", self._cache_bytes, "bytes held by session caches", "By")
         self.metrics.observe("loopserve.session_cache.entries", self._cache_entries, "responses held by session caches")
 
@@ -126,10 +125,7 @@ class ConnectionServices:
         return [(len(self.registry), {"cache": "replica"}), (self.memory.entries(), {"cache": "connections"})]
 
     async def drain(self) -> None:
-        # Scale-down: live sockets finish their turn, then get a clean close to
-        # reconnect on (another replica; `store: true` chains continue there).
-        self.draining = True
-        await asyncio.gather(*[s.drain() for s in list(self.ws_sessions)], return_exceptions=True)
+        await self.turns.drain()
 
     async def settle_responses(self, response_ids: list[str]) -> bool:
         """A draining socket's last responses reach the store before it sends the client elsewhere:
@@ -143,25 +139,12 @@ class ConnectionServices:
         if self.store is not None:
             await self.store.close()
 
-    # -- helpers for the routes (actors/routes.py) ----------------------------------
-    def principal(self, request: Request) -> Principal:
-        return self.auth.authenticate(request.headers.get("authorization"))
-
-    def check_origin(self, ws: WebSocket) -> None:
-        origin = ws.headers.get("origin")
-        allowed = self.config.websocket.allowed_origins
-        if allowed and origin is not None and origin not in allowed:
-            raise ApiError(403, f"Origin '{origin[:200]}' is not allowed.", code="origin_not_allowed",
-                           type="invalid_request_error")
+    # -- what the routes (actors/routes.py) ask of every request --------------------
+    def principal(self, headers: Mapping[str, str]) -> Principal:
+        return self.auth.authenticate(headers.get("authorization"))
 
     def frame_too_large(self, size: int) -> ApiError:
         return frame_too_large(size, self.config.websocket.max_frame_bytes)
-
-    async def deny(self, ws: WebSocket, err: ApiError) -> None:
-        try:
-            await ws.send_denial_response(JSONResponse(err.http_body(), status_code=err.status))
-        except Exception:  # the server does not support denial responses: refuse the upgrade
-            await ws.close(code=1008, reason=err.message[:120])
 
     async def health(self) -> None:
         """Raises unless every deployment a turn needs answers."""

@@ -91,6 +91,14 @@ class WebSocketSession:
         self._lane_tasks: dict[str, asyncio.Task] = {}
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.responses = 0
+        # A response of this socket was stored (`store: true`): another connection may continue it,
+        # so closing this one must not free the session's engine KV.
+        self.stored = False
+
+    def _committed(self, state: Any) -> None:
+        self.stored = self.stored or state.store
+        if self._on_state is not None:
+            self._on_state(state)
 
     def start(self) -> None:
         self._timer = asyncio.create_task(self._tick(), name=f"ws-limit-{self.session_key}")
@@ -230,7 +238,7 @@ class WebSocketSession:
                 self.cache,
                 session_key=self.session_key,
                 lookup=self._lookup if req.store is not False else None,
-                on_state=self._on_state,
+                on_state=self._committed,
                 stream_id=stream_id,
                 owner=self._owner,
                 received_at=received_at,
