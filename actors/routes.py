@@ -200,7 +200,7 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
     try:
         await ws.accept(headers=[(b"x-codex-websocket-max-message-bytes", limit)])
     except Exception:  # the client left during the upgrade: its connection no longer counts
-        conn.auth.close_connection(p)
+        conn.turns.abandon_socket(p)
         raise
     lock = asyncio.Lock()
 

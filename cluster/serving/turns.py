@@ -118,6 +118,10 @@ class TurnsService:
         self.auth.open_connection(principal)
         return principal
 
+    def abandon_socket(self, principal: Principal) -> None:
+        """The client left during the upgrade (admitted, never opened): its connection no longer counts."""
+        self.auth.close_connection(principal)
+
     async def open_socket(self, principal: Principal, headers: Mapping[str, str], send: SendEvent,
                           close: CloseSocket) -> Socket:
         """An accepted socket's session (`headers` as `admit_socket` passed them), started and counted;
