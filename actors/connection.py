@@ -2,26 +2,28 @@
 
 A thin shell: it builds the replica's `ConnectionServices` (the composition root,
 `cluster/serving/connection.py`) from the config and the other deployments'
-handles, hands them to the routes (`actors/routes.py`), and owns the one timer
-Serve needs from it: watching for the replica being drained.
+handles, builds the replica's app around them (`actors/routes.py`: Serve asks for it once the
+constructor is done), and owns the one timer Serve needs from it: watching for the replica being
+drained.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.drain import DrainWatch
-from actors.routes import app, bind
+from actors.routes import build_app
 from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.serving.connection import ConnectionServices
 
 
 @serve.deployment(name="ConnectionActor")
-@serve.ingress(app)
+@serve.ingress()  # late-bound: the app is built in the replica, around its services
 class ConnectionActor:
     async def __init__(
         self,
@@ -34,7 +36,9 @@ class ConnectionActor:
         self.services = await ConnectionServices.build(config, render=render, engine=engine, safety=safety)
         self.drain_watch = DrainWatch(self.services.drain)
         self.drain_watch.start()
-        bind(self.services)  # the routes reach this replica through a dependency
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_app(self.services)
 
     async def __del__(self) -> None:
         self.drain_watch.stop()

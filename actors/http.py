@@ -1,4 +1,4 @@
-"""The ingress's HTTP plumbing: the FastAPI app, error handlers in the API's error
+"""The ingress's HTTP plumbing: a FastAPI app with error handlers in the API's error
 shape, bounded JSON bodies, SSE framing. Routes live in `actors/routes.py`."""
 
 from __future__ import annotations
@@ -17,26 +17,30 @@ from cluster.protocol.errors import ApiError, loc_to_param, server_error
 
 log = logging.getLogger("loopserve.connection")
 
-# No generated docs or schema on the public port.
-app = FastAPI(title="loopserve", docs_url=None, redoc_url=None, openapi_url=None)
+def new_app() -> FastAPI:
+    """An app that answers every error in the API's error shape, with no generated docs or schema
+    on the public port."""
+    app = FastAPI(title="loopserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected)
+    return app
 
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.http_body(), status_code=err.status)
 
 
-@app.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
     return error_response(exc)
 
 
-@app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(ApiError(exc.status_code, str(exc.detail), code=code))
 
 
-@app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     """A bad path or query parameter, named as the client wrote it (`limit`, not the handler's argument)."""
     first = (exc.errors() or [{}])[0]
@@ -49,7 +53,6 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
                                     param=param, code="invalid_value"))
 
 
-@app.exception_handler(Exception)
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error")
     return error_response(server_error())

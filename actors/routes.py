@@ -1,13 +1,12 @@
-"""The ingress's routes: plain FastAPI functions that reach the replica through a dependency.
+"""The ingress's routes: plain FastAPI functions on a router; each replica builds its own app
+from them (`build_app`) with its services in `app.state`, as vLLM's entrypoints do.
 
-Why not methods on the deployment class: Ray Serve's class-based-view rewrite
-(`@serve.ingress(app)` turning `self` into a dependency) breaks with FastAPI
->= 0.137 (ray-project/ray#64475: `self` becomes a required query parameter and
-every route answers 400). Functions with `Depends(replica)` need no rewrite, so
-they work with every FastAPI the pyproject allows. One ConnectionActor lives in
-each replica process; `bind` registers its services when it starts. (Not `app.state`: Serve
-pickles the ingress app into each replica, so the app the requests reach is a copy the
-constructor cannot see without Serve's private attributes.)
+The app is built in the replica, after the constructor (`ConnectionActor.__serve_build_asgi_app__`,
+Serve's late-bound ingress), not passed to `@serve.ingress(app)`: Serve pickles a passed app into
+each replica, so the app the requests reach would be a copy the constructor cannot put its state
+on. Not methods on the deployment class either: Serve's class-based-view rewrite breaks with
+FastAPI >= 0.137 (ray-project/ray#64475: `self` becomes a required query parameter and every route
+answers 400).
 """
 
 from __future__ import annotations
@@ -18,11 +17,12 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from fastapi import Depends, Request, WebSocket
+from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import HTTPConnection
 from starlette.websockets import WebSocketDisconnect
 
-from actors.http import app, deny, error_response, json_body, peak_rss_bytes, rss_bytes, sse
+from actors.http import deny, error_response, json_body, new_app, peak_rss_bytes, rss_bytes, sse
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError
 from cluster.serving.turns import StreamedTurn
@@ -30,25 +30,26 @@ from cluster.serving.turns import StreamedTurn
 if TYPE_CHECKING:  # pragma: no cover
     from cluster.serving.connection import ConnectionServices
 
-_replica: Optional["ConnectionServices"] = None
+router = APIRouter()
 
 
-def bind(services: "ConnectionServices") -> None:
-    global _replica
-    _replica = services
+def build_app(services: "ConnectionServices") -> FastAPI:
+    """One replica's app: the routes below, reaching `services` through `app.state`."""
+    app = new_app()
+    app.state.services = services
+    app.include_router(router)
+    return app
 
 
-def replica() -> "ConnectionServices":
-    if _replica is None:  # a request before the constructor finished: Serve does not route those
-        raise ApiError(503, "The server is starting.", code="server_starting", type="server_error")
-    return _replica
+def replica(connection: HTTPConnection) -> "ConnectionServices":
+    return connection.app.state.services
 
 
 Conn = Depends(replica)
 
 
 # -- operational ----------------------------------------------------------------
-@app.get("/health")
+@router.get("/health")
 async def health(conn: "ConnectionServices" = Conn) -> JSONResponse:
     """Ready only when every deployment a turn needs answers (not just this ingress). Reveals nothing else."""
     try:
@@ -58,7 +59,7 @@ async def health(conn: "ConnectionServices" = Conn) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@app.get("/loopserve/stats")
+@router.get("/loopserve/stats")
 async def stats(request: Request, last: int = 200, engine_session: Optional[str] = None,
                 conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     """Counters and per-turn timings of every tenant: admin key only. `engine_session`
@@ -69,7 +70,7 @@ async def stats(request: Request, last: int = 200, engine_session: Optional[str]
     return {**figures, "peak_rss_bytes": peak_rss_bytes(), "pid": os.getpid()}
 
 
-@app.websocket("/loopserve/echo")
+@router.websocket("/loopserve/echo")
 async def echo(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
     """Echoes frames: the latency floor of a WebSocket through the same ingress (benchmarks).
 
@@ -109,45 +110,45 @@ async def echo(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
 
 
 # -- the Responses API ------------------------------------------------------------
-@app.get("/v1/models")
+@router.get("/v1/models")
 async def models(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     conn.principal(request.headers)
     name = conn.config.model.name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "loopserve"}]}
 
 
-@app.post("/v1/responses/input_tokens")
+@router.post("/v1/responses/input_tokens")
 async def input_tokens(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request.headers)
     conn.auth.admit_request(p)  # it renders the whole input: admitted like a create
     return await conn.responses.input_tokens(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
 
 
-@app.post("/v1/responses/compact")
+@router.post("/v1/responses/compact")
 async def compact(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request.headers)
     conn.auth.admit_request(p)
     return await conn.responses.compact(await json_body(request, conn.config.limits.max_request_bytes), p.tenant)
 
 
-@app.get("/v1/responses/{response_id}/input_items")
+@router.get("/v1/responses/{response_id}/input_items")
 async def input_items(request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
                       order: str = "desc", conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request.headers)
     return await conn.responses.input_items(response_id, p.tenant, after=after, limit=limit, order=order)
 
 
-@app.post("/v1/responses/{response_id}/cancel")
+@router.post("/v1/responses/{response_id}/cancel")
 async def cancel(request: Request, response_id: str, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     return await conn.responses.cancel(response_id, conn.principal(request.headers).tenant)
 
 
-@app.delete("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}")
 async def delete(request: Request, response_id: str, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     return await conn.responses.delete(response_id, conn.principal(request.headers).tenant)
 
 
-@app.get("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}")
 async def retrieve(request: Request, response_id: str, stream: bool = False, starting_after: Optional[int] = None,
                    conn: "ConnectionServices" = Conn):
     p = conn.principal(request.headers)
@@ -163,7 +164,7 @@ async def retrieve(request: Request, response_id: str, stream: bool = False, sta
     return JSONResponse(await conn.responses.retrieve(response_id, p.tenant))
 
 
-@app.post("/v1/responses")
+@router.post("/v1/responses")
 async def create(request: Request, conn: "ConnectionServices" = Conn):
     received_at = time.perf_counter()
     try:
@@ -188,7 +189,7 @@ async def _sse_stream(turn: StreamedTurn):
         await turn.rest.aclose()  # client gone mid-stream: cancels the engine call
 
 
-@app.websocket("/v1/responses")
+@router.websocket("/v1/responses")
 async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
     try:
         p = conn.turns.admit_socket(ws.headers)

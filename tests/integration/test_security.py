@@ -68,8 +68,7 @@ async def test_no_key_or_prompt_reaches_the_logs(pg_url):
 
 # -- operational routes ---------------------------------------------------------------
 def _routes() -> set[tuple[str, str]]:
-    import actors.routes  # noqa: F401  (registers the routes)
-    from actors.http import app
+    from actors.routes import router
 
     out = set()
 
@@ -85,7 +84,7 @@ def _routes() -> set[tuple[str, str]]:
                 if m != "HEAD":
                     out.add((m, route.path))
 
-    walk(app.routes)
+    walk(router.routes)
     return out
 
 
