@@ -59,6 +59,10 @@ class DeploymentResources(StrictModel):
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0)
     """Scale-down/redeploy: how long a stopping replica may finish its work (connection replicas: the turns in
     flight on their sockets) before it is killed."""
+    max_constructor_retry_count: Optional[int] = Field(None, gt=0)
+    """Replica starts that may fail (an error in its constructor) before the deployment is DEPLOY_FAILED; Serve
+    stops at the smaller of this (its default 20) and 3 per target replica. A `@serve.deployment` option that
+    Serve's config-file schema does not list, so it is named here."""
 
     @model_validator(mode="before")
     @classmethod
@@ -105,8 +109,9 @@ class DeploymentResources(StrictModel):
                 raise ValueError("num_replicas and autoscaling_config both set: autoscaling_config replaces it")
             self.autoscaling_config = {**AUTOSCALING_DEFAULTS, **self.autoscaling_config}
             AutoscalingConfig(**self.autoscaling_config)
+        checked = {k: v for k, v in self.serve_options().items() if k != "max_constructor_retry_count"}
         try:
-            DeploymentSchema(name="check", **self.serve_options())
+            DeploymentSchema(name="check", **checked)
         except ValidationError as exc:
             raise ValueError(f"Ray Serve refuses these deployment options: {exc}") from None
         return self

@@ -38,8 +38,10 @@ def test_an_app_whose_replica_cannot_start_fails_with_the_replicas_error(serve_i
     from cluster.bench.local import deploy
     from tests.support.apps import scripted_app
 
-    # A model folder with no tokenizer in it: the replicas that load one fail in their constructor.
-    args = scripted_app(model={"path": str(tmp_path)})
+    # A model folder with no tokenizer in it: the replicas that load one fail in their constructor,
+    # once each (Serve would start each 3 times: `max_constructor_retry_count` reaches Serve).
+    once = {"max_constructor_retry_count": 1}
+    args = scripted_app(model={"path": str(tmp_path)}, connection=once, render=once, engine_deployment=once)
     try:
         with pytest.raises(RuntimeError) as failed:
             deploy(serve_instance, "no-tokenizer", "/no-tokenizer", args, timeout=120)

@@ -150,7 +150,8 @@ def test_serve_deployment_options_pass_through_under_serves_own_names():
         "connection": {"max_queued_requests": 100, "health_check_period_s": 5, "max_ongoing_requests": 900,
                        "ray_actor_options": {"memory": 2 ** 30, "resources": {"cpu_node": 1},
                                              "runtime_env": {"env_vars": {"MINE": "1"}}}},
-        "engine_deployment": {"max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 3}}})
+        "engine_deployment": {"max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 3},
+                              "max_constructor_retry_count": 2}})
     opts = connection_options(cfg)
     assert opts["max_queued_requests"] == 100 and opts["health_check_period_s"] == 5
     assert opts["max_ongoing_requests"] == 900 and opts["num_replicas"] == 1
@@ -163,6 +164,8 @@ def test_serve_deployment_options_pass_through_under_serves_own_names():
     engine = engine_options(cfg)
     assert engine["ray_actor_options"]["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] == "false"
     assert engine["max_replicas_per_node"] == 1 and engine["ray_actor_options"]["num_cpus"] == 3
+    # a `@serve.deployment` option Serve's config-file schema does not list reaches Serve too
+    assert engine["max_constructor_retry_count"] == 2 and "max_constructor_retry_count" not in opts
     # Serve's own schema takes them unchanged
     DeploymentSchema(name="ConnectionActor", **{k: v for k, v in opts.items() if k != "request_router_config"})
 
@@ -174,6 +177,7 @@ def test_serve_deployment_options_pass_through_under_serves_own_names():
     ({"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}, "must be greater than or equal to min_replicas"),
     ({"num_replicas": 2, "autoscaling_config": {}}, "autoscaling_config replaces it"),
     ({"max_queued_requests": "many"}, "max_queued_requests"),
+    ({"max_constructor_retry_count": 0}, "max_constructor_retry_count"),
 ])
 def test_deployment_options_serve_would_refuse_fail_at_start_saying_what_is_wrong(section, words):
     from pydantic import ValidationError
