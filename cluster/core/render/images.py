@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from cluster.core.render.chat_messages import content_parts
 from cluster.protocol.errors import ApiError
 
 # What an image may arrive as: a data URL of one of these types (decoded by Pillow on the engine).
@@ -41,20 +42,6 @@ class ImageLimits:
             raise ApiError(400, f"The conversation would hold {n} images; this model takes at most "
                                 f"{self.max_per_context} per conversation. Start a new conversation or compact it.",
                            param="input", code="too_many_images")
-
-
-def content_parts(items: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, int, dict[str, Any]]]:
-    """(item index, field, part index, part) of every content part, in the order the renderer
-    renders them (messages' content, then tool outputs' output, item by item)."""
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        field = "content" if kind == "message" else "output" if kind == "function_call_output" else None
-        parts = item.get(field) if field else None
-        if not isinstance(parts, list):
-            continue
-        for j, part in enumerate(parts):
-            if isinstance(part, dict):
-                yield i, field, j, part
 
 
 def image_parts(items: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, int, dict[str, Any]]]:

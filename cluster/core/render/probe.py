@@ -26,13 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from cluster.core.messages import PriorOutput
-from cluster.core.render.renderer import (
-    COMPACTION_SUMMARY,
-    IncrementalRenderer,
-    RenderResult,
-    delta_steps,
-    messages_from_items,
-)
+from cluster.core.render.chat_messages import COMPACTION_SUMMARY, messages_from_items
+from cluster.core.render.renderer import IncrementalRenderer, RenderResult, delta_steps
 
 log = logging.getLogger("loopserve.render")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from cluster.core.render.renderer import compaction_text, content_text
+from cluster.core.render.chat_messages import compaction_text, content_text
 
 
 def item_texts(items: Sequence[dict[str, Any]], tool_outputs: bool = False) -> list[str]:

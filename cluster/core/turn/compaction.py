@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from cluster.core.events import Event
 from cluster.core.messages import TurnProgress
-from cluster.core.render.renderer import COMPACTION_SUMMARY, content_text
+from cluster.core.render.chat_messages import COMPACTION_SUMMARY, content_text
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import compaction_item
 from cluster.core.turn.prepare import TurnSettings

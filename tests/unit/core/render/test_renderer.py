@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from cluster.core.render.renderer import IncrementalRenderer, messages_from_items
+from cluster.core.render.chat_messages import messages_from_items
+from cluster.core.render.renderer import IncrementalRenderer
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.turn.context import normalize_tools
 
@@ -59,21 +60,6 @@ def test_delta_equals_full_render_every_turn(tokenizer, instructions, tools):
         prefix, anchor, count = new_prefix, res.anchor_start, len(items)
     # Work per turn follows the new items, not the history.
     assert max(delta_chars[10:]) < 2 * max(delta_chars[:10])
-
-
-def test_assistant_text_and_calls_render_as_one_turn():
-    msgs, starts = messages_from_items(
-        [
-            {"type": "message", "role": "user", "content": "hi"},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
-            {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
-            {"type": "function_call", "call_id": "b", "name": "g", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "a", "output": "1"},
-        ]
-    )
-    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]
-    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["a", "b"]
-    assert starts == [0, 1, 4]
 
 
 def test_unsafe_cut_falls_back_to_none():

@@ -1,0 +1,141 @@
+"""Responses items as the chat messages a template renders, and an item's content as text.
+
+One assistant turn is one message: an assistant message and the function calls that follow it
+(and the reasoning before them) are how the model produced them, so the render matches the tokens
+the engine already holds. Read by the renderer, the safety gate (what a classifier reads) and
+compaction (what a summary is made of).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, Sequence
+
+Message = dict[str, Any]
+
+
+def content_text(content: Any, image_text: str = "[image]") -> str:
+    """A content field as text. `image_text`: what an image stands as (a vision model's placeholder)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content or []:
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            parts.append(part.get("text") or "")
+        elif kind == "refusal":
+            parts.append(part.get("refusal") or "")
+        elif kind == "input_image":
+            parts.append(image_text)
+        elif kind == "input_file":
+            parts.append(f"[file {part.get('filename') or part.get('file_id') or ''}]".replace(" ]", "]"))
+    return "".join(parts)
+
+
+# A compaction item's opened summary (cluster/core/turn/context.py opens the sealed blob before a
+# turn resolves): server-side only, never listed back to a client.
+COMPACTION_SUMMARY = "_summary"
+
+
+def compaction_text(item: dict[str, Any]) -> str:
+    """A compaction item as the text the model sees: its summary, as one system message."""
+    return "Summary of the earlier conversation:\n" + str(item.get(COMPACTION_SUMMARY, ""))
+
+
+def content_parts(items: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, int, dict[str, Any]]]:
+    """(item index, field, part index, part) of every content part, in the order the renderer
+    renders them (messages' content, then tool outputs' output, item by item)."""
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        field = "content" if kind == "message" else "output" if kind == "function_call_output" else None
+        parts = item.get(field) if field else None
+        if not isinstance(parts, list):
+            continue
+        for j, part in enumerate(parts):
+            if isinstance(part, dict):
+                yield i, field, j, part
+
+
+def _arguments(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def messages_from_items(items: Sequence[dict[str, Any]],
+                        image_text: str = "[image]") -> tuple[list[Message], list[int]]:
+    """Responses items -> chat messages, plus the item index where each message starts.
+
+    An assistant message and the function calls that follow it form one
+    assistant turn (that is how the model produced them, so the render matches
+    the tokens the engine already holds in its prefix cache).
+    """
+    messages: list[Message] = []
+    starts: list[int] = []
+    reasoning = ""  # a reasoning item's text, for the assistant message it precedes
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item["role"]
+            if role == "developer":
+                role = "system"
+            messages.append({"role": role, "content": content_text(item.get("content"), image_text)})
+            if role == "assistant" and reasoning:
+                _attach_reasoning(messages[-1], reasoning)
+            reasoning = ""
+            starts.append(i)
+        elif kind == "reasoning":
+            # Templates decide what earlier reasoning they show (Qwen3: only the current turn's).
+            reasoning = content_text(item.get("content")) or content_text(item.get("summary"))
+            continue
+        elif kind == "function_call":
+            call = {
+                "type": "function",
+                "id": item["call_id"],
+                "function": {"name": item["name"], "arguments": _arguments(item.get("arguments") or "{}")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and _is_assistant_run(items, starts[-1], i):
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                starts.append(i)
+            if reasoning:
+                _attach_reasoning(messages[-1], reasoning)
+            reasoning = ""
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"],
+                 "content": content_text(item.get("output"), image_text)}
+            )
+            starts.append(i)
+        elif kind == "compaction":
+            messages.append({"role": "system", "content": compaction_text(item)})
+            starts.append(i)
+    return messages, starts
+
+
+def _attach_reasoning(message: Message, text: str) -> None:
+    # Both names templates read (Qwen3: reasoning_content; others: reasoning).
+    message["reasoning_content"] = message["reasoning"] = text
+
+
+def _is_assistant_run(items: Sequence[dict[str, Any]], start: int, end: int) -> bool:
+    for item in items[start:end]:
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            continue
+        if kind == "function_call":
+            continue
+        if kind == "message" and item.get("role") == "assistant":
+            continue
+        return False
+    return True
+
+
+def message_kind(message: Message) -> str:
+    role = message["role"]
+    if role != "assistant":
+        return role
+    return "assistant" + ("+calls" if message.get("tool_calls") else "") + ("+think" if message.get("reasoning") else "")
