@@ -27,7 +27,8 @@ SOURCES = (str(ROOT / "cluster"), str(ROOT / "actors"))
 # response state with its cache, sealed items with the context, admission with request
 # validation, the tool-call formats with the output parser, prompt bounds with the tokenizer,
 # TurnProgress with the typed messages): 20 on the connection's side and 4 of the scripted
-# engine's (engines/scripted.py, stream.py, prompts.py, base.py).
+# engine's (engines/scripted.py, stream.py, prompts.py, base.py). Still 24 once items -> chat
+# messages left the renderer (render/chat_messages.py, with content_parts from render/images.py).
 MAX_FILES = 24
 MAX_TASKS = 2  # the lane's task, and the engine stream's reader that lets a stop cut it
 # Async generators a chunk climbs: each is one more `__anext__` resumed for every chunk. At
