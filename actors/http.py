@@ -17,6 +17,7 @@ from cluster.protocol.errors import ApiError, loc_to_param, server_error
 
 log = logging.getLogger("loopserve.connection")
 
+
 def new_app() -> FastAPI:
     """An app that answers every error in the API's error shape, with no generated docs or schema
     on the public port."""

@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cluster.core.render.chat_messages import COMPACTION_SUMMARY as SUMMARY
-from cluster.core.render.chat_messages import content_parts
+from cluster.core.render.chat_messages import COMPACTION_SUMMARY as SUMMARY, content_parts
 from cluster.core.turn.cache import ResponseState
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
