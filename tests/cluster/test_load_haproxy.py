@@ -1,7 +1,10 @@
 """Issue 22's load target through loopserve's default ingress: 1,000 concurrent WebSocket
 sessions x 10 turns through HAProxy, scripted engine, safety on, agent tool pauses of 3-9 s.
-Nothing may be lost, duplicated or misrouted. (Its latency is the benchmark's to report:
-`python -m cluster.bench.load --sessions 1000 --turns 10 --safety on --ingress haproxy --pause 3,9`.)
+Nothing may be lost, duplicated or misrouted, and the 1,000 sessions idle between their turns
+cost the connection replica what their caches hold plus the socket, nowhere near the cache
+limits. (Its latency is the benchmark's to report:
+`python -m cluster.bench.load --sessions 1000 --turns 10 --safety on --ingress haproxy --pause 3,9`;
+the closed loop, every session sending at once, is `--pause 0,0`.)
 
 Its own process and Ray cluster: HAProxy is a cluster-wide setting."""
 
@@ -27,3 +30,6 @@ def test_thousand_agent_sessions_through_haproxy_with_safety_lose_nothing(tmp_pa
     assert report["problems"] == {}
     assert report["turns_completed"] == 10_000
     assert report["idle_sockets"] >= 1000
+    # Each idle session holds one cached response (its warm turn) and its socket.
+    assert 0 < report["cache_bytes_per_idle_session"] < 64 * 1024
+    assert report["rss_per_idle_session_bytes"] < 1024 * 1024

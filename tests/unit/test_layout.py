@@ -122,3 +122,28 @@ def test_no_file_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+# Unit tests that check a property across modules rather than one module: they sit at the
+# root of tests/unit, named for what they check.
+CROSS_CUTTING = {"test_layout", "test_limits", "test_input_bounds", "test_protocol_doc", "test_infra",
+                 "test_hot_path", "test_turn_path", "test_safety_coverage"}
+
+
+def test_unit_tests_mirror_the_source_tree():
+    """tests/unit/<path>/test_<name>.py tests cluster/<path>/<name>.py (actors/<name>.py under
+    tests/unit/actors): a reader finds a module's tests where the module is, and its module where
+    its tests are."""
+    unit = ROOT / "tests" / "unit"
+    strays = []
+    for test in sorted(unit.rglob("test_*.py")):
+        rel = test.relative_to(unit)
+        name = rel.stem.removeprefix("test_")
+        if len(rel.parts) == 1 and rel.stem in CROSS_CUTTING:
+            continue
+        top, *sub = rel.parent.parts or ("",)
+        source = (ROOT / "actors" / f"{name}.py") if top == "actors" else \
+            ROOT.joinpath("cluster", *([top] if top else []), *sub, f"{name}.py")
+        if not source.exists():
+            strays.append(f"{rel} (no {source.relative_to(ROOT)})")
+    assert strays == []

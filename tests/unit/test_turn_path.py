@@ -19,7 +19,7 @@ from pathlib import Path
 from tests.support.harness import InProcessStack
 from tests.support.peer import TOOLS, Peer, wait_for
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = (str(ROOT / "cluster"), str(ROOT / "actors"))
 # A turn answered with a tool call, by this test's measure: 23 files at the commit before the
 # restructuring (14a47a1, flat core/), 30 after grouping by concern, 24 on 2026-11-30 once the

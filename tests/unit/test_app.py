@@ -8,7 +8,7 @@ import yaml
 from cluster.app import CONSISTENT_HASH_ROUTER, KV_PLACEMENT_ROUTER, engine_options
 from cluster.config import LoopserveConfig
 
-CONFIGS = sorted((Path(__file__).parents[3] / "serve_configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "serve_configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
