@@ -19,6 +19,7 @@ from tests.support.apps import (
     module_app,
     pg_app_args,
     scripted_app,
+    wait_for_deletions,
 )
 
 
@@ -30,6 +31,7 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
     try:
         yield start_local_serve(num_cpus=4, temp_dir=str(tmp_path_factory.mktemp("ray")))
     finally:
+        wait_for_deletions()
         stop_local_serve()
 
 

@@ -33,10 +33,8 @@ def test_echo_floor(scripted_url):
 
 
 def test_an_app_whose_replica_cannot_start_fails_with_the_replicas_error(serve_instance, tmp_path):
-    from ray import serve
-
     from cluster.bench.local import deploy
-    from tests.support.apps import scripted_app
+    from tests.support.apps import delete_in_background, scripted_app
 
     # A model folder with no tokenizer in it: the replicas that load one fail in their constructor,
     # once each (Serve would start each 3 times: `max_constructor_retry_count` reaches Serve).
@@ -53,4 +51,4 @@ def test_an_app_whose_replica_cannot_start_fails_with_the_replicas_error(serve_i
                                                                    "SafetyActor", "GuardEngine"}, message
         assert "Couldn't instantiate the backend tokenizer" in message, message
     finally:
-        serve.delete("no-tokenizer")
+        delete_in_background("no-tokenizer")

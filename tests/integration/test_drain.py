@@ -12,7 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.support.apps import deploy_app
+from tests.support.apps import delete_in_background, deploy_app
 from tests.support.ws import TERMINAL, ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -100,8 +100,6 @@ async def agent(url: str, n: int) -> dict:
 
 
 async def test_rolling_redeploy_drains_sockets_cleanly(serve_instance, tmp_path):
-    from ray import serve
-
     from cluster.bench.local import deploy
 
     url = await asyncio.to_thread(deploy_app, "drain", "/drain", drain_args(tmp_path, 0), serve_instance, 240)
@@ -111,7 +109,7 @@ async def test_rolling_redeploy_drains_sockets_cleanly(serve_instance, tmp_path)
         await asyncio.to_thread(deploy, serve_instance, "drain", "/drain", drain_args(tmp_path, 1), 240)
         logs = await asyncio.wait_for(asyncio.gather(*agents), 300)
     finally:
-        await asyncio.to_thread(serve.delete, "drain")
+        delete_in_background("drain")
     for log in logs:
         log = {**log, "completed": len(log["completed"])} | {"completed_ids": log["completed"]}
         brief = {k: v for k, v in log.items() if k != "completed_ids"}

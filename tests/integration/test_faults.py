@@ -15,7 +15,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from cluster.bench.local import stats as server_stats
-from tests.support.apps import deploy_app, ensure_pg_database, module_app, scripted_app
+from tests.support.apps import delete_in_background, deploy_app, ensure_pg_database, module_app, scripted_app
 from tests.support.ws import TERMINAL, turn, ws_url
 
 from .tcp_proxy import TcpProxy
@@ -25,11 +25,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def faults_url(serve_instance, tmp_path_factory):
-    """Slow scripted engine (turns of ~2 s, so kills land mid-stream), 2 engine replicas."""
+    """Slow scripted engine (turns of ~2 s, so kills land mid-stream), 2 engine replicas. Serve
+    checks each replica's health every 2 s (its default is 10 s): a killed replica is found and
+    replaced in about the time a restart takes, which the retries and reconnects below wait for."""
+    health = {"health_check_period_s": 2}
     args = scripted_app({"tokens_per_second": 30, "answer_text": "word " * 40, "max_output_tokens": 256},
                         store={"backend": "sqlite", "sqlite_path": str(tmp_path_factory.mktemp("faults") / "r.db")},
-                        engine_deployment={"num_replicas": 2},
-                        safety={"placement": "actor", "deployment": {"ray_actor_options": {"num_cpus": 0.05}}})  # a SafetyActor to kill
+                        engine_deployment={"num_replicas": 2, **health}, connection=health, render=health,
+                        # a SafetyActor to kill
+                        safety={"placement": "actor", "deployment": {"ray_actor_options": {"num_cpus": 0.05}, **health}})
     yield from module_app("faults", "/faults", args, serve_instance, 240)
 
 
@@ -178,6 +182,4 @@ async def test_store_unavailable_requests_fail_cleanly_and_writes_resume(serve_i
                 s = (await asyncio.to_thread(server_stats, url))["store_writes"]
                 assert s["retried"] >= 1 and s["failed"] == 0
         finally:
-            from ray import serve
-
-            await asyncio.to_thread(serve.delete, "pgcut")
+            delete_in_background("pgcut")

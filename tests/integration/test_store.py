@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from cluster.bench.local import stats as server_stats
-from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, LONG_ONE, deploy_app, pg_app_args
+from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, LONG_ONE, delete_in_background, deploy_app, pg_app_args
 from tests.support.ws import TERMINAL as RESPONSE_ENDS
 from tests.support.ws import ws_url
 
@@ -186,7 +186,7 @@ async def test_conversation_survives_a_restart_of_every_actor(serve_instance):
         assert ev["response"]["previous_response_id"] == first.id
     stats = server_stats(url)
     assert stats["render"]["full_renders"] >= 1
-    serve.delete("restart")
+    delete_in_background("restart")
 
 
 def test_failed_and_filtered_background_responses_are_polled_not_404(store_url):

@@ -3,6 +3,8 @@ or for one module: deleted after it, so the session's apps never all hold memory
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from cluster.config import LoopserveConfig
@@ -40,17 +42,41 @@ def deploy_app(name: str, prefix: str, args: dict, base: str, timeout: float, ad
 
 def module_app(name: str, prefix: str, args: dict, base: str, timeout: float, admin: bool = True):
     """An app one test module uses: deleted after it, so the session's apps never all hold
-    memory at once (with every app alive, Ray's memory monitor killed the Serve controller)."""
+    memory at once (with every app alive, Ray's memory monitor killed the Serve controller).
+    The deletion runs beside the next module (`delete_in_background`): stopping an app's replicas
+    takes seconds (a vLLM engine's ~6 s) that no test needs to wait for."""
     url = deploy_app(name, prefix, args, base, timeout, admin)
     try:
         yield url
     finally:
+        delete_in_background(name)
+
+
+_deleting: list[threading.Thread] = []
+
+
+def delete_in_background(name: str) -> None:
+    """`serve.delete(name)` on a thread of its own; `wait_for_deletions` joins them. Every app has
+    its own name and route prefix, so nothing the next module deploys meets the one going away."""
+
+    def delete() -> None:
         from ray import serve
 
         try:
             serve.delete(name)
         except Exception:  # noqa: BLE001 - the cluster may be going down with the session
             pass
+
+    thread = threading.Thread(target=delete, name=f"delete-{name}", daemon=True)
+    thread.start()
+    _deleting.append(thread)
+
+
+def wait_for_deletions(timeout: float = 60) -> None:
+    """Before the cluster stops: the apps still being deleted are gone (bounded)."""
+    deadline = time.monotonic() + timeout
+    while _deleting:
+        _deleting.pop().join(max(0.0, deadline - time.monotonic()))
 
 
 SMOLLM2 = "smollm2-135m-instruct"
