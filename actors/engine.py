@@ -297,15 +297,19 @@ class EngineReplica:
             await llm.check_health()
 
     async def __del__(self) -> None:
-        if self.channel is not None:
+        # Serve runs this after a constructor that failed part-way too: what was not made is
+        # skipped, and an engine that started is still shut down (its processes would outlive us).
+        channel, engine = getattr(self, "channel", None), getattr(self, "engine", None)
+        if channel is not None:
             # Draining: new turns go back through the handle (to live replicas); the
             # ones streaming here finish first.
-            await self.channel.close()
+            await channel.close()
             for _ in range(600):
-                if not self.channel.in_flight:
+                if not channel.in_flight:
                     break
                 await asyncio.sleep(0.1)
-        try:
-            await self.engine.shutdown()
-        except Exception:
-            pass
+        if engine is not None:
+            try:
+                await engine.shutdown()
+            except Exception:
+                pass
