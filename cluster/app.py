@@ -141,3 +141,46 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
         safety = SafetyActor.options(**_options(config.safety.deployment, fast_path=fast)).bind(config, guard)
     conn_opts = connection_options(config)
     return ConnectionActor.options(**conn_opts).bind(render, engine, config, safety)
+
+
+class DeployFailed(RuntimeError):
+    """A loopserve app that did not start. Serve's own error names the failed deployments only
+    (their replicas' errors are in the cluster's logs, which go with a local cluster's temporary
+    directory): this one carries each failed deployment's status message, the replica's error in it."""
+
+    def __init__(self, serve_error: str, failures: dict[str, str]) -> None:
+        self.failures = failures  # "Deployment (STATUS)" -> Serve's status message
+        super().__init__("\n".join([serve_error, *(f"{dep}: {msg}" for dep, msg in failures.items())]))
+
+    def summary(self) -> list[str]:
+        """A line per failed deployment: its replica's exception (the last line of a traceback)."""
+        lines = []
+        for dep, msg in self.failures.items():
+            last = [line.strip() for line in msg.splitlines() if line.strip()]
+            lines.append(f"{dep}: {last[-1] if last else '(no message)'}")
+        return lines
+
+
+def deployment_failures(app: str) -> dict[str, str]:
+    """Serve's status message of every deployment of `app` that is not healthy (a replica's start error)."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(app)
+    except Exception as exc:  # noqa: BLE001 - a report on the way to an error, never a new one
+        return {"(Serve's status)": str(exc)}
+    if status is None:
+        return {f"(no application {app!r} in Serve's status)": ""}
+    failed = {f"{dep} ({getattr(d.status, 'value', d.status)})": d.message
+              for dep, d in status.deployments.items() if d.status != "HEALTHY"}
+    return failed or {"(application)": status.message}
+
+
+def run_app(args: Union[LoopserveConfig, dict[str, Any], None], name: str, route_prefix: str) -> None:
+    """`serve.run` of a loopserve app, not blocking; raises `DeployFailed` if it does not start."""
+    from ray import serve
+
+    try:
+        serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    except RuntimeError as exc:
+        raise DeployFailed(str(exc), deployment_failures(name)) from exc

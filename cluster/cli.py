@@ -8,22 +8,42 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import yaml
+
+if TYPE_CHECKING:
+    from cluster.config import LoopserveConfig
 
 BUILTIN_NAMES = ("smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision")
 
 
-def _load_args(config_path: Optional[str]) -> dict:
-    """The `args` of the (single) application in a Serve config file."""
-    if not config_path:
-        return {}
-    data = yaml.safe_load(Path(config_path).read_text())
+class ConfigUnusable(Exception):
+    """A config file `loopserve serve` cannot use, and why (the file named)."""
+
+
+def load_config(config_path: Optional[str]) -> LoopserveConfig:
+    """The config of the (single) application in a Serve config file (no file: the defaults)."""
+    from pydantic import ValidationError
+
+    from cluster.config import LoopserveConfig
+
+    data: object = {}
+    if config_path:
+        try:
+            data = yaml.safe_load(Path(config_path).read_text())
+        except OSError as exc:
+            raise ConfigUnusable(f"cannot read {config_path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigUnusable(f"{config_path} is not YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigUnusable(f"{config_path} holds no mapping (a Serve config file, or loopserve's args)")
     apps = data.get("applications") or []
-    if not apps:
-        return data.get("args") or {}
-    return apps[0].get("args") or {}
+    args = (apps[0].get("args") if apps and isinstance(apps[0], dict) else data.get("args")) or {}
+    try:
+        return LoopserveConfig.model_validate(args)
+    except ValidationError as exc:
+        raise ConfigUnusable(f"{config_path or 'the default config'}: {exc}") from None
 
 
 def _loopback(host: str) -> bool:
@@ -47,12 +67,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
-    from cluster.config import KeysMissing, LoopserveConfig
+    from cluster.app import DeployFailed, run_app
+    from cluster.config import KeysMissing
     from cluster.ingress import apply_ingress_env, haproxy_ingress
     from cluster.stale_ingress import clear_ports
 
-    config = LoopserveConfig.model_validate(_load_args(ns.config))
+    try:
+        config = load_config(ns.config)
+    except ConfigUnusable as exc:
+        print(f"loopserve serve: {exc}", file=sys.stderr)
+        return 2
     if ns.backend:
         config.engine.backend = ns.backend
     if ns.keys_file:
@@ -87,7 +111,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     serve.start(http_options={"host": ns.host, "port": ns.port})
-    serve.run(build_app(config), name="loopserve", route_prefix="/", blocking=False)
+    try:
+        run_app(config, "loopserve", "/")
+    except DeployFailed as exc:
+        logs = "the Serve logs on the cluster's nodes" if ns.address else "/tmp/ray/session_latest/logs/serve/"
+        print("loopserve serve: the app did not start:\n  " + "\n  ".join(exc.summary()) +
+              f"\n(each replica's whole error: {logs})", file=sys.stderr, flush=True)
+        serve.delete("loopserve")
+        serve.shutdown()
+        ray.shutdown()
+        return 1
     ingress = "HAProxy" if haproxy_ingress() else "Serve's proxy"
     print(f"loopserve: serving {config.model.name} ({config.engine.backend}) on http://{ns.host}:{ns.port}/v1 "
           f"({ingress})", flush=True)

@@ -105,31 +105,9 @@ def with_local_admin(args: dict[str, Any]) -> dict[str, Any]:
     return {**args, "auth": auth}
 
 
-def deployment_messages(app: str) -> str:
-    """Serve's status message of every deployment of `app` that is not healthy (a replica's start error)."""
-    from ray import serve
-
-    try:
-        status = serve.status().applications.get(app)
-    except Exception as exc:  # noqa: BLE001 - a report on the way to an error, never a new one
-        return f"(Serve's status: {exc})"
-    if status is None:
-        return f"(no application {app!r} in Serve's status)"
-    return "\n".join(f"{dep} ({getattr(d.status, 'value', d.status)}): {d.message}" for dep, d in status.deployments.items()
-                     if d.status != "HEALTHY") or status.message
-
-
 def deploy(base: str, name: str, prefix: str, args: dict[str, Any], timeout: float = 300, admin: bool = True) -> str:
     """Deploy a loopserve app under `prefix` (with the local admin key) and wait until it answers."""
-    from ray import serve
+    from cluster.app import run_app
 
-    from cluster.app import build_app
-
-    try:
-        serve.run(build_app(with_local_admin(args) if admin else args), name=name, route_prefix=prefix,
-                  blocking=False)
-    except RuntimeError as exc:
-        # Serve's error names the failed deployments only; their replicas' errors are in the
-        # cluster's logs, which go with its temporary directory when the benchmark stops it.
-        raise RuntimeError(f"{exc}\n{deployment_messages(name)}") from exc
+    run_app(with_local_admin(args) if admin else args, name, prefix)  # DeployFailed names the replicas' errors
     return wait_healthy(base + (prefix if prefix != "/" else ""), timeout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -151,3 +152,34 @@ def test_sigterm_under_load_then_sigkill_then_a_clean_restart(tmp_path):
     finally:
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+def test_a_config_whose_replicas_cannot_start_exits_naming_each_replicas_error(tmp_path):
+    cfg = yaml.safe_load((ROOT / "serve_configs/scripted.yaml").read_text())
+    args = cfg["applications"][0]["args"]
+    # A model folder with no tokenizer in it: every replica that loads one fails in its
+    # constructor (once: `max_constructor_retry_count` reaches Serve).
+    (tmp_path / "model").mkdir()
+    args["model"] = {"path": str(tmp_path / "model")}
+    for section in ("connection", "render", "engine_deployment"):
+        args.setdefault(section, {})["max_constructor_retry_count"] = 1
+    config = tmp_path / "broken.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    port, stats = free_port(), free_port()
+    server = Server(config, port, stats, tmp_path / "serve.log")
+    try:
+        assert server.proc.wait(timeout=180) == 1, server.log.read_text()[-3000:]
+    finally:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+    log = server.log.read_text()
+    said = log[log.index("loopserve serve: the app did not start:"):]
+    # each failed deployment named with its replica's own exception; no traceback of the command's own
+    assert re.search(r"^  (RenderActor|EngineReplica|ConnectionActor) \(DEPLOY_FAILED\): \S", said, re.MULTILINE), said
+    assert "Traceback" not in log and "loopserve: serving" not in log, log[-3000:]
+    # and nothing of it is left running: no process of its Ray session, no port
+    session = session_name()
+    deadline = time.monotonic() + 20
+    while (left := ray_session_processes(session)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [] and holders([port, stats]) == [], (left, holders([port, stats]))
