@@ -108,12 +108,12 @@ class EventAssembler:
         return self._stream_id
 
     def __init__(self, response: dict[str, Any], *, stream_id: Optional[str] = None,
-                 seal_reasoning: Optional[Callable[[str], str]] = None) -> None:
+                 seal_reasoning: Optional[Callable[[str], str]] = None, first_sequence: int = 0) -> None:
         self.response = response
         # `include: ["reasoning.encrypted_content"]`: each finished reasoning item also carries
         # its text sealed, for a client that keeps no server-side store to send back.
         self._seal_reasoning = seal_reasoning
-        self._seq = 0
+        self._seq = first_sequence  # 1 after the `response.queued` that announced the response
         self._open: Optional[dict[str, Any]] = None  # the output item being streamed
         self._open_kind: Optional[str] = None
         self._stream_id = stream_id

@@ -242,7 +242,7 @@ class TurnDriver:
 
             def seal(text: str) -> str:
                 return seal_reasoning(text, sealer, owner)
-        asm = EventAssembler(response, stream_id=t.stream_id, seal_reasoning=seal)
+        asm = EventAssembler(response, stream_id=t.stream_id, seal_reasoning=seal, first_sequence=int(t.announced))
         room = st.max_model_len - rendered.engine_len
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,

@@ -370,7 +370,8 @@ class TurnRequest:
     lookup: Optional[Lookup] = None  # a parent not in `cache` (the store, the replica's registry)
     on_state: Optional[Callable[[ResponseState], None]] = None  # the new state, before the terminal event
     stream_id: Optional[str] = None  # the WebSocket lane, echoed on every event
-    response_id: Optional[str] = None  # given in advance (a `response.queued` announced it)
+    response_id: Optional[str] = None  # given in advance (a `response.queued` announced it, or a background start)
+    announced: bool = False  # a `response.queued` (its sequence number 0) went out: its events count on from 1
     received_at: Optional[float] = None  # perf_counter when the request arrived (the turn's time counts from it)
     parsed_at: Optional[float] = None
     trace_parent: Any = None  # an incoming `traceparent`: the turn is one span tree under it

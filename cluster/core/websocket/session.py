@@ -247,6 +247,7 @@ class WebSocketSession:
                 transport="websocket",
                 include_timing=self._timing_metrics,
                 response_id=create.response_id,
+                announced=create.response_id is not None,  # the id came with its `response.queued`
                 stop=create.stop,
                 # A fork from another lane that fails leaves that lane's response in the cache.
                 keep_parent=self.protocol.inflight.from_other_lane(parent, stream_id),

@@ -59,10 +59,14 @@ async def test_overlapping_creates_run_fifo_never_interleaved(tokenizer):
     done = [i for i, e in enumerate(p.sent) if e["type"] == "response.completed"]
     assert len(created) == 3 and len(done) == 3
     assert created[0] < done[0] < created[1] < done[1] < created[2] < done[2]
-    # every event between created[k] and done[k] belongs to response k
+    # every event between created[k] and done[k] belongs to response k, and counts on from its
+    # `response.queued` (sequence 0) where one announced it: the two that waited
+    announced = {e["response"]["id"] for e in p.queued}
+    assert announced == {ids[created[1]], ids[created[2]]}
     for k in range(3):
         block = p.sent[created[k]: done[k] + 1]
-        assert [e["sequence_number"] for e in block] == list(range(len(block)))
+        first = int(ids[created[k]] in announced)
+        assert [e["sequence_number"] for e in block] == list(range(first, first + len(block)))
     assert ids[created[0]] != ids[created[1]]
     await p.session.shutdown()
 
@@ -275,6 +279,15 @@ async def test_lanes_run_concurrently_each_fifo_and_waiting_creates_are_announce
         starts = [i for i, e in enumerate(events) if e["type"] == "response.created"]
         ends = [i for i, e in enumerate(events) if e["type"] == "response.completed"]
         assert starts[0] < ends[0] < starts[1] < ends[1]  # FIFO within the lane
+        # each response's events count 0, 1, 2, ... once; the waiting one's from its `response.queued`
+        seqs: dict[str, list[int]] = {}
+        current = None
+        for e in events:
+            if e["type"] == "response.created":
+                current = e["response"]["id"]
+            rid = e["response"]["id"] if e["type"] == "response.queued" else current
+            seqs.setdefault(rid, []).append(e["sequence_number"])
+        assert sorted(seqs) == sorted(done) and all(v == list(range(len(v))) for v in seqs.values()), seqs
     # ... and the lanes ran at the same time: b's first response started before a's first ended
     order = [(e.get("stream_id"), e["type"]) for e in p.all]
     assert order.index(("b", "response.created")) < order.index(("a", "response.completed"))
