@@ -19,6 +19,7 @@ from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import (
     KV_MOVE,
+    KV_QUEUE_FULL,
     PROMPT_BASE_MISSING,
     EngineChunk,
     EngineDone,
@@ -32,7 +33,7 @@ from cluster.core.render.tokenizer import load_tokenizer, token_codec
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
 from cluster.engines.channel import ChannelServer, tls_contexts
-from cluster.engines.kv_budget import KV_METRICS, BudgetPolicy
+from cluster.engines.kv_budget import KV_METRICS, BudgetPolicy, QueueFull
 from cluster.engines.output_parser import (
     reasoning_tags,
     tool_format,
@@ -52,6 +53,7 @@ class EngineReplica:
         self.tracer = telemetry.tracer()
         self.in_flight = 0
         self.migrations = 0  # sessions this replica sent elsewhere (no room here for too long)
+        self._stats_seq = 0
         # sha256 of the last prompts this replica was given, by request (= response) id:
         # lets a test compare what the production render path sent with a full render.
         self.prompt_digests: OrderedDict[str, str] = OrderedDict()
@@ -86,7 +88,7 @@ class EngineReplica:
         capacity = budget.capacity_tokens or int(getattr(self.engine, "kv_capacity_tokens", 0) or 0)
         # No known capacity (the scripted engine without a modelled cache): nothing to budget.
         block = int(getattr(self.engine, "block_size", 0) or getattr(getattr(self.engine, "kv", None), "block_size", 1))
-        self.gate: Optional[KvGate] = (KvGate(capacity, BudgetPolicy.of(budget), block_size=block)
+        self.gate: Optional[KvGate] = (KvGate(capacity, BudgetPolicy.of(budget, self._compute_bound()), block_size=block)
                                        if budget.enabled and capacity else None)
         metrics = telemetry.Metrics()
         for name, (key, description) in KV_METRICS.items():
@@ -148,7 +150,15 @@ class EngineReplica:
         try:
             if gate is not None:
                 key = pin_key(req.cache_salt, req.session_key)
-                ticket, wait = gate.request(key, held + req.max_tokens)
+                try:
+                    ticket, wait = gate.request(key, held + req.max_tokens, tenant=req.cache_salt or "",
+                                                min_ttl_s=req.cache_ttl_s)
+                except QueueFull as full:
+                    what = "this key's share of the" if full.tenant_limit else "the"
+                    yield [EngineFailure(429, f"The engine's queue is full ({what} turns waiting for KV room). "
+                                              f"Try again in {full.retry_after_s:.0f}s.", code=KV_QUEUE_FULL,
+                                         retry_after_s=full.retry_after_s)]
+                    return
                 if wait is not None:
                     yield [EngineQueued(gate.position(ticket), gate.budget.queued_tokens)]
                     if not await self._wait_or_move(wait, key, req):
@@ -169,11 +179,13 @@ class EngineReplica:
                             expect_back = True
                         elif isinstance(piece, EngineDone):
                             held = piece.prompt_tokens + piece.output_tokens
+                            if gate is not None:
+                                gate.observe_prefill(piece.prompt_tokens - piece.cached_tokens, piece.first_token_s)
                     yield chunk
         finally:
             if ticket is not None:
                 if admitted:
-                    gate.finish(ticket, held, expect_back)
+                    gate.finish(ticket, held, expect_back, continuable=req.continuable)
                 else:
                     gate.cancel(ticket)
 
@@ -236,8 +248,28 @@ class EngineReplica:
         kv = self.gate.snapshot() if self.gate is not None else {}
         model = self.engine.kv.stats() if getattr(self.engine, "kv", None) is not None else {}
         s = self.engine.stats
-        return {**kv, **model, "preemptions": self._preemptions(), "migrations": self.migrations,
-                "hit_ratio": round(s.cached_tokens / s.prompt_tokens, 4) if s.prompt_tokens else 0.0}
+        off = getattr(self.engine, "pins_off_reason", "")
+        figures = {**kv, **model, "preemptions": self._preemptions(), "migrations": self.migrations,
+                   "hit_ratio": round(s.cached_tokens / s.prompt_tokens, 4) if s.prompt_tokens else 0.0,
+                   "pins_enabled": int(not off), "pins_off_reason": off}
+        in_use = self._engine_kv_in_use()
+        if self.gate is not None and in_use is not None:
+            # The budget's count against the engine's own (vLLM's block usage, the modelled pool's):
+            # positive when the budget reserves more than the engine holds (output not yet made).
+            figures["engine_kv_tokens"] = in_use
+            figures["drift_tokens"] = self.gate.budget.used - in_use
+        return figures
+
+    def _engine_kv_in_use(self) -> Optional[int]:
+        """Tokens of KV the engine itself has in use (blocks referenced), when it says."""
+        kv = getattr(self.engine, "kv", None)
+        if kv is not None:
+            return (kv.num_blocks - len(kv.free)) * kv.block_size
+        counter = getattr(self.engine, "preemptions", None)
+        capacity = int(getattr(self.engine, "kv_capacity_tokens", 0) or 0)
+        if capacity and hasattr(counter, "kv_usage"):
+            return int(counter.kv_usage * capacity)
+        return None
 
     async def stats(self) -> dict[str, Any]:
         import ray
@@ -266,16 +298,29 @@ class EngineReplica:
             log.warning("engine warm-up failed: %s", type(exc).__name__)
         self.engine.stats = EngineStats()  # counters describe served requests only
 
-    async def channel_endpoint(self) -> str:
-        """This replica's direct channel ("" when off or draining): a session placed here
+    def _compute_bound(self) -> bool:
+        """Do this engine's prefills share one compute unit (a CPU engine, the scripted engine's
+        `serial_prefill`)? The KV budget's wait bound depends on it (engines/kv_budget.py)."""
+        if self.config.engine.backend == "scripted":
+            return self.config.engine.scripted.serial_prefill
+        from cluster.engines.vllm_engine import _on_cpu
+
+        return _on_cpu()
+
+    async def channel_endpoint(self) -> tuple[str, str]:
+        """This replica's direct channel ("" when off or draining) and its id: a session placed here
         streams its turns from it (cluster/serving/clients.py)."""
-        return self.channel.endpoint if self.channel is not None and not self.channel.closing else ""
+        return (self.channel.endpoint if self.channel is not None and not self.channel.closing else "",
+                self.replica_id)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the KV placement router (cluster/kv_router.py) places new sessions by."""
         if self.gate is None:
             return {}
-        return {"kv_headroom": self.gate.budget.headroom(), "kv_capacity": self.gate.budget.capacity}
+        self._stats_seq += 1  # routers count their own placements until the next one
+        budget = self.gate.budget
+        return {"kv_headroom": budget.headroom(), "kv_capacity": budget.capacity,
+                "kv_session_tokens": budget.session_tokens(), "kv_stats_seq": self._stats_seq}
 
     def _preemptions(self) -> int:
         counter = getattr(self.engine, "preemptions", 0)

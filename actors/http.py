@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any, Optional
 
@@ -30,7 +31,10 @@ def new_app() -> FastAPI:
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.http_body(), status_code=err.status)
+    headers = None
+    if err.retry_after_s is not None:
+        headers = {"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
+    return JSONResponse(err.http_body(), status_code=err.status, headers=headers)
 
 
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

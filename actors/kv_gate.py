@@ -12,7 +12,7 @@ import hashlib
 import time
 from typing import Callable, Optional
 
-from cluster.engines.kv_budget import BudgetPolicy, KvBudget
+from cluster.engines.kv_budget import BudgetPolicy, KvBudget, QueueFull
 
 
 def pin_key(cache_salt: Optional[str], session_key: str) -> str:
@@ -31,9 +31,16 @@ class KvGate:
         self._timer: Optional[asyncio.TimerHandle] = None
         self._unpins: set[str] = set()
 
-    def request(self, session: str, need: int) -> tuple[int, Optional[asyncio.Future]]:
-        """A turn's ticket, and a future to await when it has to wait (None: start now)."""
-        ticket, admitted = self.budget.request(session, self._blocks(need), self.clock())
+    def request(self, session: str, need: int, *, tenant: str = "",
+                min_ttl_s: float = 0.0) -> tuple[int, Optional[asyncio.Future]]:
+        """A turn's ticket, and a future to await when it has to wait (None: start now). Raises
+        `QueueFull` when it would wait behind a full queue."""
+        try:
+            ticket, admitted = self.budget.request(session, self._blocks(need), self.clock(), tenant=tenant,
+                                                   min_ttl_s=min_ttl_s)
+        except QueueFull:
+            self._changed(self.budget.tick(self.clock()))  # what expired on the way in
+            raise
         self._unpins.discard(session)  # it is back: its blocks are what this turn reuses
         fut = None
         if ticket not in admitted:
@@ -66,9 +73,13 @@ class KvGate:
         unpins, self._unpins = tuple(self._unpins), set()
         return unpins
 
-    def finish(self, ticket: int, held: int, expect_back: bool) -> None:
+    def finish(self, ticket: int, held: int, expect_back: bool, continuable: bool = False) -> None:
         self._waiting.pop(ticket, None)
-        self._changed(self.budget.finish(ticket, self._blocks(held), expect_back, self.clock()))
+        self._changed(self.budget.finish(ticket, self._blocks(held), expect_back, self.clock(),
+                                         continuable=continuable))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.budget.observe_prefill(tokens, seconds)
 
     def cancel(self, ticket: int) -> None:
         self._waiting.pop(ticket, None)

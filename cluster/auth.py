@@ -65,7 +65,8 @@ class Authenticator:
         if len(window) >= p.requests_per_minute:
             retry = max(0.0, 60.0 - (now - window[0]))
             raise ApiError(429, f"Rate limit reached: {p.requests_per_minute} requests per minute. "
-                                f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded")
+                                f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded",
+                           retry_after_s=retry)
         window.append(now)
 
     def open_connection(self, p: Principal) -> None:

@@ -162,6 +162,24 @@ class KvBudgetConfig(StrictModel):
                                 "ended retention costs that session a re-prefill of its history: on a CPU engine "
                                 "seconds per thousand tokens, so set it above a session's life to time-share by "
                                 "sessions rather than by turns).")
+    ttl_client_max_s: float = Field(
+        43200.0, ge=0, description="The longest `prompt_cache_options.ttl` honoured (`30m`, `12h`): a declared lifetime "
+                                   "keeps the session's prefix at least that long unless KV pressure ends it by the "
+                                   "cost rules (declared ones last). 0: declared lifetimes are not honoured.")
+    compute_bound: Optional[bool] = Field(
+        None, description="Prefills share one compute unit (a CPU engine): a turn waiting while another runs loses "
+                          "no engine time, so it may wait up to `max_queue_wait_s` for retained prefixes. Otherwise "
+                          "a waiting turn waits no longer than the re-prefill its eviction would cost at the "
+                          "engine's measured prefill rate. Unset: true for vLLM on a CPU and the scripted engine's "
+                          "`serial_prefill`, false on GPUs.")
+    max_queued_turns: int = Field(
+        1024, ge=1, description="Turns one engine replica holds waiting for KV room; past it a turn is refused "
+                                "with a 429 (`kv_queue_full`, Retry-After).")
+    max_queued_per_tenant: int = Field(
+        256, ge=1, description="Of those, turns of one tenant (one key can not hold every engine's queue).")
+    tenant_share: float = Field(
+        1.0, gt=0, le=1, description="Fraction of the replica's KV one tenant's retained prefixes may hold "
+                                     "(its least recently used ones end first).")
     move_after_s: float = Field(
         8.0, gt=0, description="With several engine replicas, a session holding nothing on its replica whose turn "
                                "waited this long for room is placed again (once), where there is more headroom.")

@@ -38,7 +38,7 @@ def build_response(
     text = request.text.model_dump(exclude_none=True, by_alias=True) if request.text else None
     if not text or "format" not in text:
         text = {"format": {"type": "text"}, **(text or {})}
-    return {
+    response = {
         "id": response_id,
         "object": "response",
         "created_at": created_at if created_at is not None else int(time.time()),
@@ -73,6 +73,12 @@ def build_response(
         "user": request.user,
         "metadata": dict(request.metadata or {}),
     }
+    if request.prompt_cache_options is not None:
+        # As applied (docs/protocol.md "Prompt caching"): the engine replica keeps the prefix at
+        # least `ttl` (up to `engine.kv_budget.ttl_client_max_s`) unless KV pressure ends it sooner.
+        response["prompt_cache_options"] = request.prompt_cache_options.model_dump(
+            include={"mode", "ttl", "comparison_response_id"})
+    return response
 
 
 def echo_tools(tools: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -269,6 +275,8 @@ class EventAssembler:
             "param": error.param,
             "error": error.error_object(),
         }
+        if error.retry_after_s is not None:
+            err["retry_after"] = max(1, round(error.retry_after_s))  # seconds (an HTTP 429's Retry-After)
         events.append(self._ev("error", **err))
         self.response["status"] = "failed"
         self.response["error"] = {"code": error.code or error.type, "message": error.message}

@@ -143,6 +143,14 @@ class EngineRequest:
     # The session will very likely send another turn soon (its WebSocket is open): the engine
     # replica keeps its prefix in the KV budget through the pause (`engines/kv_budget.py`).
     expect_back: bool = False
+    # The chain can be continued (stored, or named by `x-session-id` / `prompt_cache_key`): without
+    # another sign it is kept softly, and once it came back it is expected back.
+    continuable: bool = False
+    # The retention its client asked for (`prompt_cache_options.ttl`, seconds; 0: none).
+    cache_ttl_s: float = 0.0
+    # The engine replica the chain's last turn ran on (its prefix is there): placed there again,
+    # from any connection replica, while that replica lives (cluster/kv_router.py).
+    placement: str = ""
     # The session was moved once already for lack of KV room (it waits where it is now).
     moved: bool = False
     # Set by the engine replica for its engine (never sent by a connection): keep this
@@ -217,6 +225,8 @@ class EngineDone:
 PROMPT_BASE_MISSING = "prompt_base_missing"
 # The engine replica had no KV room for the session for too long: place it elsewhere (once).
 KV_MOVE = "kv_session_move"
+# The engine replica's queue for KV room (or the tenant's part of it) is full: a 429.
+KV_QUEUE_FULL = "kv_queue_full"
 
 
 @dataclass(slots=True, frozen=True)
@@ -227,9 +237,10 @@ class EngineFailure:
     message: str
     code: Optional[str] = None
     param: Optional[str] = None
+    retry_after_s: Optional[float] = None  # a 429: when to try again
 
     def error(self) -> ApiError:
-        return ApiError(self.status, self.message, code=self.code, param=self.param)
+        return ApiError(self.status, self.message, code=self.code, param=self.param, retry_after_s=self.retry_after_s)
 
 
 EnginePiece = Union[TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure, EngineQueued]

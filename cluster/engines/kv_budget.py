@@ -7,18 +7,23 @@ preempts running requests when the pool runs out; with a handful of agent sessio
 that means every turn re-prefills its whole history. The budget keeps that from
 happening:
 
-- **Admission.** A turn reserves its prompt plus its output budget. It starts when
-  what runs plus what is retained plus its reservation fits the capacity; otherwise it
-  waits in one FIFO queue. A turn of a session whose prefix is retained here only needs
-  its growth and may pass the queue (holding it back would keep its tokens pinned for
-  longer). The head of the queue that has waited `max_queue_wait_s` may end other
-  sessions' retention to fit: no turn waits without bound.
-- **Retention.** A session that finished a turn and is expected back keeps its tokens
-  (prompt + output: its prefix) for a TTL learned from its own pauses (a multiple of
-  its longest recent pause, clamped). A session not expected back, a released one (its
-  socket closed) and an expired one free their tokens at once.
-- **Accounting.** Every re-prefill of a session whose retention ended is counted, as
-  are the queue waits, expirations and retentions ended early.
+- **A session is a chain** (the same key over a held WebSocket, a new one or HTTP): what it
+  holds, its pauses and whether it comes back are learned from its own turns.
+- **Admission.** A turn reserves its prompt plus its output budget and starts when what
+  runs plus what is retained plus its reservation fits; otherwise it waits in one FIFO
+  queue, bounded (`max_queued_turns`, `max_queued_per_tenant`: past them `QueueFull`, a
+  429 with Retry-After). A retained session's turn needs only its growth and may pass.
+- **Cost-aware waiting.** A waiting turn first takes the room of *soft* retentions (chains
+  that may come back but gave no sign). Beyond those, the queue's head waits no longer
+  than the re-prefill its eviction would cost at the measured prefill rate, unless
+  prefills share one compute unit (a CPU engine) and something runs: then waiting costs
+  no engine time, and the bound is `max_queue_wait_s`.
+- **Retention.** A session expected back (its socket is open, it called tools, it came
+  back before, or its client declared a lifetime) keeps its prefix for a TTL learned from
+  its own pauses, at least its declared `prompt_cache_options.ttl` (clamped). A chain that
+  can be continued but gave no sign is kept softly. One tenant's retained tokens are
+  capped at `tenant_share`. Others free their tokens at once.
+- **Accounting.** Re-prefills, waits, refusals, expirations and evictions are counted.
 
 The engine itself must keep the retained sessions' blocks while others run: vLLM's
 scheduler subclass in `vllm_retention.py` pins them, the scripted engine's modelled
@@ -28,97 +33,26 @@ cache (`kv_model.py`) does the same. This module only decides.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from cluster.config import KvBudgetConfig
-
-
-# The engine replica's KV figures as OpenTelemetry gauges (attribute `replica`), each read
-# from `snapshot()` (plus the engine's own counters): name -> (snapshot key, description).
-KV_METRICS = {
-    "loopserve.engine.kv.capacity": ("capacity_tokens", "KV capacity of the engine replica (tokens)"),
-    "loopserve.engine.kv.running": ("running_tokens", "tokens reserved by turns running on the replica"),
-    "loopserve.engine.kv.retained": ("retained_tokens", "tokens of sessions kept through their pauses"),
-    "loopserve.engine.kv.queued": ("queued_tokens", "tokens of turns waiting for room in the KV budget"),
-    "loopserve.engine.kv.queued_turns": ("queued_turns", "turns waiting for room in the KV budget"),
-    "loopserve.engine.kv.head_wait": ("head_wait_s", "seconds the oldest waiting turn has waited"),
-    "loopserve.engine.kv.max_queue_wait": ("max_queue_wait_s", "longest wait of an admitted turn (seconds)"),
-    "loopserve.engine.kv.hit_ratio": ("hit_ratio", "cached / prompt tokens of the replica's requests"),
-    "loopserve.engine.kv.preemptions": ("preemptions", "requests the engine preempted (total)"),
-    "loopserve.engine.kv.migrations": ("migrations", "sessions moved off the replica for lack of room (total)"),
-    "loopserve.engine.kv.reprefills": ("reprefills", "turns of sessions whose retention had ended (total)"),
-}
-
-
-PAUSE_DECAY = 0.8
-GROWTH_WEIGHT = 0.2  # of the latest turn in the moving average of growth per turn
-
-
-@dataclass(frozen=True)
-class BudgetPolicy:
-    """The knobs (from `engine.kv_budget` in the config)."""
-
-    retention: bool = True
-    ttl_initial_s: float = 10.0  # a session's first pause, before any was seen
-    ttl_min_s: float = 2.0
-    ttl_max_s: float = 60.0
-    ttl_pause_multiple: float = 2.0  # TTL = this x the session's long pauses (decayed maximum)
-    max_queue_wait_s: float = 60.0  # then the head of the queue may end other sessions' retention
-    max_sessions: int = 100_000  # sessions tracked for their pause statistics (LRU)
-
-    @classmethod
-    def of(cls, config: "KvBudgetConfig") -> "BudgetPolicy":
-        return cls(retention=config.retention, ttl_initial_s=config.ttl_initial_s, ttl_min_s=config.ttl_min_s,
-                   ttl_max_s=config.ttl_max_s, ttl_pause_multiple=config.ttl_pause_multiple,
-                   max_queue_wait_s=config.max_queue_wait_s)
+from cluster.engines.kv_policy import (  # noqa: F401 - the budget's vocabulary, re-exported
+    GROWTH_WEIGHT,
+    KV_METRICS,
+    PAUSE_DECAY,
+    BudgetCounters,
+    PrefillRate,
+    BudgetPolicy,
+    QueueFull,
+    SessionHold,
+    Waiter,
+)
+from cluster.engines.kv_eviction import Evictions
 
 
 @dataclass
-class SessionHold:
-    """What one session holds on this replica."""
-
-    running: int = 0  # tokens reserved by its turns in flight
-    turns: int = 0  # its turns in flight
-    retained: int = 0  # tokens of its prefix kept for its next turn
-    expires_at: float = 0.0
-    finished_at: Optional[float] = None  # when its last turn ended (its pause starts)
-    # Its long pauses: the longest one, decaying by PAUSE_DECAY a pause (a TTL must cover the
-    # pauses a session actually takes, not their mean: half of them are longer than that).
-    pause_high: Optional[float] = None
-    released: bool = False  # its retention ended before it came back (expired, released, evicted)
-
-    @property
-    def footprint(self) -> int:
-        return max(self.running, self.retained)
-
-
-@dataclass
-class Waiter:
-    ticket: int
-    session: str
-    need: int
-    since: float
-
-
-@dataclass
-class BudgetCounters:
-    admitted: int = 0
-    queued: int = 0  # turns that had to wait
-    queue_wait_s: float = 0.0
-    max_queue_wait_s: float = 0.0
-    retained: int = 0  # turns whose session was then retained
-    returned_in_time: int = 0  # turns of a session that was still retained
-    expired: int = 0
-    released: int = 0
-    evicted: int = 0  # retentions ended early so a queue head that waited too long could run
-    reprefills: int = 0  # turns of a session whose retention had ended (its prefix may be gone)
-
-
-@dataclass
-class KvBudget:
+class KvBudget(Evictions):
     capacity: int
     policy: BudgetPolicy = field(default_factory=BudgetPolicy)
     sessions: "OrderedDict[str, SessionHold]" = field(default_factory=OrderedDict)
@@ -135,49 +69,87 @@ class KvBudget:
     _used: int = 0  # sum of footprints
     _running: int = 0  # sum of running reservations
     _resident: int = 0  # sessions holding a prefix or running a turn
+    _tenant_retained: "Counter[str]" = field(default_factory=Counter)  # tenant -> retained tokens
+    _tenant_queued: "Counter[str]" = field(default_factory=Counter)  # tenant -> waiting turns
+    prefill: PrefillRate = field(default_factory=PrefillRate)  # what a re-prefill costs
 
     # -- what the engine replica calls ---------------------------------------------------
 
-    def request(self, session: str, need: int, now: float) -> tuple[int, list[int]]:
+    def request(self, session: str, need: int, now: float, *, tenant: str = "",
+                min_ttl_s: float = 0.0) -> tuple[int, list[int]]:
         """A turn of `session` that needs `need` tokens: its ticket, and the tickets admitted by
         this call (its own when it starts now; others that the queue let in meanwhile). A turn
-        not admitted waits until `finish`/`cancel`/`release`/`tick` return its ticket."""
-        ticket = next(self._tickets)
+        not admitted waits until `finish`/`cancel`/`release`/`tick` return its ticket; one that
+        would wait behind a full queue raises `QueueFull` (nothing else changed but expiries:
+        the caller `tick`s). `min_ttl_s`: the retention its client asks for after this turn."""
         self._expire(now)  # first: a session back after its TTL ran out is a re-prefill
         hold = self._hold(session)
+        hold.tenant = tenant
+        hold.min_ttl = max(0.0, min(min_ttl_s, self.policy.ttl_client_max_s))
+        need = max(1, min(need, self.capacity))
+        starts = not self.queue and self._fits(hold, need)
+        if not starts and not (hold.retained and not hold.turns):  # a retained session is never refused
+            if len(self.queue) >= self.policy.max_queued_turns:
+                raise self._refuse(now, tenant_limit=False)
+            if self._tenant_queued[tenant] >= self.policy.max_queued_per_tenant:
+                raise self._refuse(now, tenant_limit=True)
+        ticket = next(self._tickets)
         if hold.finished_at is not None and not hold.turns:
             pause = max(0.0, now - hold.finished_at)
             hold.pause_high = pause if hold.pause_high is None else max(pause, PAUSE_DECAY * hold.pause_high)
+            hold.returns += 1
             if hold.retained:
                 self.counters.returned_in_time += 1
             elif hold.released:
                 self.counters.reprefills += 1
             hold.released = False
-        need = max(1, min(need, self.capacity))
         if hold.retained and not hold.turns:
+            hold.soft = False  # it came back: whatever it holds is what this turn reuses
             growth = max(0, need - hold.retained)
             weight = GROWTH_WEIGHT if self.growth_samples else 1.0  # the first one as it is
             self.growth_samples += 1
             self.growth_per_turn += weight * (growth - self.growth_per_turn)
-        if not self.queue and self._fits(hold, need):
+        if starts:
             self._start(ticket, session, need)
             return ticket, [ticket]
-        self.queue[ticket] = Waiter(ticket, session, need, now)
+        self.queue[ticket] = Waiter(ticket, session, need, now, tenant)
+        self._tenant_queued[tenant] += 1
         self.counters.queued += 1
         return ticket, self._drain(now)
 
-    def finish(self, ticket: int, held: int, expect_back: bool, now: float) -> list[int]:
-        """A turn ended; its session now holds `held` tokens of KV (prompt + output) and
-        keeps them if it is expected back. Returns the waiting tickets admitted now."""
+    def _refuse(self, now: float, tenant_limit: bool) -> QueueFull:
+        self.counters.refused += 1
+        head = next(iter(self.queue.values()), None)
+        wait = 1.0
+        if head is not None:
+            wait = max(1.0, head.since + self._wait_bound(head, self._hold_no_touch(head.session)) - now)
+        return QueueFull(min(wait, self.policy.max_queue_wait_s), tenant_limit)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill.observe(tokens, seconds)
+
+    @property
+    def prefill_tps(self) -> Optional[float]:
+        return self.prefill.tokens_per_s
+
+    def finish(self, ticket: int, held: int, expect_back: bool, now: float, *,
+               continuable: bool = False) -> list[int]:
+        """A turn ended; its session now holds `held` tokens of KV (prompt + output). It keeps
+        them if it is expected back (`expect_back`: its socket is open or it called tools; or,
+        `continuable`, it came back before or its client declared a lifetime), softly if it only
+        may be (`continuable`: stored, or named). Returns the waiting tickets admitted now."""
         session, need = self._admitted.pop(ticket, (None, 0))
         if session is None:
             return self.cancel(ticket, now)
         hold = self._hold(session)
         hold.finished_at = now
-        if self.policy.retention and expect_back and held > 0:
+        firm = expect_back or (continuable and (hold.returns > 0 or hold.min_ttl > 0))
+        if self.policy.retention and (firm or continuable) and held > 0:
+            hold.soft = not firm
             self._change(hold, running=-need, turns=-1, retained=min(held, self.capacity))
             hold.expires_at = now + self.ttl(hold)
             self.counters.retained += 1
+            self._cap_tenant(hold.tenant)
         else:
             self._change(hold, running=-need, turns=-1, retained=0)
             self.dropped.append(session)
@@ -188,17 +160,15 @@ class KvBudget:
         was admitted meanwhile, its reservation returned."""
         if ticket in self._admitted:
             return self.finish(ticket, 0, False, now)
-        self.queue.pop(ticket, None)
+        self._dequeue(ticket)
         return self._drain(now)
 
     def release(self, session: str, now: float) -> list[int]:
         """The session will not be back (its socket closed): its retained tokens go now."""
         hold = self.sessions.get(session)
         if hold is not None and hold.retained:
-            self._change(hold, retained=0)
-            hold.released = True
+            self._end_retention(session, hold)
             self.counters.released += 1
-            self.dropped.append(session)
         return self._drain(now)
 
     def tick(self, now: float) -> list[int]:
@@ -216,7 +186,7 @@ class KvBudget:
         if not self.queue:
             return None
         head = next(iter(self.queue.values()))
-        times = [head.since + self.policy.max_queue_wait_s]
+        times = [head.since + self._wait_bound(head, self._hold_no_touch(head.session))]
         back = {w.session for w in self.queue.values()}
         times += [h.expires_at for k, h in self.sessions.items() if h.retained and not h.turns and k not in back]
         return min(times)
@@ -247,14 +217,18 @@ class KvBudget:
         """(running + retained + queued) / capacity: what autoscaling follows."""
         return (self.used + self.queued_tokens) / max(1, self.capacity)
 
+    def session_tokens(self) -> int:
+        """Tokens a session typically holds here (its footprint; what one more costs a placement)."""
+        return int(self._used / self._resident) if self._resident else int(self.growth_per_turn)
+
     def headroom(self) -> int:
         return self.capacity - self.used - self.queued_tokens
 
     def ttl(self, hold: SessionHold) -> float:
         p = self.policy
-        if hold.pause_high is None:
-            return p.ttl_initial_s
-        return min(p.ttl_max_s, max(p.ttl_min_s, p.ttl_pause_multiple * hold.pause_high))
+        learned = p.ttl_initial_s if hold.pause_high is None else \
+            min(p.ttl_max_s, max(p.ttl_min_s, p.ttl_pause_multiple * hold.pause_high))
+        return max(learned, hold.min_ttl)
 
     def snapshot(self, now: float) -> dict[str, float | int]:
         c = self.counters
@@ -266,7 +240,10 @@ class KvBudget:
                 "admitted": c.admitted, "waited": c.queued, "queue_wait_s": round(c.queue_wait_s, 3),
                 "max_queue_wait_s": round(c.max_queue_wait_s, 3), "retained": c.retained,
                 "returned_in_time": c.returned_in_time, "expired": c.expired, "released": c.released,
-                "evicted": c.evicted, "reprefills": c.reprefills, "growth_per_turn": round(self.growth_per_turn, 1),
+                "evicted": c.evicted, "evicted_soft": c.evicted_soft, "reprefills": c.reprefills,
+                "refused": c.refused, "over_share": c.over_share,
+                "prefill_tokens_per_s": round(self.prefill_tps or 0.0, 1),
+                "growth_per_turn": round(self.growth_per_turn, 1),
                 "growth_room_tokens": self.growth_room()}
 
     # -- the rules -----------------------------------------------------------------------
@@ -314,6 +291,9 @@ class KvBudget:
         hold.running += running
         hold.turns += turns
         if retained is not None:
+            self._tenant_retained[hold.tenant] += retained - hold.retained
+            if not self._tenant_retained[hold.tenant]:
+                del self._tenant_retained[hold.tenant]
             hold.retained = retained
         self._used += hold.footprint - footprint
         self._running += running
@@ -329,10 +309,8 @@ class KvBudget:
         back = {w.session for w in self.queue.values()}  # a session whose turn waits is back: it keeps its place
         for key, hold in self.sessions.items():
             if hold.retained and not hold.turns and hold.expires_at <= now and key not in back:
-                self._change(hold, retained=0)
-                hold.released = True
+                self._end_retention(key, hold)
                 self.counters.expired += 1
-                self.dropped.append(key)
 
     def _drain(self, now: float) -> list[int]:
         """Admit what fits: the head in order; behind it, turns of sessions whose prefix is
@@ -363,12 +341,14 @@ class KvBudget:
             resident = hold.retained > 0 or hold.turns > 0
             if urgent or (head_blocked and not resident):
                 continue  # behind a head that waited too long, nobody passes
-            overdue = not head_blocked and now - w.since >= self.policy.max_queue_wait_s
+            if not head_blocked and not self._fits(hold, w.need):
+                self._evict_soft_for(w, hold)
+            overdue = not head_blocked and now - w.since >= self._wait_bound(w, hold)
             if not self._fits(hold, w.need, spare=not overdue) and overdue:
                 self._evict_for(w, hold)
                 urgent = not self._fits(hold, w.need, spare=False)
             if self._fits(hold, w.need, spare=not overdue):
-                del self.queue[ticket]
+                self._dequeue(ticket)
                 wait = now - w.since
                 self.counters.queue_wait_s += wait
                 self.counters.max_queue_wait_s = max(self.counters.max_queue_wait_s, wait)
@@ -378,28 +358,26 @@ class KvBudget:
                 head_blocked = True
         return admitted
 
+    def _dequeue(self, ticket: int) -> None:
+        w = self.queue.pop(ticket, None)
+        if w is not None:
+            self._tenant_queued[w.tenant] -= 1
+            if not self._tenant_queued[w.tenant]:
+                del self._tenant_queued[w.tenant]
+
+    def _wait_bound(self, waiter: Waiter, hold: SessionHold) -> float:
+        """How long `waiter` may wait before it ends others' retention. Where prefills share one
+        compute unit and something runs, waiting costs the engine nothing: `max_queue_wait_s`.
+        Otherwise each second waited is lost, and ending retention costs the re-prefill of the
+        tokens it must free (at the measured rate): it waits no longer than that."""
+        bound = self.policy.max_queue_wait_s
+        if self.prefill_tps is None or (self.policy.compute_bound and self._running):
+            return bound
+        deficit = self.used + self._extra(hold, waiter.need) - self.capacity
+        return min(bound, max(0.0, deficit) / self.prefill_tps)
+
     def _hold_no_touch(self, session: str) -> SessionHold:
         hold = self.sessions.get(session)
         if hold is None:
             hold = self.sessions[session] = SessionHold()
         return hold
-
-    def _evict_for(self, waiter: Waiter, hold: SessionHold) -> None:
-        # Idle sessions first (least recently used first); then sessions whose turn waits
-        # behind this one, the newest waiter first: those ahead of it keep their place.
-        waiting = list(self.queue.values())
-        at = next(i for i, w in enumerate(waiting) if w.ticket == waiter.ticket)
-        behind = {w.session: i for i, w in enumerate(waiting) if i > at}
-        queued = {w.session for w in waiting}
-        candidates = [(0, h.finished_at or 0.0, k) for k, h in self.sessions.items()
-                      if h.retained and not h.turns and k not in queued]
-        candidates += [(1, -i, k) for k, i in behind.items() if k != waiter.session and self.sessions[k].retained
-                       and not self.sessions[k].turns]
-        for _, _, key in sorted(candidates):
-            if self._fits(hold, waiter.need, spare=False):
-                return
-            victim = self.sessions[key]
-            self._change(victim, retained=0)
-            victim.released = True
-            self.counters.evicted += 1
-            self.dropped.append(key)

@@ -84,6 +84,7 @@ class PreemptionCounter:
 
     def __init__(self) -> None:
         self.preemptions = 0
+        self.kv_usage = 0.0  # the fraction of the KV pool vLLM has in use (its last step's)
 
     def factory(self, vllm_config: object, engine_index: int = 0) -> object:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -97,6 +98,8 @@ class PreemptionCounter:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
                 if iteration_stats is not None:
                     counter.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+                if scheduler_stats is not None:
+                    counter.kv_usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0) or 0.0)
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -136,6 +139,7 @@ class VLLMEngine:
         self.stats = EngineStats()
         self.llm = None
         self.kv_capacity_tokens = 0  # the engine's KV pool in tokens (known once started)
+        self.pins_off_reason = "not started"  # why retained sessions' blocks are not pinned ("" when they are)
         self.block_size = 16
         self.preemptions = PreemptionCounter()
         # The model's own sampling defaults (its generation_config.json), for requests
@@ -182,7 +186,15 @@ class VLLMEngine:
             # thread binding above applies (the in-process executor ignores it).
             kwargs["distributed_executor_backend"] = "mp"
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
-        if cfg.session_pins and cfg.enable_prefix_caching:
+        self.pins_off_reason = "" if cfg.session_pins and cfg.enable_prefix_caching else "off in the config"
+        if not self.pins_off_reason:
+            from cluster.engines.retention_guard import check_installed
+
+            self.pins_off_reason = check_installed() or ""
+            if self.pins_off_reason:
+                log.warning("KV retention pins are off: %s; the KV budget still admits turns, but the engine "
+                            "may evict retained prefixes", self.pins_off_reason)
+        if not self.pins_off_reason:
             from cluster.engines.vllm_retention import retaining_scheduler_for
 
             sched = vllm_config.scheduler_config

@@ -36,6 +36,8 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from cluster.engines.retention_guard import TESTED_VLLM  # noqa: F401 - the range these internals were read from
+
 HINT = "loopserve_kv"
 
 
@@ -54,6 +56,7 @@ class RetainingMixin:
         self._pins: OrderedDict[str, tuple[list, float]] = OrderedDict()  # session -> (blocks, expiry)
         self._pin_for: dict[str, tuple[str, float]] = {}  # request id -> (session, ttl)
         self._next_expiry = float("inf")
+        self._preempting: Any = None  # the request being preempted: it runs again, no pin yet
         self.pins_dropped_under_pressure = 0
         manager = self.kv_cache_manager
         allocate = manager.allocate_slots
@@ -82,10 +85,20 @@ class RetainingMixin:
             self._expire()
         return super().schedule(*args, **kwargs)
 
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM frees a preempted request's blocks through `_free_request_blocks` too: it will run
+        # again, so its pin waits for its real end.
+        self._preempting = request.request_id
+        try:
+            return super()._preempt_request(request, *args, **kwargs)
+        finally:
+            self._preempting = None
+
     def _free_request_blocks(self, request: Any) -> None:
-        pin = self._pin_for.pop(request.request_id, None)
-        if pin is not None:
-            self._pin(request.request_id, *pin)
+        if request.request_id != self._preempting:
+            pin = self._pin_for.pop(request.request_id, None)
+            if pin is not None:
+                self._pin(request.request_id, *pin)
         super()._free_request_blocks(request)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:

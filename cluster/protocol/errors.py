@@ -20,8 +20,8 @@ _TYPE_BY_STATUS = {
 
 
 def _rebuild_api_error(status: int, message: str, code: Optional[str], param: Optional[str],
-                       type: Optional[str]) -> "ApiError":
-    return ApiError(status, message, code=code, param=param, type=type)
+                       type: Optional[str], retry_after_s: Optional[float] = None) -> "ApiError":
+    return ApiError(status, message, code=code, param=param, type=type, retry_after_s=retry_after_s)
 
 
 class ApiError(Exception):
@@ -35,8 +35,10 @@ class ApiError(Exception):
         code: Optional[str] = None,
         param: Optional[str] = None,
         type: Optional[str] = None,
+        retry_after_s: Optional[float] = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after_s = retry_after_s  # an HTTP 429's Retry-After
         self.status = status
         self.message = message
         self.code = code
@@ -45,7 +47,7 @@ class ApiError(Exception):
 
     def __reduce__(self):
         # Picklable across a Ray handle (a render replica's 400 reaches the client as a 400).
-        return (_rebuild_api_error, (self.status, self.message, self.code, self.param, self.type))
+        return (_rebuild_api_error, (self.status, self.message, self.code, self.param, self.type, self.retry_after_s))
 
     def error_object(self) -> dict[str, Any]:
         return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}

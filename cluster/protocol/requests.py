@@ -129,6 +129,21 @@ MAX_NAME_CHARS = 256
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 
+# `prompt_cache_options.ttl`: the minimum lifetimes OpenAI's API defines, in seconds.
+PROMPT_CACHE_TTLS = {"30m": 1800.0, "12h": 43200.0}
+
+
+class PromptCacheOptions(_Tolerant):
+    """`prompt_cache_options` (openai 3.60): `ttl` is a minimum lifetime the client asks for
+    (30m by default), `mode` says whether an implicit breakpoint is made, `prewarm` is a
+    warm-up, `comparison_response_id` asks for `prompt_cache_diagnostics`."""
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m", "12h"] = "30m"
+    prewarm: Optional[bool] = None
+    comparison_response_id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
+
+
 class ContextManagement(_Tolerant):
     """One `context_management` entry: `{type: "compaction", compact_threshold: N}` compacts inside
     the turn once its rendered prompt passes N tokens (other types are accepted and ignored)."""
@@ -163,7 +178,7 @@ class ResponsesRequest(_Tolerant):
     reasoning: Optional[ReasoningConfig] = None
     prompt_cache_key: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     # {mode, ttl, prewarm, comparison_response_id}: `prewarm: true` is a warm-up (generate: false).
-    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_options: Optional[PromptCacheOptions] = None
     # OpenAI's schema: at most 64 characters.
     safety_identifier: Optional[str] = Field(default=None, max_length=64)
     service_tier: Optional[str] = Field(default=None, max_length=64)
@@ -226,7 +241,7 @@ class ResponsesRequest(_Tolerant):
     @property
     def is_warm_up(self) -> bool:
         """`generate: false`, or `prompt_cache_options.prewarm`: prefill and cache, no output."""
-        prewarm = isinstance(self.prompt_cache_options, dict) and self.prompt_cache_options.get("prewarm") is True
+        prewarm = self.prompt_cache_options is not None and self.prompt_cache_options.prewarm is True
         return self.generate is False or prewarm
 
     @property

@@ -26,6 +26,7 @@ from cluster.core.retry import RetryPolicy
 from cluster.core.safety.classifiers import SafetyService
 from cluster.core.turn.turn import Stop, until_stopped
 from cluster.engines.channel import ChannelError, ChannelPool
+from cluster.kv_router import PLACEMENT_SEP
 
 log = logging.getLogger("loopserve.connection")
 
@@ -99,18 +100,25 @@ class EngineClient:
 
     A session's first turn goes through the Serve handle (its router places the session);
     later turns stream from that replica's direct channel (`cluster/engines/channel.py`).
-    A channel that fails before the first chunk sends the turn back to the handle."""
+    A channel that fails before the first chunk sends the turn back to the handle.
+
+    One placement truth: a continuation names the replica its chain last ran on
+    (`EngineRequest.placement`, recorded with the chain's state and in the store), and the
+    placement router sends it there from any connection replica (`PLACEMENT_SEP`); a replica
+    that is gone hands the session back to the router, which places it again (counted by the
+    turn as a moved session)."""
 
     def __init__(self, handle: DeploymentHandle, retry: RetryPolicy, direct: bool = True,
                  max_sessions: int = 100_000, tls: Optional[ssl.SSLContext] = None) -> None:
         self.handle = handle.options(stream=True)
         self.retry = retry
         self.pool = ChannelPool(tls=tls) if direct else None
-        self.endpoints: OrderedDict[str, str] = OrderedDict()  # session key -> channel, LRU
+        self.endpoints: OrderedDict[str, tuple[str, str]] = OrderedDict()  # session key -> (channel, replica), LRU
         self._placing: dict[str, asyncio.Future] = {}  # session key -> its placement call in flight
         self._routing: dict[str, asyncio.Future] = {}  # session key -> its last handle stream, set once routed
         self.max_sessions = max_sessions
         self.direct_turns = self.handle_turns = self.channel_fallbacks = self.migrations = 0
+        self.placed_by_chain = 0  # sessions this replica had not placed, sent where their chain's prefix is
         self._route: OrderedDict[str, str] = OrderedDict()  # session key -> routing key, for moved sessions
 
     async def __call__(self, req: EngineRequest, stop: Optional[Stop] = None) -> AsyncIterator[EngineChunk]:
@@ -132,11 +140,14 @@ class EngineClient:
                 return
             yield chunk
 
-    def _routing_key(self, session_key: str) -> str:
-        return self._route.get(session_key, session_key)
+    def _routing_key(self, session_key: str, placement: str = "") -> str:
+        route = self._route.get(session_key)
+        if route is not None:
+            return route  # moved for lack of room: placed again, wherever it was
+        return f"{session_key}{PLACEMENT_SEP}{placement}" if placement else session_key
 
     async def _call(self, req: EngineRequest, stop: Optional[Stop]) -> AsyncIterator[EngineChunk]:
-        endpoint = await self._endpoint(req.session_key) if self.pool is not None else None
+        endpoint = await self._endpoint(req.session_key, req.placement) if self.pool is not None else None
         if endpoint:
             started = False
             try:
@@ -160,41 +171,45 @@ class EngineClient:
             async for chunk in chunks:
                 done = done_of(chunk)
                 if self.pool is not None and done is not None and done.channel:
-                    self._remember(req.session_key, done.channel)
+                    self._remember(req.session_key, done.channel, done.replica)
                 yield chunk
         finally:
             await chunks.aclose()
 
-    async def _endpoint(self, session_key: str) -> str:
+    async def _endpoint(self, session_key: str, placement: str = "") -> str:
         """The channel of the replica Serve's router places this session on: remembered, or
         asked once with a unary call (a handle *stream* costs far more: every chunk crosses
-        Serve's streaming path, which slows a CPU engine's decode in the same process)."""
-        endpoint = self.endpoints.get(session_key)
-        if endpoint is not None:
+        Serve's streaming path, which slows a CPU engine's decode in the same process). A
+        remembered channel of another replica than the chain's last one is stale (another
+        connection replica ran the chain since): the router places it again."""
+        known = self.endpoints.get(session_key)
+        if known is not None and (not placement or known[1] == placement or session_key in self._route):
             self.endpoints.move_to_end(session_key)
-            return endpoint
+            return known[0]
+        if placement:
+            self.placed_by_chain += 1
         # One placement call per session at a time: concurrent first turns of a session (two
         # WebSocket lanes) share it. Concurrent same-session requests can be left unrouted by
         # Ray's ConsistentHashRouter (2.60): the second one hung until its client gave up.
         placing = self._placing.get(session_key)
         if placing is None:
-            placing = self._placing[session_key] = asyncio.ensure_future(self._place(session_key))
+            placing = self._placing[session_key] = asyncio.ensure_future(self._place(session_key, placement))
             placing.add_done_callback(lambda _: self._placing.pop(session_key, None))
         return await asyncio.shield(placing)
 
-    async def _place(self, session_key: str) -> str:
+    async def _place(self, session_key: str, placement: str = "") -> str:
         try:
-            handle = self.handle.options(stream=False, session_id=self._routing_key(session_key))
-            endpoint = await self.retry.call("engine placement", lambda: handle.channel_endpoint.remote(),
-                                             replica_gone)
+            handle = self.handle.options(stream=False, session_id=self._routing_key(session_key, placement))
+            endpoint, replica = await self.retry.call("engine placement", lambda: handle.channel_endpoint.remote(),
+                                                      replica_gone)
         except Exception:  # noqa: BLE001 - no placement answer: the handle stream places the turn
             return ""
         if endpoint:
-            self._remember(session_key, endpoint)
+            self._remember(session_key, endpoint, replica)
         return endpoint
 
-    def _remember(self, session_key: str, endpoint: str) -> None:
-        self.endpoints[session_key] = endpoint
+    def _remember(self, session_key: str, endpoint: str, replica: str) -> None:
+        self.endpoints[session_key] = (endpoint, replica)
         self.endpoints.move_to_end(session_key)
         while len(self.endpoints) > self.max_sessions:
             self.endpoints.popitem(last=False)
@@ -213,7 +228,7 @@ class EngineClient:
         try:
             if before is not None:
                 await asyncio.shield(before)
-            gen = self.handle.options(session_id=self._routing_key(key)).generate.remote(req)
+            gen = self.handle.options(session_id=self._routing_key(key, req.placement)).generate.remote(req)
             async for chunk in gen:
                 if not routed.done():
                     routed.set_result(None)
@@ -241,7 +256,7 @@ class EngineClient:
     def counters(self) -> dict[str, int]:
         return {"direct_turns": self.direct_turns, "handle_turns": self.handle_turns,
                 "channel_fallbacks": self.channel_fallbacks, "sessions_with_channel": len(self.endpoints),
-                "kv_migrations": self.migrations}
+                "kv_migrations": self.migrations, "placed_by_chain": self.placed_by_chain}
 
     async def stats(self, session: Optional[str] = None) -> dict[str, Any]:
         handle = self.handle.options(stream=False)

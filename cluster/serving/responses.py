@@ -104,7 +104,7 @@ class ResponsesService:
             previous_response_id=response.get("previous_response_id"), created_at=float(response["created_at"]),
             model=state.model, input_items=inputs, output=response.get("output") or [], response=response,
             instructions=state.instructions, tools=state.tools, affinity_key=state.affinity_key,
-            blocked=state.blocked,
+            blocked=state.blocked, engine_replica=state.engine_replica or None,
         )
 
     async def mark_blocked(self, record: TurnRecord) -> None:

@@ -95,7 +95,8 @@ class TurnsService:
         error = progress.error
         if progress.status == "failed" and error is not None:
             e = error["error"]
-            raise ApiError(error.get("status", 500), e["message"], code=e.get("code"), param=e.get("param"))
+            raise ApiError(error.get("status", 500), e["message"], code=e.get("code"), param=e.get("param"),
+                           retry_after_s=error.get("retry_after"))
         return progress.final
 
     # -- WebSocket -------------------------------------------------------------------

@@ -28,13 +28,16 @@ class StoredResponse:
     # Why this response may not be continued (a late output-safety flag, a failed
     # background run): kept durable so a restart does not lift it.
     blocked: Optional[dict[str, Any]] = None
+    # The engine replica that holds the chain's prefix KV (its placement): a turn continuing
+    # from the store on any connection replica goes back there.
+    engine_replica: Optional[str] = None
 
     def row(self) -> tuple:
         return (
             self.id, self.tenant, self.previous_response_id, self.created_at, self.model,
             json.dumps(self.input_items), json.dumps(self.output), json.dumps(self.response),
             self.instructions, json.dumps(self.tools), self.affinity_key,
-            json.dumps(self.blocked) if self.blocked is not None else None,
+            json.dumps(self.blocked) if self.blocked is not None else None, self.engine_replica,
         )
 
     def item_rows(self) -> list[tuple[str, str, str, str]]:
@@ -47,11 +50,11 @@ class StoredResponse:
     def from_row(cls, row: Any) -> "StoredResponse":
         r = tuple(row)
         return cls(r[0], r[1], r[2], float(r[3]), r[4], json.loads(r[5]), json.loads(r[6]), json.loads(r[7]),
-                   r[8], json.loads(r[9]), r[10], json.loads(r[11]) if r[11] else None)
+                   r[8], json.loads(r[9]), r[10], json.loads(r[11]) if r[11] else None, r[12])
 
 
 COLUMNS = ("id, tenant, previous_response_id, created_at, model, input_items, output, response, "
-           "instructions, tools, affinity_key, blocked")
+           "instructions, tools, affinity_key, blocked, engine_replica")
 
 # Items by id, per tenant (`item_reference` inputs); deleted with their response. A row per
 # (response, item): item ids in an input are the client's to choose, so two responses may carry
@@ -148,6 +151,7 @@ def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
         store=True,
         owner=last.tenant,
         affinity_key=last.affinity_key,
+        engine_replica=last.engine_replica or "",
         response=last.response,
         blocked=last.blocked,
     )

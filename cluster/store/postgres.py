@@ -32,6 +32,8 @@ MIGRATIONS = [
         PRIMARY KEY (tenant, item_id))"""],
     # version 4: a row per (response, item): a client-chosen id can't overwrite another response's item
     [*items_table("BIGSERIAL PRIMARY KEY"), *MIGRATE_LEGACY_ITEMS],
+    # version 5: the engine replica holding the chain's prefix (its placement, for every connection replica)
+    ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS engine_replica TEXT"],
 ]
 
 CHAIN = chain_query("$1", "$2")
@@ -71,7 +73,7 @@ class PostgresStore:
     async def put(self, record: StoredResponse) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute(
-                f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12)
+                f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13)
                     ON CONFLICT (id) DO UPDATE SET response = EXCLUDED.response, output = EXCLUDED.output,
                     blocked = COALESCE(EXCLUDED.blocked, responses.blocked)""",
                 *record.row(),

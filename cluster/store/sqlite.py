@@ -23,7 +23,7 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS responses (
         id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT, created_at REAL NOT NULL,
         model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
-        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT)""",
+        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT, engine_replica TEXT)""",
     """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
     *items_table("INTEGER PRIMARY KEY AUTOINCREMENT"),
 ]
@@ -51,13 +51,15 @@ class SQLiteStore:
             columns = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
             if "blocked" not in columns:  # version 1 -> 2
                 db.execute("ALTER TABLE responses ADD COLUMN blocked TEXT")
+            if "engine_replica" not in columns:  # version 4 -> 5: the chain's engine placement
+                db.execute("ALTER TABLE responses ADD COLUMN engine_replica TEXT")
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if LEGACY_ITEMS_TABLE in tables:  # version 3 -> 4: a row per (response, item)
                 with db:
                     db.execute("BEGIN")
                     for stmt in MIGRATE_LEGACY_ITEMS:
                         db.execute(stmt)
-            db.execute("UPDATE loopserve_schema SET version = 4")
+            db.execute("UPDATE loopserve_schema SET version = 5")
             return db
 
         self._db = await asyncio.to_thread(open_db)
@@ -75,7 +77,7 @@ class SQLiteStore:
         def write(db: sqlite3.Connection) -> None:
             with db:  # one transaction: the response and its items
                 db.execute("BEGIN")
-                db.execute(f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                db.execute(f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                            record.row())
                 db.executemany(f"INSERT OR REPLACE INTO {ITEMS_TABLE_NAME} (tenant, item_id, response_id, item) "
                                "VALUES (?,?,?,?)", record.item_rows())

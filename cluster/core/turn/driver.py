@@ -18,6 +18,7 @@ from cluster.core.events import Event, EventAssembler, build_response
 from cluster.core.messages import TurnProgress
 from cluster.core.safety.gate import SafetyPort, TurnSafety, turn_input_texts
 from cluster.core.turn.cache import ResponseState
+from cluster.core.turn.cache_diagnostics import CacheCheck, compare
 from cluster.core.turn.compaction import compacted_window, needs_summary, summarise
 from cluster.core.turn.context import INCLUDE_REASONING, seal_reasoning
 from cluster.core.turn.post_work import PostWorkQueue
@@ -39,7 +40,7 @@ from cluster.core.turn.turn import (
 )
 from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
 from cluster.protocol.ids import new_id
-from cluster.protocol.requests import ResponsesRequest
+from cluster.protocol.requests import PROMPT_CACHE_TTLS, ResponsesRequest
 from cluster.protocol.sealing import Sealer
 
 
@@ -244,11 +245,13 @@ class TurnDriver:
                 return seal_reasoning(text, sealer, owner)
         asm = EventAssembler(response, stream_id=t.stream_id, seal_reasoning=seal, first_sequence=int(t.announced))
         room = st.max_model_len - rendered.engine_len
+        cache_ttl_s, cache_check = await self._cache_options(t, ctx)
         turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
                     parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
                     max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
                     timing=timing, on_state=t.on_state, trace=tctx, include_timing=t.include_timing,
-                    stop=t.stop, keep_parent=t.keep_parent, agent=agent, expect_back=t.transport == "websocket")
+                    stop=t.stop, keep_parent=t.keep_parent, agent=agent, expect_back=t.transport == "websocket",
+                    cache_ttl_s=cache_ttl_s, cache_check=cache_check)
         stream = TurnStream(turn, asm, safety, self.services)
         events = asm.start()
         timing.first_event = time.perf_counter() - timing.started
@@ -256,6 +259,24 @@ class TurnDriver:
             events += asm.compaction(compaction)
             turn.step_output_start = len(asm.response["output"])  # the item is in the context already
         return stream, events
+
+
+    async def _cache_options(self, t: TurnRequest, ctx: Any) -> tuple[float, Optional[CacheCheck]]:
+        """`prompt_cache_options`: the retention the client asks for (seconds), and the comparison
+        its `comparison_response_id` asks for (looked up as a parent is: this key's only)."""
+        options = t.request.prompt_cache_options
+        if options is None:
+            return 0.0, None
+        ttl_s = PROMPT_CACHE_TTLS[options.ttl]
+        cid = options.comparison_response_id
+        if not cid:
+            return ttl_s, None
+        other = t.cache.get(cid)
+        if other is not None and other.owner != t.owner:
+            other = None
+        if other is None and t.lookup is not None:
+            other = await t.lookup(cid)
+        return ttl_s, compare(t.request, self.model_name, ctx.items, other, cid)
 
 
 __all__ = ["TurnDriver", "TurnSettings", "TurnTiming", "RenderPort", "EnginePort", "Rendered", "Turn", "TurnRequest"]

@@ -30,11 +30,16 @@ from cluster.core.messages import (
     done_of,
 )
 from cluster.core.safety.gate import TurnSafety
+from cluster.core.turn.cache_diagnostics import diagnostics
 from cluster.core.turn.controls import tool_call_limit
 from cluster.core.turn.post_work import TurnRecord
 from cluster.core.turn.turn import Turn, TurnServices, TurnTiming
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request
+
+# Tokens a prefix hit may fall short of the whole reusable prefix: the last block (a CPU engine's
+# blocks are 128 tokens) and the last token, which the engine computes again.
+DIAGNOSTICS_BLOCK_SLACK = 256
 
 log = logging.getLogger("loopserve.turn")
 
@@ -181,6 +186,10 @@ class TurnStream:
                     done=done)
         self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
         turn.status = "incomplete" if incomplete else "completed"
+        if turn.cache_check is not None:
+            asm.response["prompt_cache_diagnostics"] = diagnostics(
+                turn.cache_check, turn.rendered.prompt_from(0), done.prompt_tokens, done.cached_tokens,
+                block_size=DIAGNOSTICS_BLOCK_SLACK)
         terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)
         self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
         if turn.include_timing:

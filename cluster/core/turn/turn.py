@@ -241,6 +241,8 @@ class Turn:
     stop: Optional[Stop] = None  # set by `response.interrupt` / `response.steer` (WebSocket mode)
     keep_parent: bool = False  # a fork from another WebSocket lane: its failure leaves the parent cached
     expect_back: bool = False  # its socket stays open: the engine keeps the session's prefix through the pause
+    cache_ttl_s: float = 0.0  # the retention its client asked for (`prompt_cache_options.ttl`), as applied
+    cache_check: Optional[Any] = None  # `prompt_cache_options.comparison_response_id`: diagnostics.CacheCheck
     # Multi-agent responses (agent.py): the inbox of injected tool outputs, and how the driver
     # prepares the next engine call once a step's calls are answered.
     agent: Optional[Any] = None
@@ -292,6 +294,9 @@ class Turn:
             base_request_id=base_id if tail else None,
             base_len=base_len if tail else 0,
             expect_back=self.expect_back,
+            continuable=self.expect_back or req.store is not False or bool(req.prompt_cache_key),
+            cache_ttl_s=self.cache_ttl_s,
+            placement=self.parent.engine_replica if self.parent is not None else "",
             images=self.rendered.images,
             image_tokens=self.rendered.image_tokens,
         )

@@ -41,3 +41,48 @@ async def test_an_engine_started_before_the_constructor_failed_is_shut_down():
 async def test_a_replica_that_failed_before_its_engine_existed_stops_without_an_error():
     replica = object.__new__(EngineReplica.func_or_class)  # e.g. its tokenizer did not load
     await replica.__del__()
+
+
+async def test_a_full_kv_queue_refuses_a_turn_with_a_429_that_says_when_to_retry(tiny_model_dir):
+    """The real replica class (constructed outside Serve) on the scripted engine with its modelled
+    KV: one turn runs, one waits, the next one is refused, and the client learns when to retry."""
+    import asyncio
+    from array import array
+
+    from cluster.config import LoopserveConfig
+    from cluster.core.messages import KV_QUEUE_FULL, EngineDone, EngineFailure, EngineQueued, EngineRequest
+    from cluster.core.turn.turn import cache_salt
+
+    config = LoopserveConfig(engine={"backend": "scripted", "direct_stream": False, "kv_budget": {"max_queued_turns": 1},
+                                     "scripted": {"kv_capacity_tokens": 2048, "tokens_per_second": 10}})
+    replica = EngineReplica.func_or_class.__new__(EngineReplica.func_or_class)
+    await replica.__init__(config)
+    try:
+        def request(i: int) -> EngineRequest:
+            return EngineRequest(f"r{i}", f"s{i}", array("i", [100 + i] * 1500), 8, cache_salt=cache_salt("t"))
+
+        async def pieces(i: int) -> list:
+            return [p async for chunk in replica.generate(request(i)) for p in chunk]
+
+        first = asyncio.ensure_future(pieces(1))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(pieces(2))
+        await asyncio.sleep(0.01)
+        third = await pieces(3)
+        assert isinstance(third[0], EngineFailure) and third[0].status == 429 and third[0].code == KV_QUEUE_FULL
+        assert third[0].retry_after_s >= 1 and third[0].error().retry_after_s == third[0].retry_after_s
+        done = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert isinstance(done[0][-1], EngineDone)
+        assert isinstance(done[1][0], EngineQueued) and isinstance(done[1][-1], EngineDone)  # waited, then ran
+        assert replica.kv_figures()["refused"] == 1
+    finally:
+        await replica.__del__()
+
+
+def test_a_429_carries_retry_after_in_the_http_response():
+    from actors.http import error_response
+    from cluster.protocol.errors import ApiError
+
+    response = error_response(ApiError(429, "busy", code="kv_queue_full", retry_after_s=2.2))
+    assert response.status_code == 429 and response.headers["retry-after"] == "3"
+    assert error_response(ApiError(400, "bad")).headers.get("retry-after") is None

@@ -1,6 +1,8 @@
 """The engine replica's KV budget as pure logic (cluster/engines/kv_budget.py), on a fake clock."""
 
-from cluster.engines.kv_budget import BudgetPolicy, KvBudget
+import pytest
+
+from cluster.engines.kv_budget import BudgetPolicy, KvBudget, QueueFull
 
 
 def budget(capacity=1000, **policy) -> KvBudget:
@@ -285,17 +287,25 @@ def test_the_running_totals_match_the_holds_after_any_sequence_of_calls():
     import random
 
     rng = random.Random(7)
-    budget = KvBudget(capacity=5000, policy=BudgetPolicy(max_queue_wait_s=3.0, ttl_initial_s=2.0))
+    budget = KvBudget(capacity=5000, policy=BudgetPolicy(max_queue_wait_s=3.0, ttl_initial_s=2.0, max_queued_turns=8,
+                                                         max_queued_per_tenant=4, tenant_share=0.6))
+    budget.observe_prefill(3000, 1.0)
     live: list[int] = []
     now = 0.0
     for _ in range(3000):
         now += rng.random()
         op = rng.random()
         if op < 0.4:
-            ticket, admitted = budget.request(f"s{rng.randrange(40)}", rng.randrange(50, 1500), now)
+            session = rng.randrange(40)
+            try:
+                ticket, admitted = budget.request(f"s{session}", rng.randrange(50, 1500), now,
+                                                  tenant=f"t{session % 3}", min_ttl_s=rng.choice([0, 0, 5]))
+            except QueueFull:
+                continue
             live.append(ticket)
         elif op < 0.7 and live:
-            budget.finish(live.pop(rng.randrange(len(live))), rng.randrange(0, 1600), rng.random() < 0.8, now)
+            budget.finish(live.pop(rng.randrange(len(live))), rng.randrange(0, 1600), rng.random() < 0.5, now,
+                          continuable=rng.random() < 0.7)
         elif op < 0.8 and live:
             budget.cancel(live.pop(rng.randrange(len(live))), now)
         elif op < 0.9:
@@ -306,3 +316,112 @@ def test_the_running_totals_match_the_holds_after_any_sequence_of_calls():
         assert budget.used == sum(h.footprint for h in holds)
         assert budget.running_tokens == sum(h.running for h in holds)
         assert budget.growth_room() == int(budget.growth_per_turn * sum(1 for h in holds if h.retained or h.turns))
+        for tenant in ("t0", "t1", "t2"):
+            assert budget._tenant_retained[tenant] == sum(h.retained for h in holds if h.tenant == tenant)
+            assert budget._tenant_queued[tenant] == sum(1 for w in budget.queue.values() if w.tenant == tenant)
+        assert len(budget.queue) <= 8
+
+
+# -- a session is a chain: HTTP, reconnects, declared lifetimes ---------------------------
+
+
+def test_a_continuable_chain_is_kept_softly_until_a_waiting_turn_needs_its_room():
+    b = budget(1000, ttl_initial_s=100, max_queue_wait_s=1000)
+    t, _ = req(b, "http-chain", 600, now=0)
+    b.finish(t, held=600, expect_back=False, now=1, continuable=True)  # stored over HTTP: it may come back
+    assert b.retained_sessions() == {"http-chain": 101}
+    waiting, ok = req(b, "other", 600, now=2)
+    # a soft retention gives its room at once: no wait for a chain that gave no sign
+    assert ok and b.counters.evicted_soft == 1 and b.retained_sessions() == {}
+
+
+def test_a_chain_that_came_back_is_expected_back_whatever_carries_it():
+    b = budget(1000, ttl_initial_s=100, max_queue_wait_s=1000)
+    t, _ = req(b, "chain", 300, now=0)
+    b.finish(t, held=300, expect_back=False, now=1, continuable=True)
+    t, ok = req(b, "chain", 500, now=2)  # it came back (a new socket, or the next HTTP request)
+    assert ok and b.counters.returned_in_time == 1
+    b.finish(t, held=500, expect_back=False, now=3, continuable=True)
+    waiting, ok = req(b, "new", 600, now=4)
+    assert not ok and b.retained_sessions() == {"chain": 3 + 2 * 1}  # firm now, its TTL learned from its pause
+    assert b.tick(now=5.5) == [waiting] and b.counters.expired == 1 and b.counters.evicted_soft == 0
+
+
+def test_not_continuable_and_never_back_is_not_retained_even_after_returns():
+    b = budget(1000)
+    t, _ = req(b, "a", 300, now=0)
+    b.finish(t, held=300, expect_back=True, now=1)
+    t, _ = req(b, "a", 400, now=2)
+    b.finish(t, held=400, expect_back=False, now=3)  # store: false over HTTP: it cannot be continued
+    assert b.retained_sessions() == {}
+
+
+def test_a_declared_lifetime_keeps_the_prefix_past_the_learned_ttl_and_is_clamped():
+    b = budget(10_000, ttl_initial_s=10, ttl_max_s=60, ttl_client_max_s=3600)
+    t = b.request("a", 100, 0, min_ttl_s=1800)[0]
+    b.finish(t, held=100, expect_back=False, now=1, continuable=True)
+    assert b.retained_sessions() == {"a": 1 + 1800}
+    assert not b.sessions["a"].soft  # a declared lifetime is a sign it comes back
+    t = b.request("b", 100, 2, min_ttl_s=12 * 3600)[0]
+    b.finish(t, held=100, expect_back=False, now=3, continuable=True)
+    assert b.retained_sessions()["b"] == 3 + 3600
+
+
+def test_the_wait_bound_is_the_reprefill_it_would_cost_unless_prefills_share_a_busy_engine():
+    # GPU-like: no compute unit shared; at 10,000 tokens/s, freeing 400 tokens costs 0.04 s
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60)
+    b.observe_prefill(10_000, 1.0)
+    t, _ = req(b, "a", 600, now=0)
+    b.finish(t, held=600, expect_back=True, now=1)
+    running, _ = req(b, "r", 100, now=1)
+    head, ok = req(b, "b", 700, now=2)  # 700 + 700 > 1000: 400 must be freed
+    assert not ok and b.next_deadline() == pytest.approx(2.04)
+    assert b.tick(now=2.05) == [head] and b.counters.evicted == 1
+    # CPU-like (compute-bound) and busy: the turn waits up to max_queue_wait_s instead
+    c = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60, compute_bound=True)
+    c.observe_prefill(1_000, 1.0)
+    t, _ = req(c, "a", 600, now=0)
+    c.finish(t, held=600, expect_back=True, now=1)
+    running, _ = req(c, "r", 100, now=1)
+    head, ok = req(c, "b", 700, now=2)
+    assert not ok and c.next_deadline() == 62 and c.tick(now=10) == []
+    # ... until the engine has nothing to run: then each second waited is lost, and the wait is
+    # bounded by the re-prefill (300 tokens at 1,000/s once r left): overdue already, a goes
+    assert c.finish(running, held=100, expect_back=False, now=11) == [head]
+    assert c.counters.evicted == 1 and c.retained_sessions() == {}
+
+
+def test_short_prefills_do_not_set_the_rate():
+    b = budget(1000)
+    b.observe_prefill(10, 0.05)  # the engine's fixed cost, not its rate
+    assert b.prefill_tps is None
+    b.observe_prefill(1000, 0.5)
+    b.observe_prefill(1000, 1.0)
+    assert b.prefill_tps == pytest.approx(2000 + 0.2 * (1000 - 2000))
+
+
+def test_the_queue_is_bounded_and_a_refusal_says_when_to_retry():
+    b = budget(1000, max_queued_turns=2, max_queued_per_tenant=1, max_queue_wait_s=30)
+    t, _ = req(b, "a", 900, now=0)
+    b.request("w1", 500, 1, tenant="x")
+    with pytest.raises(QueueFull) as refused:
+        b.request("w2", 500, 2, tenant="x")  # x's one waiting turn is its share of the queue
+    assert refused.value.tenant_limit and 1 <= refused.value.retry_after_s <= 30
+    b.request("w3", 500, 3, tenant="y")
+    with pytest.raises(QueueFull) as refused:
+        b.request("w4", 500, 4, tenant="z")
+    assert not refused.value.tenant_limit and b.counters.refused == 2 and len(b.queue) == 2
+    # a turn that starts at once is never refused, nor one whose session is retained here
+    b.finish(t, held=100, expect_back=True, now=5)
+    assert b.request("a", 200, 6, tenant="z")[1]
+
+
+def test_one_tenant_retains_at_most_its_share():
+    b = budget(1000, tenant_share=0.5, ttl_initial_s=100)
+    for i, s in enumerate("abc"):
+        t = b.request(s, 200, i, tenant="big")[0]
+        b.finish(t, held=200, expect_back=True, now=i + 0.5)
+    t = b.request("d", 200, 4, tenant="small")[0]
+    b.finish(t, held=200, expect_back=True, now=4.5)
+    # big holds 400 of 1000 after its oldest retention (a) went; small is untouched
+    assert set(b.retained_sessions()) == {"b", "c", "d"} and b.counters.over_share == 1

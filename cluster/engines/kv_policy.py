@@ -1,0 +1,150 @@
+"""The KV budget's vocabulary: its knobs, what one session holds, its counters and metrics.
+
+Split from `kv_budget.py` (the rules) so each stays readable; both are plain logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from cluster.config import KvBudgetConfig
+
+
+# The engine replica's KV figures as OpenTelemetry gauges (attribute `replica`), each read
+# from `snapshot()` (plus the engine's own counters): name -> (snapshot key, description).
+KV_METRICS = {
+    "loopserve.engine.kv.capacity": ("capacity_tokens", "KV capacity of the engine replica (tokens)"),
+    "loopserve.engine.kv.running": ("running_tokens", "tokens reserved by turns running on the replica"),
+    "loopserve.engine.kv.retained": ("retained_tokens", "tokens of sessions kept through their pauses"),
+    "loopserve.engine.kv.queued": ("queued_tokens", "tokens of turns waiting for room in the KV budget"),
+    "loopserve.engine.kv.queued_turns": ("queued_turns", "turns waiting for room in the KV budget"),
+    "loopserve.engine.kv.head_wait": ("head_wait_s", "seconds the oldest waiting turn has waited"),
+    "loopserve.engine.kv.max_queue_wait": ("max_queue_wait_s", "longest wait of an admitted turn (seconds)"),
+    "loopserve.engine.kv.hit_ratio": ("hit_ratio", "cached / prompt tokens of the replica's requests"),
+    "loopserve.engine.kv.preemptions": ("preemptions", "requests the engine preempted (total)"),
+    "loopserve.engine.kv.migrations": ("migrations", "sessions moved off the replica for lack of room (total)"),
+    "loopserve.engine.kv.reprefills": ("reprefills", "turns of sessions whose retention had ended (total)"),
+    "loopserve.engine.kv.refused": ("refused", "turns refused with a 429: the replica's queue was full (total)"),
+    "loopserve.engine.kv.prefill_rate": ("prefill_tokens_per_s", "the engine's measured prefill rate (tokens/s)"),
+    "loopserve.engine.kv.pins_enabled": ("pins_enabled", "1 when the engine keeps retained sessions' blocks"),
+    "loopserve.engine.kv.drift": ("drift_tokens", "the budget's tokens minus the engine's own KV usage"),
+}
+
+
+PAUSE_DECAY = 0.8
+GROWTH_WEIGHT = 0.2  # of the latest turn in the moving average of growth per turn
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """The knobs (from `engine.kv_budget` in the config)."""
+
+    retention: bool = True
+    ttl_initial_s: float = 10.0  # a session's first pause, before any was seen
+    ttl_min_s: float = 2.0
+    ttl_max_s: float = 60.0
+    ttl_pause_multiple: float = 2.0  # TTL = this x the session's long pauses (decayed maximum)
+    ttl_client_max_s: float = 43200.0  # the longest `prompt_cache_options.ttl` honoured
+    max_queue_wait_s: float = 60.0  # then the head of the queue may end other sessions' retention
+    max_sessions: int = 100_000  # sessions tracked for their pause statistics (LRU)
+    # Prefills share one compute unit (a CPU engine): a turn waiting while another runs loses
+    # no engine time, so it may wait up to `max_queue_wait_s`. Otherwise (a GPU's batch, or an
+    # engine with nothing to run) a waiting turn waits no longer than the re-prefill its eviction
+    # would cost, at the engine's measured prefill rate.
+    compute_bound: bool = False
+    max_queued_turns: int = 1024  # turns waiting on one replica; past it a 429 (Retry-After)
+    max_queued_per_tenant: int = 256
+    tenant_share: float = 1.0  # of the capacity one tenant's retained prefixes may hold
+
+    @classmethod
+    def of(cls, config: "KvBudgetConfig", compute_bound: bool = False) -> "BudgetPolicy":
+        return cls(retention=config.retention, ttl_initial_s=config.ttl_initial_s, ttl_min_s=config.ttl_min_s,
+                   ttl_max_s=config.ttl_max_s, ttl_pause_multiple=config.ttl_pause_multiple,
+                   ttl_client_max_s=config.ttl_client_max_s, max_queue_wait_s=config.max_queue_wait_s,
+                   compute_bound=compute_bound if config.compute_bound is None else config.compute_bound,
+                   max_queued_turns=config.max_queued_turns, max_queued_per_tenant=config.max_queued_per_tenant,
+                   tenant_share=config.tenant_share)
+
+
+@dataclass
+class SessionHold:
+    """What one session (a chain, whatever carries its turns) holds on this replica."""
+
+    running: int = 0  # tokens reserved by its turns in flight
+    turns: int = 0  # its turns in flight
+    retained: int = 0  # tokens of its prefix kept for its next turn
+    expires_at: float = 0.0
+    finished_at: Optional[float] = None  # when its last turn ended (its pause starts)
+    # Its long pauses: the longest one, decaying by PAUSE_DECAY a pause (a TTL must cover the
+    # pauses a session actually takes, not their mean: half of them are longer than that).
+    pause_high: Optional[float] = None
+    released: bool = False  # its retention ended before it came back (expired, released, evicted)
+    tenant: str = ""
+    returns: int = 0  # turns after its first: a chain that came back is expected back again
+    min_ttl: float = 0.0  # the lifetime its client asked for (`prompt_cache_options.ttl`), clamped
+    # Retained on the chance it returns (continuable, but no sign yet: no open socket, no tool
+    # calls, never came back, no declared lifetime): its room goes to the first turn that needs it.
+    soft: bool = False
+
+    @property
+    def footprint(self) -> int:
+        return max(self.running, self.retained)
+
+    @property
+    def idle_retained(self) -> bool:
+        return bool(self.retained and not self.turns)
+
+
+@dataclass
+class Waiter:
+    ticket: int
+    session: str
+    need: int
+    since: float
+    tenant: str = ""
+
+
+@dataclass
+class BudgetCounters:
+    admitted: int = 0
+    queued: int = 0  # turns that had to wait
+    queue_wait_s: float = 0.0
+    max_queue_wait_s: float = 0.0
+    retained: int = 0  # turns whose session was then retained
+    returned_in_time: int = 0  # turns of a session that was still retained
+    expired: int = 0
+    released: int = 0
+    evicted: int = 0  # retentions ended early so a waiting turn could run
+    evicted_soft: int = 0  # of those, retentions held only on the chance the chain returns
+    reprefills: int = 0  # turns of a session whose retention had ended (its prefix may be gone)
+    refused: int = 0  # turns refused: the queue (or the tenant's share of it) was full
+    over_share: int = 0  # retentions ended because their tenant held more than its share
+
+
+class PrefillRate:
+    """The engine's prefill rate (tokens/s): a moving average of what it measured. None until then."""
+
+    WEIGHT = 0.2  # of the latest prefill
+    MIN_SAMPLE = 64  # tokens: shorter prefills measure the engine's fixed cost, not its rate
+
+    def __init__(self) -> None:
+        self.tokens_per_s: Optional[float] = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """The engine prefilled `tokens` uncached tokens in `seconds` (its own clock)."""
+        if tokens < self.MIN_SAMPLE or seconds <= 0:
+            return
+        rate = tokens / seconds
+        prev = self.tokens_per_s
+        self.tokens_per_s = rate if prev is None else prev + self.WEIGHT * (rate - prev)
+
+
+class QueueFull(Exception):
+    """The replica's queue (or the tenant's part of it) is full: a 429 with Retry-After."""
+
+    def __init__(self, retry_after_s: float, tenant_limit: bool) -> None:
+        super().__init__("queue full")
+        self.retry_after_s = retry_after_s
+        self.tenant_limit = tenant_limit
