@@ -15,7 +15,11 @@ BESIDE_RAY = "vllm-beside-ray"
 
 
 def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
-                   rates: tuple[float, float], kv_blocks: Optional[int] = None, sessions: int = 0) -> dict[str, Any]:
+                   rates: tuple[float, float], kv_blocks: Optional[int] = None, sessions: int = 0, *,
+                   connections: int = 1, store_dir: Optional[str] = None,
+                   serial_prefill: bool = True) -> dict[str, Any]:
+    """`store_dir`: a fresh SQLite store there (chains over HTTP or new sockets, on any connection
+    replica); None: no store (`store: false` WebSocket sessions)."""
     import yaml
 
     args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
@@ -23,16 +27,22 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
     if kv_blocks:
         args["engine"].setdefault("vllm", {})["num_gpu_blocks_override"] = kv_blocks
     args["engine"]["kv_budget"] = {**args["engine"].get("kv_budget", {}), "enabled": budget}
-    args["store"] = {"backend": "none"}  # store: false sessions; the bench measures the engine path
+    if store_dir:
+        import time
+
+        args["store"] = {"backend": "sqlite", "sqlite_path": str(Path(store_dir) / f"responses-{time.time_ns()}.sqlite3")}
+    else:
+        args["store"] = {"backend": "none"}  # store: false sessions; the bench measures the engine path
     args.setdefault("engine_deployment", {})["num_replicas"] = replicas
     conn = args.setdefault("connection", {})
+    conn["num_replicas"] = connections
     # Every session's socket open at once on the connection replica(s).
     conn["max_ongoing_requests"] = max(conn.get("max_ongoing_requests", 256), sessions + 16)
     if engine == "scripted":
         args["engine"]["backend"] = "scripted"
         args["engine"]["scripted"] = {"kv_capacity_tokens": kv_tokens or 46_592, "kv_block_size": 32,
                                       "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
-                                      "max_output_tokens": 64, "serial_prefill": True,
+                                      "max_output_tokens": 64, "serial_prefill": serial_prefill,
                                       "answer_text": "I ran the tool and read its output; next I will fix the failing test. " * 3}
         args["engine_deployment"]["num_cpus"] = 0.1
     return args

@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import random
 import signal
 import sys
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cluster.bench.agent_loop import progress_bar
-from cluster.bench.client import ws_turn, ws_url
+from cluster.bench.session_clients import TRANSPORTS, SessionPlan, run_session
 from cluster.bench.local import add_ingress_argument
 from cluster.bench.session_systems import BESIDE_RAY, STAND_IN, loopserve, loopserve_args, loopserve_engine_stats
 from cluster.bench.session_report import (
@@ -70,6 +71,7 @@ class Workload:
     # medians (published agent traces: many turns, most small, a few large tool outputs).
     shape: str = "uniform"
     seed: int = 0
+    pause_scale: float = 0.05  # "trace": published pauses x this (a 2-core machine runs ~1/20 the turns)
 
     def turn_size(self, rng: random.Random) -> int:
         if self.shape == "agentx":
@@ -78,12 +80,27 @@ class Workload:
 
     def pause_s(self, rng: random.Random) -> float:
         lo, hi = self.pause
+        if self.shape == "trace":
+            return trace_pause(rng, self.pause_scale)
         if self.shape == "agentx":
             return min(4 * hi, max(lo, rng.lognormvariate(0, 0.7) * (lo + hi) / 2))
         return rng.uniform(lo, hi)
 
 
-PRESETS = {"agentx": Workload(turns=20, turn_chars=1200, output_tokens=24, pause=(0.5, 3.0), shape="agentx")}
+PRESETS = {"agentx": Workload(turns=20, turn_chars=1200, output_tokens=24, pause=(0.5, 3.0), shape="agentx"),
+           "trace": Workload(turns=10, turn_chars=2000, output_tokens=16, pause=(0.0, 0.0), shape="trace")}
+
+# Published agent traces (TraceLab, arXiv 2606.30560): tool pauses p50 0.3 s, p90 13.6 s; one pause
+# in ten a human's, p50 84 s, p90 1,236 s. Lognormal: sigma = ln(p90 / p50) / 1.2816.
+TRACE_TOOL = (0.3, 13.6)
+TRACE_HUMAN = (84.0, 1236.0)
+TRACE_HUMAN_SHARE = 0.1
+
+
+def trace_pause(rng: random.Random, scale: float) -> float:
+    p50, p90 = TRACE_HUMAN if rng.random() < TRACE_HUMAN_SHARE else TRACE_TOOL
+    sigma = math.log(p90 / p50) / 1.2816
+    return min(60.0, scale * p50 * math.exp(rng.gauss(0.0, sigma)))
 
 
 _WORDS = ("the test", "failed", "because", "the value", "was not", "expected", "in module", "when the", "function",
@@ -125,62 +142,6 @@ class Row:
     sent_at: float = 0.0  # the client's clock (perf_counter) when the turn was sent
 
 
-async def ws_session(system: str, url: str, model: str, index: int, n: int, w: Workload, store: bool,
-                     tick) -> list[Row]:
-    from websockets.asyncio.client import connect
-
-    rng = random.Random(w.seed * 100_003 + index)
-    tag = session_tag(w, n, index)
-    rows: list[Row] = []
-    async with connect(ws_url(url), max_size=None, compression=None, open_timeout=120, ping_timeout=None) as ws:
-        prev = None
-        for turn in range(w.turns + 1):
-            if turn:
-                await asyncio.sleep(w.pause_s(rng))
-            text = f"Session {tag}: start the task." if not turn else tool_output(tag, turn, w.turn_size(rng))
-            body = {"model": model, "input": text, "max_output_tokens": w.output_tokens, "temperature": 0,
-                    "store": store}
-            if prev:
-                body["previous_response_id"] = prev
-            t0 = time.perf_counter()
-            seen = await ws_turn(ws, body, keep_events=False)
-            ev = seen.last
-            rows.append(_row(system, n, index, turn, ev, seen.wall_s, seen.queued_s, t0))
-            tick()
-            if ev.get("type") == "error" or ev["response"]["status"] == "failed":
-                break
-            prev = ev["response"]["id"]
-    return rows
-
-
-async def http_session(system: str, url: str, model: str, index: int, n: int, w: Workload, tick) -> list[Row]:
-    import httpx
-
-    rng = random.Random(w.seed * 100_003 + index)
-    tag = session_tag(w, n, index)
-    rows: list[Row] = []
-    async with httpx.AsyncClient(timeout=1200) as client:
-        prev = None
-        for turn in range(w.turns + 1):
-            if turn:
-                await asyncio.sleep(w.pause_s(rng))
-            text = f"Session {tag}: start the task." if not turn else tool_output(tag, turn, w.turn_size(rng))
-            body: dict[str, Any] = {"model": model, "input": text, "max_output_tokens": w.output_tokens,
-                                    "temperature": 0, "store": True}
-            if prev:
-                body["previous_response_id"] = prev
-            t0 = time.perf_counter()
-            r = await client.post(url + "/v1/responses", json=body)
-            ev = {"type": "response.completed", "response": r.json()} if r.status_code == 200 else \
-                {"type": "error", "error": r.text[:300]}
-            rows.append(_row(system, n, index, turn, ev, time.perf_counter() - t0, 0.0, t0))
-            tick()
-            if r.status_code != 200:
-                break
-            prev = ev["response"]["id"]
-    return rows
-
-
 def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: float, sent_at: float) -> Row:
     if ev.get("type") == "error" or "response" not in ev:
         print(f"\n{system}: session {index} turn {turn} failed: {str(ev)[:300]}", file=sys.stderr)
@@ -193,21 +154,31 @@ def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, q
 
 
 async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, transport: str,
-                       store: bool = False) -> tuple[list[Row], float]:
+                       store: bool = False, shape: str = "plain", ttl: Optional[str] = None) -> tuple[list[Row], float]:
+    """N sessions at once over `transport` (session_clients.TRANSPORTS; "websocket" is "ws")."""
     total, done = n * (w.turns + 1), 0
+    rows: list[Row] = []
+    transport = "ws" if transport == "websocket" else transport
 
-    def tick() -> None:
+    async def one(index: int) -> None:
         nonlocal done
-        done += 1
-        progress_bar(f"{system} N={n}", done, total)
+        tag = session_tag(w, n, index)
+        plan = SessionPlan(system, url, model, index, n, transport, store, shape, ttl)
+
+        def text(turn: int, rng: random.Random) -> str:
+            return f"Session {tag}: start the task." if not turn else tool_output(tag, turn, w.turn_size(rng))
+
+        def record(turn: int, ev: dict, latency: float, queued: float, sent_at: float) -> None:
+            nonlocal done
+            rows.append(_row(f"{system}", n, index, turn, ev, latency, queued, sent_at))
+            done += 1
+            progress_bar(f"{system} N={n} {transport}", done, total)
+
+        await run_session(plan, w, text, record)
 
     t0 = time.perf_counter()
-    if transport == "http":
-        jobs = [http_session(system, url, model, i, n, w, tick) for i in range(n)]
-    else:
-        jobs = [ws_session(system, url, model, i, n, w, store, tick) for i in range(n)]
-    results = await asyncio.gather(*jobs)
-    return [r for rows in results for r in rows], time.perf_counter() - t0
+    await asyncio.gather(*[one(i) for i in range(n)])
+    return rows, time.perf_counter() - t0
 
 
 # Before a system is measured: one short session through it (the engine's first passes of each
@@ -239,12 +210,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "cluster) | loopserve,loopserve-nobudget (scripted)")
     ap.add_argument("--engine", choices=["vllm", "scripted"], default="vllm")
     ap.add_argument("--config", default="serve_configs/local.yaml")
-    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="agentx: heavy-tailed turns; trace: tool pauses and "
+                    "human waits shaped as published agent traces, x --pause-scale")
+    ap.add_argument("--pause-scale", type=float, default=0.05)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--turn-chars", type=int, default=2000)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--pause", default="0.5,3", help="min,max seconds between turns")
     ap.add_argument("--replicas", type=int, default=1, help="engine replicas (loopserve)")
+    ap.add_argument("--connections", type=int, default=1, help="connection replicas (loopserve)")
+    ap.add_argument("--transports", default="ws", help=f"loopserve's clients, comma-separated: {', '.join(TRANSPORTS)} "
+                    "(each on the same server, one after the other; the peers keep theirs)")
+    ap.add_argument("--shape", choices=["plain", "agent"], default="plain",
+                    help="agent: a function is offered and each turn answers the model's last call")
+    ap.add_argument("--ttl", choices=["30m", "12h"], default=None, help="send prompt_cache_options.ttl")
+    ap.add_argument("--prefill-unit", choices=["serial", "parallel"], default="serial",
+                    help="scripted engine: prefills share one compute unit (a CPU) or run side by side (a GPU's batch)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="scripted engine: modelled KV per replica")
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="real engine: KV blocks of every system's engine (vLLM's num_gpu_blocks_override), to scale "
@@ -278,12 +259,15 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     the plot under `ns.out`, returns what it wrote."""
     w = PRESETS[ns.preset] if ns.preset else Workload(ns.turns, ns.turn_chars, ns.output_tokens,
                                                      tuple(float(x) for x in ns.pause.split(",")))
+    w = replace(w, pause_scale=ns.pause_scale)
+    transports = ns.transports.split(",")
     ns_values = [int(x) for x in ns.sessions.split(",")]
     systems = (ns.systems or ("loopserve,vllm,agentic" if ns.engine == "vllm" else "loopserve,loopserve-nobudget")
                ).split(",")
     kv_tokens = ns.kv_tokens
     if ns.engine == "scripted" and ns.oversubscribe:
-        final = 60 + w.turns * (w.turn_chars / 4.5 + w.output_tokens + 12)  # one session at its end (~4.5 chars a token)
+        # one session at its end (~4.5 chars a token; the agent shape's tool schema and calls on top)
+        final = 60 + w.turns * (w.turn_chars / 4.5 + w.output_tokens + 12) + (250 if ns.shape == "agent" else 0)
         kv_tokens = int(max(ns_values) * final / ns.oversubscribe / ns.replicas)
     rates = tuple(float(x) for x in ns.rates.split(","))
     out = Path(ns.out)
@@ -308,20 +292,23 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     # The stand-in at the real engine's KV size: its hit curve is the calibration.
                     sys_kv = ns.kv_tokens or real_kv_tokens or (ns.kv_blocks or 0) * 32 or 46_592
                 args = loopserve_args(ns.config, engine, ns.replicas, sys_kv, system == "loopserve", rates,
-                                      ns.kv_blocks, max(ns_values))
+                                      ns.kv_blocks, max(ns_values), connections=ns.connections,
+                                      store_dir=str(out) if transports != ["ws"] else None,
+                                      serial_prefill=ns.prefill_unit == "serial")
                 url = stack.enter_context(loopserve(args, ns.ingress))
                 model = args["model"]["name"]
                 warm_up(system, url, model, "websocket", store=False)
-                for n in ns_values:
+                for n, transport in [(n, t) for n in ns_values for t in transports]:
                     before = loopserve_engine_stats(url)
-                    rows, elapsed = asyncio.run(run_sessions(system, url, model, n, w_round, "websocket"))
+                    rows, elapsed = asyncio.run(run_sessions(f"{system}/{transport}", url, model, n, w_round, transport,
+                                                             shape=ns.shape, ttl=ns.ttl))
                     after = loopserve_engine_stats(url)
                     pre = sum(s.get("preemptions", 0) for s in after) - sum(s.get("preemptions", 0) for s in before)
                     wait = max((s.get("max_queue_wait_s", 0.0) for s in after), default=0.0)
                     capacity = max((s.get("capacity_tokens", 0) for s in after), default=0) or sys_kv
                     if engine == "vllm" and capacity:
                         real_kv_tokens = capacity
-                    record(system, n, rows, elapsed, {"round": rnd, "preemptions": pre,
+                    record(f"{system}/{transport}", n, rows, elapsed, {"round": rnd, "preemptions": pre,
                                                       "server_max_queue_wait_s": wait,
                                                       "engine_replicas": len(after), "kv_tokens": capacity})
             else:
@@ -348,7 +335,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 for n in ns_values:
                     before = vllm_metrics(vurl)
                     rows, elapsed = asyncio.run(run_sessions(system, url, model_cfg["name"], n, w_round, transport,
-                                                             store=True))
+                                                             store=True, shape=ns.shape))
                     after = vllm_metrics(vurl)
                     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                     qn = delta.get("vllm:request_queue_time_seconds_count", 0) or 1
