@@ -44,7 +44,7 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
                                       "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
                                       "max_output_tokens": 64, "serial_prefill": serial_prefill,
                                       "answer_text": "I ran the tool and read its output; next I will fix the failing test. " * 3}
-        args["engine_deployment"]["num_cpus"] = 0.1
+        args["engine_deployment"].setdefault("ray_actor_options", {})["num_cpus"] = 0.1  # 4 replicas on a 4-CPU cluster
     return args
 
 
