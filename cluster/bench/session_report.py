@@ -64,13 +64,17 @@ def summarize(rows: Iterable[Any], turns: int, elapsed: float) -> dict[str, Any]
         "turn_p50_s": round(percentile(lat, 50), 2), "turn_p99_s": round(percentile(lat, 99), 2),
         "client_queued_turns": len(queued), "client_max_queue_wait_s": round(max(queued, default=0.0), 2),
         "all_done_s": round(elapsed, 1), "turns": len(lat), "errors": errors, "peak_live_sessions": peak,
+        # Goodput: what the clients got done per second of the run (answered turns, their output tokens).
+        "goodput_turns_per_s": round(len(lat) / elapsed, 2) if elapsed > 0 else None,
+        "goodput_output_tokens_per_s": round(sum(r.output_tokens for r in rows if r.status != "error") / elapsed, 1)
+        if elapsed > 0 else None,
     }
 
 
 COLUMNS = [("system", "system", "{}"), ("N", "sessions", "{}"), ("hit", "hit", "{}"), ("late", "hit_late", "{}"),
            ("prefilled/necessary", "prefill_ratio", "{}x"), ("preempt", "preemptions", "{}"),
            ("mean s", "turn_mean_s", "{}"), ("p50 s", "turn_p50_s", "{}"), ("p99 s", "turn_p99_s", "{}"),
-           ("done s", "all_done_s", "{}"),
+           ("done s", "all_done_s", "{}"), ("goodput turns/s", "goodput_turns_per_s", "{}"),
            ("max queue s", "client_max_queue_wait_s", "{}"), ("errors", "errors", "{}")]
 
 

@@ -23,6 +23,7 @@ def test_the_mean_turn_latency_is_reported_beside_the_percentiles():
     rows = [_row(0, 0, 50, 0), _row(0, 1, 560, 60), _row(0, 2, 1070, 285), _row(1, 0, 0, 0, 0, status="error")]
     s = summarize(rows, turns=2, elapsed=9.0)
     assert (s["turn_mean_s"], s["turns"]) == (2.0, 3)
+    assert s["goodput_turns_per_s"] == round(3 / 9.0, 2) and s["goodput_output_tokens_per_s"] == round(30 / 9.0, 1)
     assert summarize([_row(0, 0, 0, 0, 0, status="error")], turns=2, elapsed=1.0)["turn_mean_s"] is None
 
 
