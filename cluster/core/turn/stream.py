@@ -188,7 +188,7 @@ class TurnStream:
         turn.status = "incomplete" if incomplete else "completed"
         if turn.cache_check is not None:
             asm.response["prompt_cache_diagnostics"] = diagnostics(
-                turn.cache_check, turn.rendered.prompt_from(0), done.prompt_tokens, done.cached_tokens,
+                turn.cache_check, turn.rendered.prefix_token_ids, done.prompt_tokens, done.cached_tokens,
                 block_size=DIAGNOSTICS_BLOCK_SLACK)
         terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)
         self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
