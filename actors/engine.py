@@ -88,8 +88,8 @@ class EngineReplica:
         capacity = budget.capacity_tokens or int(getattr(self.engine, "kv_capacity_tokens", 0) or 0)
         # No known capacity (the scripted engine without a modelled cache): nothing to budget.
         block = int(getattr(self.engine, "block_size", 0) or getattr(getattr(self.engine, "kv", None), "block_size", 1))
-        self.gate: Optional[KvGate] = (KvGate(capacity, BudgetPolicy.of(budget, self._compute_bound()), block_size=block)
-                                       if budget.enabled and capacity else None)
+        policy = BudgetPolicy.of(budget, self._compute_bound(), getattr(self.engine, "lower_tier_tokens_per_s", None))
+        self.gate: Optional[KvGate] = KvGate(capacity, policy, block_size=block) if budget.enabled and capacity else None
         metrics = telemetry.Metrics()
         for name, (key, description) in KV_METRICS.items():
             metrics.observe(name, lambda key=key: [(self._exported_kv().get(key, 0), {"replica": self.replica_id})],

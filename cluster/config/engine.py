@@ -95,6 +95,12 @@ class ScriptedEngineConfig(StrictModel):
     None: no model (every session's last prompt is remembered, bounded only by MAX_CACHED_TOKENS)."""
     kv_block_size: int = Field(32, ge=1)
     """Tokens per block of the modelled KV cache."""
+    kv_lower_tier_tokens: Optional[int] = Field(None, ge=1)
+    """A modelled tier below the KV cache (host memory, as vLLM's offloading connector keeps it): blocks evicted from
+    the cache keep their content here (LRU), and a prompt that continues into them loads them at
+    `kv_lower_tier_tokens_per_second` instead of computing them. None: no lower tier."""
+    kv_lower_tier_tokens_per_second: float = Field(1_000_000.0, gt=0)
+    """Transfer rate of the modelled lower tier (tokens/s; a GPU's PCIe copy is several times its prefill)."""
     serial_prefill: bool = False
     """One compute unit for prefills (they run one at a time, as on a CPU engine whose cores every request shares),
     instead of each request prefilling at the full rate."""
@@ -139,6 +145,14 @@ class VLLMEngineConfig(StrictModel):
     grammar_compile_timeout_s: Optional[float] = Field(5.0, gt=0)
     """Each new structured-output schema is compiled in a worker process first; one that takes longer than this is
     a 400 and never reaches the engine (engines/grammar_gate.py). None: off."""
+    kv_offloading_gib: Optional[float] = Field(None, gt=0)
+    """GPU engines: a KV tier in host memory below the GPU's (vLLM's `kv_offloading_size`): retained prefixes that
+    do not fit on the GPU are copied there instead of dropped and copied back on a hit (docs/operations.md). None:
+    off. A CPU engine's KV already lives in host memory: there is no tier below it, and setting this there is an
+    error at start."""
+    kv_offloading_backend: Literal["native", "lmcache"] = "native"
+    """`native`: vLLM's own offloading connector, in the engine's processes. `lmcache`: LMCache's connector, which
+    needs an LMCache server beside each engine (its capacity is set there, not by `kv_offloading_gib`)."""
     session_pins: bool = True
     """Load the retaining scheduler (engines/vllm_retention.py): sessions the KV budget retains keep their blocks
     while other sessions run. Inert without pins."""
@@ -180,6 +194,12 @@ class KvBudgetConfig(StrictModel):
     tenant_share: float = Field(
         1.0, gt=0, le=1, description="Fraction of the replica's KV one tenant's retained prefixes may hold "
                                      "(its least recently used ones end first).")
+    lower_tier_tokens_per_s: Optional[float] = Field(
+        None, gt=0, description="With a KV tier below the engine (vLLM's `kv_offloading_gib`, the scripted engine's "
+                                "`kv_lower_tier_tokens`): tokens/s at which an ended retention's prefix is copied "
+                                "back. A waiting turn then waits no longer than that copy would take. Unset: the "
+                                "scripted engine's modelled rate; for vLLM no tier is assumed (an ended retention "
+                                "costs a re-prefill) until you measure and set it.")
     move_after_s: float = Field(
         8.0, gt=0, description="With several engine replicas, a session holding nothing on its replica whose turn "
                                "waited this long for room is placed again (once), where there is more headroom.")

@@ -17,7 +17,8 @@ happening:
   that may come back but gave no sign). Beyond those, the queue's head waits no longer
   than the re-prefill its eviction would cost at the measured prefill rate, unless
   prefills share one compute unit (a CPU engine) and something runs: then waiting costs
-  no engine time, and the bound is `max_queue_wait_s`.
+  no engine time, and the bound is `max_queue_wait_s`. With a tier below the engine (host
+  memory), an ended retention costs only the copy back, at the tier's rate.
 - **Retention.** A session expected back (its socket is open, it called tools, it came
   back before, or its client declared a lifetime) keeps its prefix for a TTL learned from
   its own pauses, at least its declared `prompt_cache_options.ttl` (clamped). A chain that
@@ -371,10 +372,12 @@ class KvBudget(Evictions):
         Otherwise each second waited is lost, and ending retention costs the re-prefill of the
         tokens it must free (at the measured rate): it waits no longer than that."""
         bound = self.policy.max_queue_wait_s
-        if self.prefill_tps is None or (self.policy.compute_bound and self._running):
+        lower = self.policy.lower_tier_tokens_per_s
+        if lower is None and (self.prefill_tps is None or (self.policy.compute_bound and self._running)):
             return bound
-        deficit = self.used + self._extra(hold, waiter.need) - self.capacity
-        return min(bound, max(0.0, deficit) / self.prefill_tps)
+        # With a tier below, an ended retention costs a copy back (no compute), not a re-prefill.
+        deficit = max(0.0, self.used + self._extra(hold, waiter.need) - self.capacity)
+        return min(bound, deficit / (lower or self.prefill_tps))
 
     def _hold_no_touch(self, session: str) -> SessionHold:
         hold = self.sessions.get(session)

@@ -15,7 +15,11 @@ studied with hundreds of sessions on a machine without a GPU. It follows vLLM v1
   request that does not fit waits;
 - pins (`pin`/`unpin`) keep a finished request's cached blocks referenced, as the
   retaining scheduler does for vLLM (`vllm_retention.py`), dropped oldest first
-  before any preemption.
+  before any preemption;
+- a lower tier (`LowerTier`, optional), as vLLM's offloading connector keeps blocks in
+  host memory: a cached block evicted from the pool keeps its content there (LRU, its
+  own capacity), and a prompt whose prefix continues there loads those blocks instead
+  of computing them (the engine charges the transfer at the tier's rate, not prefill).
 
 Plain logic: the scripted engine drives it and owns the waiting.
 """
@@ -28,6 +32,35 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+class LowerTier:
+    """Block hashes held below the engine's pool (host memory), least recently used first."""
+
+    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+        self.num_blocks = max(1, capacity_tokens // block_size)
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.stored = 0  # blocks written down
+        self.loaded = 0  # blocks read back on a hit
+        self.dropped = 0  # blocks the tier itself evicted (full)
+
+    def store(self, block_hash: int) -> None:
+        if block_hash in self.blocks:
+            self.blocks.move_to_end(block_hash)
+            return
+        self.blocks[block_hash] = None
+        self.stored += 1
+        while len(self.blocks) > self.num_blocks:
+            self.blocks.popitem(last=False)
+            self.dropped += 1
+
+    def take(self, block_hash: int) -> bool:
+        """Read a block back (it stays stored: the engine's copy may be evicted again)."""
+        if block_hash not in self.blocks:
+            return False
+        self.blocks.move_to_end(block_hash)
+        self.loaded += 1
+        return True
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -37,8 +70,10 @@ class Sequence:
 
 
 class KvBlockPool:
-    def __init__(self, capacity_tokens: int, block_size: int = 32) -> None:
+    def __init__(self, capacity_tokens: int, block_size: int = 32, lower_tokens: int = 0) -> None:
         self.block_size = block_size
+        self.lower: Optional[LowerTier] = LowerTier(lower_tokens, block_size) if lower_tokens else None
+        self.last_loaded_tokens = 0  # of the last `allocate`: tokens read from the lower tier
         self.num_blocks = max(1, capacity_tokens // block_size)
         self.ref = [0] * self.num_blocks
         self.hash_of: list[Optional[int]] = [None] * self.num_blocks
@@ -72,10 +107,12 @@ class KvBlockPool:
         for _ in range(n):
             block, _ = self.free.popitem(last=False)
             h = self.hash_of[block]
-            if h is not None:  # evicted from the prefix cache
+            if h is not None:  # evicted from the prefix cache (its content goes down a tier)
                 self.hash_of[block] = None
                 if self.by_hash.get(h) == block:
                     del self.by_hash[h]
+                    if self.lower is not None:
+                        self.lower.store(h)
             self.ref[block] = 1
             taken.append(block)
         return taken
@@ -95,23 +132,37 @@ class KvBlockPool:
                     self.free.move_to_end(b, last=False)  # uncached: reused first
 
     def allocate(self, request_id: str, salt: Optional[str], prompt: array) -> Optional[int]:
-        """Start a request: the prompt tokens it finds cached, or None when it does not fit
-        (it waits; nothing changed)."""
+        """Start a request: the prompt tokens it finds cached (in the pool, then in the lower tier:
+        `last_loaded_tokens` of them), or None when it does not fit (it waits; nothing changed)."""
         bs = self.block_size
         hits: list[int] = []
-        for h in self._hashes(salt, prompt, limit=max(0, len(prompt) - 1) // bs):
+        hashes = self._hashes(salt, prompt, limit=max(0, len(prompt) - 1) // bs)
+        for h in hashes:
             b = self.by_hash.get(h)
             if b is None:
                 break
             hits.append(b)
+        below = 0
+        if self.lower is not None:
+            while len(hits) + below < len(hashes) and hashes[len(hits) + below] in self.lower.blocks:
+                below += 1
         need = -(-max(1, len(prompt)) // bs) - len(hits)
         self._touch(hits)
         new = self._take(need)
         if new is None:
             self._release(hits)
             return None
+        loaded = 0
+        for i in range(below):  # loaded: cached in the pool again, under their hashes
+            h = hashes[len(hits) + i]
+            if not self.lower.take(h):  # pushed out of the tier by what `_take` just evicted
+                break
+            if h not in self.by_hash:
+                self.hash_of[new[i]], self.by_hash[h] = h, new[i]
+            loaded += 1
+        self.last_loaded_tokens = loaded * bs
         self.running[request_id] = Sequence(request_id, salt, hits + new)
-        return len(hits) * bs
+        return (len(hits) + loaded) * bs
 
     def grow(self, request_id: str, tokens: int) -> bool:
         """The request now holds `tokens` tokens; False when a block is needed and none is free
@@ -165,6 +216,14 @@ class KvBlockPool:
         return request_id in self.running
 
     def stats(self) -> dict[str, int]:
-        return {"kv_capacity_tokens": self.capacity_tokens, "kv_free_blocks": len(self.free),
-                "kv_pinned_blocks": sum(len(v) for v in self.pins.values()), "preemptions": self.preemptions,
-                "pins_dropped_under_pressure": self.pins_dropped_under_pressure}
+        out = {"kv_capacity_tokens": self.capacity_tokens, "kv_free_blocks": len(self.free),
+               "kv_pinned_blocks": sum(len(v) for v in self.pins.values()), "preemptions": self.preemptions,
+               "pins_dropped_under_pressure": self.pins_dropped_under_pressure}
+        if self.lower is not None:
+            low = self.lower
+            out.update({"lower_tier_tokens": len(low.blocks) * self.block_size,
+                        "lower_tier_capacity_tokens": low.num_blocks * self.block_size,
+                        "lower_tier_stored_tokens": low.stored * self.block_size,
+                        "lower_tier_loaded_tokens": low.loaded * self.block_size,
+                        "lower_tier_dropped_tokens": low.dropped * self.block_size})
+        return out

@@ -57,15 +57,20 @@ class BudgetPolicy:
     max_queued_turns: int = 1024  # turns waiting on one replica; past it a 429 (Retry-After)
     max_queued_per_tenant: int = 256
     tenant_share: float = 1.0  # of the capacity one tenant's retained prefixes may hold
+    # A tier below the engine's KV (host memory): an ended retention's prefix is copied back at
+    # this rate (tokens/s) instead of computed again. None: no tier, an ended retention re-prefills.
+    lower_tier_tokens_per_s: Optional[float] = None
 
     @classmethod
-    def of(cls, config: "KvBudgetConfig", compute_bound: bool = False) -> "BudgetPolicy":
+    def of(cls, config: "KvBudgetConfig", compute_bound: bool = False,
+           lower_tier_tokens_per_s: Optional[float] = None) -> "BudgetPolicy":
         return cls(retention=config.retention, ttl_initial_s=config.ttl_initial_s, ttl_min_s=config.ttl_min_s,
                    ttl_max_s=config.ttl_max_s, ttl_pause_multiple=config.ttl_pause_multiple,
                    ttl_client_max_s=config.ttl_client_max_s, max_queue_wait_s=config.max_queue_wait_s,
                    compute_bound=compute_bound if config.compute_bound is None else config.compute_bound,
                    max_queued_turns=config.max_queued_turns, max_queued_per_tenant=config.max_queued_per_tenant,
-                   tenant_share=config.tenant_share)
+                   tenant_share=config.tenant_share,
+                   lower_tier_tokens_per_s=config.lower_tier_tokens_per_s or lower_tier_tokens_per_s)
 
 
 @dataclass

@@ -102,9 +102,13 @@ class ScriptedEngine:
         self._aborted: set[str] = set()
         self.stats = EngineStats()
         # The modelled KV cache (a stand-in for vLLM's block pool), when configured.
-        self.kv: Optional[KvBlockPool] = (KvBlockPool(config.kv_capacity_tokens, config.kv_block_size)
+        self.kv: Optional[KvBlockPool] = (KvBlockPool(config.kv_capacity_tokens, config.kv_block_size,
+                                                      lower_tokens=config.kv_lower_tier_tokens or 0)
                                           if config.kv_capacity_tokens else None)
         self.kv_capacity_tokens = self.kv.capacity_tokens if self.kv is not None else 0
+        # What the KV budget weighs an ended retention by (None: no tier below, a re-prefill).
+        self.lower_tier_tokens_per_s = (config.kv_lower_tier_tokens_per_second
+                                        if self.kv is not None and self.kv.lower is not None else None)
         self._kv_freed = asyncio.Condition()
         self._compute = asyncio.Lock()  # serial_prefill: one prefill at a time
 
@@ -236,13 +240,14 @@ class ScriptedEngine:
 
     # -- with the modelled KV cache ------------------------------------------------------
 
-    async def _admit(self, request_id: str, salt: Optional[str], tokens: array) -> int:
-        """Wait (like vLLM's waiting queue) until the request's blocks fit; its cached tokens."""
+    async def _admit(self, request_id: str, salt: Optional[str], tokens: array) -> tuple[int, int]:
+        """Wait (like vLLM's waiting queue) until the request's blocks fit; its cached tokens, and
+        how many of those come from the lower tier."""
         async with self._kv_freed:
             while True:
                 cached = self.kv.allocate(request_id, salt, tokens)
                 if cached is not None:
-                    return min(cached, max(len(tokens) - 1, 0))
+                    return min(cached, max(len(tokens) - 1, 0)), self.kv.last_loaded_tokens
                 await self._kv_freed.wait()
 
     async def _freed(self) -> None:
@@ -266,11 +271,13 @@ class ScriptedEngine:
         try:
             while True:
                 tokens = prompt + array("i", emitted)
-                cached = await self._admit(rid, request.cache_salt, tokens)
+                cached, loaded = await self._admit(rid, request.cache_salt, tokens)
                 if reported is None:
                     reported = cached
                     stats.prompt_tokens += n_prompt
                     stats.cached_tokens += cached
+                if loaded:  # a copy up from host memory: no compute, the tier's transfer rate
+                    await asyncio.sleep(loaded / self.config.kv_lower_tier_tokens_per_second)
                 prefill = (len(tokens) - cached) / self.config.prefill_tokens_per_second
                 if prefill > 0 and self.config.serial_prefill:
                     async with self._compute:

@@ -79,6 +79,17 @@ def resolve_enforce_eager(enforce_eager: bool | None, on_cpu: bool) -> bool:
     return on_cpu if enforce_eager is None else enforce_eager
 
 
+def offloading_args(config: VLLMEngineConfig, on_cpu: bool) -> dict[str, object]:
+    """vLLM's engine arguments for a KV tier below the engine's own (`kv_offloading_gib`)."""
+    if config.kv_offloading_gib is None:
+        return {}
+    if on_cpu:
+        raise ValueError("engine.vllm.kv_offloading_gib is set, but this engine runs on the CPU: its KV cache is "
+                         "already in host memory and there is no tier below it. Unset it for CPU engines (raise "
+                         "cpu_kvcache_space_gib to hold more).")
+    return {"kv_offloading_size": config.kv_offloading_gib, "kv_offloading_backend": config.kv_offloading_backend}
+
+
 class PreemptionCounter:
     """vLLM's preemptions, from its own iteration stats (a stat logger it calls per step)."""
 
@@ -176,6 +187,7 @@ class VLLMEngine:
             kwargs["tokenizer_mode"] = "mistral"
         if cfg.block_size:
             kwargs["block_size"] = cfg.block_size
+        kwargs.update(offloading_args(cfg, _on_cpu()))
         if cfg.num_gpu_blocks_override:
             kwargs["num_gpu_blocks_override"] = cfg.num_gpu_blocks_override
         if cfg.tensor_parallel_size > 1:

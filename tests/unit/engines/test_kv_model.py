@@ -98,3 +98,52 @@ def test_the_scripted_engine_reports_hits_from_the_modelled_cache_and_preempts_u
     first, second, _ = asyncio.run(main())
     assert (first, second) == (0, 64)
     assert engine.kv.preemptions >= 1  # two 130-token requests cannot both grow in 192 tokens
+
+
+def test_blocks_evicted_from_the_pool_are_found_in_the_lower_tier_and_loaded_back():
+    kv = KvBlockPool(8 * 32, 32, lower_tokens=16 * 32)  # 8 blocks in the engine, 16 below
+    a, b, c = toks(1, 128), toks(2, 128), toks(3, 128)
+    for rid, p in (("a", a), ("b", b), ("c", c)):
+        kv.allocate(rid, None, p)
+        kv.finish(rid, p)  # c took a's blocks: a's content went down a tier
+    assert kv.allocate("a2", None, a) == 96  # 3 blocks hit, all loaded from below
+    assert kv.last_loaded_tokens == 96
+    kv.finish("a2", a)
+    assert kv.allocate("a3", None, a) == 96 and kv.last_loaded_tokens == 0  # back in the pool now
+    stats = kv.stats()
+    assert stats["lower_tier_loaded_tokens"] == 96 and stats["lower_tier_stored_tokens"] >= 128
+
+
+def test_without_a_lower_tier_or_past_its_capacity_an_evicted_prefix_is_computed_again():
+    for lower in (0, 2 * 32):  # none; room for 2 blocks, LRU: b's and c's evictions push a's out
+        kv = KvBlockPool(4 * 32, 32, lower_tokens=lower)
+        a, b, c = toks(1, 128), toks(2, 128), toks(3, 128)
+        for rid, p in (("a", a), ("b", b), ("c", c)):
+            kv.allocate(rid, None, p)
+            kv.finish(rid, p)
+        assert kv.allocate("a2", None, a) == 0
+
+
+def test_the_scripted_engine_charges_a_load_from_the_lower_tier_at_its_rate_not_as_prefill():
+    cfg = ScriptedEngineConfig(kv_capacity_tokens=8 * 32, kv_block_size=32, tokens_per_second=10**6,
+                               prefill_tokens_per_second=1_000, kv_lower_tier_tokens=64 * 32,
+                               kv_lower_tier_tokens_per_second=10**6, answer_text="", max_output_tokens=1)
+    engine = ScriptedEngine(ModelConfig(), cfg, encode=lambda s: [ord(c) for c in s],
+                            decode=lambda ids: "".join(map(chr, ids)))
+    assert engine.lower_tier_tokens_per_s == 10**6  # what the KV budget weighs an eviction by
+
+    async def run(rid: str, prompt: array) -> tuple[int, float]:
+        cached, t0 = 0, asyncio.get_running_loop().time()
+        async for d in engine.generate(EngineRequest(rid, rid, prompt, 1)):
+            cached = d.cached_tokens
+        return cached, asyncio.get_running_loop().time() - t0
+
+    async def main():
+        a = toks(1, 200)
+        await run("a", a)  # 200 tokens of prefill: 0.2 s
+        await run("b", toks(2, 200))  # evicts a's blocks into the tier
+        return await run("a2", a)
+
+    cached, took = asyncio.run(main())
+    assert cached == 192  # 6 blocks back from the tier; the last 8 tokens computed
+    assert took < 0.1  # 8 tokens of prefill + 192 copied: not the 0.19 s a re-prefill costs

@@ -56,3 +56,28 @@ def test_a_cpu_engine_starts_its_processes_with_the_compile_cache_that_loads_bac
     mine = {"VLLM_USE_AOT_COMPILE": "1", "VLLM_CPU_KVCACHE_SPACE": "8"}
     cpu_engine_env(mine, VLLMEngineConfig())
     assert mine["VLLM_USE_AOT_COMPILE"] == "1" and mine["VLLM_CPU_KVCACHE_SPACE"] == "8"  # the operator's own win
+
+
+def test_a_kv_tier_below_the_engine_is_vllms_offloading_on_gpus_and_an_error_on_cpus():
+    from cluster.config import VLLMEngineConfig
+    from cluster.engines.vllm_engine import offloading_args
+
+    assert offloading_args(VLLMEngineConfig(), on_cpu=False) == {}
+    cfg = VLLMEngineConfig(kv_offloading_gib=32)
+    assert offloading_args(cfg, on_cpu=False) == {"kv_offloading_size": 32, "kv_offloading_backend": "native"}
+    with pytest.raises(ValueError, match="no tier below"):
+        offloading_args(cfg, on_cpu=True)
+
+
+@pytest.mark.vllm
+def test_the_offloading_arguments_are_the_installed_vllms_own():
+    import dataclasses
+
+    import cluster  # noqa: F401 - marks torch extensions built for another torch as absent first
+    from vllm.engine.arg_utils import EngineArgs
+
+    from cluster.config import VLLMEngineConfig
+    from cluster.engines.vllm_engine import offloading_args
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(offloading_args(VLLMEngineConfig(kv_offloading_gib=1), on_cpu=False)) <= names
