@@ -1,5 +1,5 @@
-"""The KV budget beside a tier below the engine, and against the engine's own count
-(cluster/engines/kv_budget.py, pure logic on a fake clock)."""
+"""When the KV budget ends retention early (cluster/engines/kv_eviction.py, with the rules of
+kv_budget.py): beside a tier below the engine; pure logic on a fake clock."""
 
 import pytest
 
