@@ -146,13 +146,14 @@ class EngineReplica:
         if it is expected back (its socket is open, or it called tools)."""
         gate = self.gate
         ticket, admitted = None, False
-        held, expect_back = req.engine_len, req.expect_back
+        held, expect_back, produced = req.engine_len, req.expect_back, None
         try:
             if gate is not None:
                 key = pin_key(req.cache_salt, req.session_key)
                 try:
-                    ticket, wait = gate.request(key, held + req.max_tokens, tenant=req.cache_salt or "",
-                                                min_ttl_s=req.cache_ttl_s)
+                    ticket, wait = gate.request(key, req.prompt_token_ids, req.max_tokens, image_tokens=req.image_tokens,
+                                                tenant=req.cache_salt or "",
+                                                min_ttl_s=req.cache_ttl_s, engine_in_use=self._engine_kv_in_use())
                 except QueueFull as full:
                     what = "this key's share of the" if full.tenant_limit else "the"
                     yield [EngineFailure(429, f"The engine's queue is full ({what} turns waiting for KV room). "
@@ -178,14 +179,14 @@ class EngineReplica:
                         if isinstance(piece, ToolCallPiece):
                             expect_back = True
                         elif isinstance(piece, EngineDone):
-                            held = piece.prompt_tokens + piece.output_tokens
+                            held, produced = piece.prompt_tokens + piece.output_tokens, piece.output_tokens
                             if gate is not None:
                                 gate.observe_prefill(piece.prompt_tokens - piece.cached_tokens, piece.first_token_s)
                     yield chunk
         finally:
             if ticket is not None:
                 if admitted:
-                    gate.finish(ticket, held, expect_back, continuable=req.continuable)
+                    gate.finish(ticket, held, expect_back, continuable=req.continuable, output_tokens=produced)
                 else:
                     gate.cancel(ticket)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from array import array
 from typing import Callable, Optional
 
+from cluster.engines.kv_accounting import OutputReserve, SharedHeads
 from cluster.engines.kv_budget import BudgetPolicy, KvBudget, QueueFull
 
 
@@ -30,14 +32,22 @@ class KvGate:
         self._waiting: dict[int, asyncio.Future] = {}
         self._timer: Optional[asyncio.TimerHandle] = None
         self._unpins: set[str] = set()
+        self.outputs = OutputReserve()
+        self.heads = SharedHeads(self.block)
 
-    def request(self, session: str, need: int, *, tenant: str = "",
-                min_ttl_s: float = 0.0) -> tuple[int, Optional[asyncio.Future]]:
-        """A turn's ticket, and a future to await when it has to wait (None: start now). Raises
-        `QueueFull` when it would wait behind a full queue."""
+    def request(self, session: str, prompt: array, max_tokens: int, *, image_tokens: int = 0, tenant: str = "",
+                min_ttl_s: float = 0.0, engine_in_use: Optional[int] = None) -> tuple[int, Optional[asyncio.Future]]:
+        """A turn's ticket, and a future to await when it has to wait (None: start now). It reserves
+        its prompt and the output its session's turns produced lately (kv_accounting.py), its
+        tenant's shared head counted once; `engine_in_use`: the engine's own count, reconciled
+        first. Raises `QueueFull` when it would wait behind a full queue."""
+        if engine_in_use is not None:
+            self.budget.reconcile(engine_in_use)
+        need = len(prompt) + image_tokens + self.outputs.reserve(session, max_tokens, self.block)
+        group, shared = self.heads.shared(tenant, prompt)
         try:
             ticket, admitted = self.budget.request(session, self._blocks(need), self.clock(), tenant=tenant,
-                                                   min_ttl_s=min_ttl_s)
+                                                   min_ttl_s=min_ttl_s, shared=shared, share_group=group)
         except QueueFull:
             self._changed(self.budget.tick(self.clock()))  # what expired on the way in
             raise
@@ -73,8 +83,14 @@ class KvGate:
         unpins, self._unpins = tuple(self._unpins), set()
         return unpins
 
-    def finish(self, ticket: int, held: int, expect_back: bool, continuable: bool = False) -> None:
+    def finish(self, ticket: int, held: int, expect_back: bool, continuable: bool = False,
+               output_tokens: Optional[int] = None) -> None:
+        """The turn ended holding `held` tokens; `output_tokens` it produced (None: it did not end
+        on its own, nothing learned)."""
         self._waiting.pop(ticket, None)
+        session = self.budget._admitted.get(ticket, (None, 0))[0]
+        if output_tokens is not None and session is not None:
+            self.outputs.observe(session, output_tokens)
         self._changed(self.budget.finish(ticket, self._blocks(held), expect_back, self.clock(),
                                          continuable=continuable))
 

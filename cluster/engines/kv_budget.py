@@ -49,11 +49,12 @@ from cluster.engines.kv_policy import (  # noqa: F401 - the budget's vocabulary,
     SessionHold,
     Waiter,
 )
+from cluster.engines.kv_accounting import Totals
 from cluster.engines.kv_eviction import Evictions
 
 
 @dataclass
-class KvBudget(Evictions):
+class KvBudget(Evictions, Totals):
     capacity: int
     policy: BudgetPolicy = field(default_factory=BudgetPolicy)
     sessions: "OrderedDict[str, SessionHold]" = field(default_factory=OrderedDict)
@@ -65,29 +66,33 @@ class KvBudget(Evictions):
     dropped: list[str] = field(default_factory=list)
     growth_per_turn: float = 0.0  # tokens a returning session's turn adds (moving average)
     growth_samples: int = 0
-    # Running totals of the holds (kept by `_change`): every admission decision reads them, so
-    # they are O(1), not a walk over the replica's sessions.
-    _used: int = 0  # sum of footprints
-    _running: int = 0  # sum of running reservations
-    _resident: int = 0  # sessions holding a prefix or running a turn
-    _tenant_retained: "Counter[str]" = field(default_factory=Counter)  # tenant -> retained tokens
+    # Running totals of the holds (kept by `Totals._change`, kv_accounting.py).
+    _used: int = 0
+    _running: int = 0
+    _resident: int = 0
+    _tenant_retained: "Counter[str]" = field(default_factory=Counter)
+    _shared: "dict[str, Counter[int]]" = field(default_factory=dict)
+    engine_excess: int = 0
     _tenant_queued: "Counter[str]" = field(default_factory=Counter)  # tenant -> waiting turns
     prefill: PrefillRate = field(default_factory=PrefillRate)  # what a re-prefill costs
 
     # -- what the engine replica calls ---------------------------------------------------
 
-    def request(self, session: str, need: int, now: float, *, tenant: str = "",
-                min_ttl_s: float = 0.0) -> tuple[int, list[int]]:
+    def request(self, session: str, need: int, now: float, *, tenant: str = "", min_ttl_s: float = 0.0,
+                shared: int = 0, share_group: str = "") -> tuple[int, list[int]]:
         """A turn of `session` that needs `need` tokens: its ticket, and the tickets admitted by
         this call (its own when it starts now; others that the queue let in meanwhile). A turn
         not admitted waits until `finish`/`cancel`/`release`/`tick` return its ticket; one that
         would wait behind a full queue raises `QueueFull` (nothing else changed but expiries:
-        the caller `tick`s). `min_ttl_s`: the retention its client asks for after this turn."""
+        the caller `tick`s). `min_ttl_s`: the retention its client asks for after this turn.
+        `shared`: of `need`, tokens of a head its tenant's sessions share (`share_group`; counted
+        once for all of them)."""
         self._expire(now)  # first: a session back after its TTL ran out is a re-prefill
         hold = self._hold(session)
         hold.tenant = tenant
         hold.min_ttl = max(0.0, min(min_ttl_s, self.policy.ttl_client_max_s))
         need = max(1, min(need, self.capacity))
+        self._change(hold, shared=(share_group, max(0, min(shared, need - 1))))
         starts = not self.queue and self._fits(hold, need)
         if not starts and not (hold.retained and not hold.turns):  # a retained session is never refused
             if len(self.queue) >= self.policy.max_queued_turns:
@@ -245,7 +250,8 @@ class KvBudget(Evictions):
                 "refused": c.refused, "over_share": c.over_share,
                 "prefill_tokens_per_s": round(self.prefill_tps or 0.0, 1),
                 "growth_per_turn": round(self.growth_per_turn, 1),
-                "growth_room_tokens": self.growth_room()}
+                "growth_room_tokens": self.growth_room(), "engine_excess_tokens": self.engine_excess,
+                "shared_tokens": sum(max(v) for v in self._shared.values())}
 
     # -- the rules -----------------------------------------------------------------------
 
@@ -266,16 +272,13 @@ class KvBudget(Evictions):
         for key in [k for k, h in self.sessions.items() if not h.turns and not h.retained][:excess]:
             del self.sessions[key]
 
-    def _extra(self, hold: SessionHold, need: int) -> int:
-        """Tokens a turn adds to the budget: a retained session's turn only its growth."""
-        return max(hold.running + need, hold.retained) - hold.footprint
-
     def _fits(self, hold: SessionHold, need: int, spare: bool = True) -> bool:
         if not hold.turns and not self.used:
             return True  # alone on the replica: whatever it needs, nobody else is holding it back
         room = self.capacity
         if spare and not (hold.retained or hold.turns):
             room -= self.growth_room()
+        room -= self.engine_excess  # the engine holds it, whatever the budget counted
         return self.used + self._extra(hold, need) <= room
 
     def growth_room(self) -> int:
@@ -284,21 +287,6 @@ class KvBudget(Evictions):
         session let in on room that is only there for a moment forces one of those sessions
         out at their next turn, and then itself at its next: each time a whole re-prefill."""
         return int(self.growth_per_turn * self._resident)
-
-    def _change(self, hold: SessionHold, *, running: int = 0, turns: int = 0,
-                retained: Optional[int] = None) -> None:
-        """Every change to a hold's running, turns or retained goes through here (the totals)."""
-        footprint, resident = hold.footprint, bool(hold.retained or hold.turns)
-        hold.running += running
-        hold.turns += turns
-        if retained is not None:
-            self._tenant_retained[hold.tenant] += retained - hold.retained
-            if not self._tenant_retained[hold.tenant]:
-                del self._tenant_retained[hold.tenant]
-            hold.retained = retained
-        self._used += hold.footprint - footprint
-        self._running += running
-        self._resident += bool(hold.retained or hold.turns) - resident
 
     def _start(self, ticket: int, session: str, need: int) -> None:
         hold = self._hold(session)

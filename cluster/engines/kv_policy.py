@@ -30,6 +30,8 @@ KV_METRICS = {
     "loopserve.engine.kv.prefill_rate": ("prefill_tokens_per_s", "the engine's measured prefill rate (tokens/s)"),
     "loopserve.engine.kv.pins_enabled": ("pins_enabled", "1 when the engine keeps retained sessions' blocks"),
     "loopserve.engine.kv.drift": ("drift_tokens", "the budget's tokens minus the engine's own KV usage"),
+    "loopserve.engine.kv.shared": ("shared_tokens", "tokens of heads sessions share, counted once by the budget"),
+    "loopserve.engine.kv.engine_excess": ("engine_excess_tokens", "KV the engine holds beyond the budget's count"),
 }
 
 
@@ -93,9 +95,13 @@ class SessionHold:
     # calls, never came back, no declared lifetime): its room goes to the first turn that needs it.
     soft: bool = False
 
+    shared: int = 0  # of its tokens, a head its tenant's sessions share (counted once for all of them)
+    share_group: str = ""  # which head (kv_accounting.SharedHeads)
+
     @property
     def footprint(self) -> int:
-        return max(self.running, self.retained)
+        """What it holds beyond its tenant's shared head."""
+        return max(0, max(self.running, self.retained) - self.shared) if self.running or self.retained else 0
 
     @property
     def idle_retained(self) -> bool:

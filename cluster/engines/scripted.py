@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
+from cluster.core.render.tokenizer import common_prefix
 from cluster.engines.kv_model import KvBlockPool
 
 
@@ -61,22 +62,6 @@ HEAD = 64  # tokens that name a prefix in the cross-session index
 
 def _head(salt, tokens: array) -> tuple:
     return (salt, tokens[:HEAD].tobytes())
-
-
-def _common_prefix(a: array, b: array) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    if a[:n] == b[:n]:  # fast path: C-level comparison
-        return n
-    lo, hi = 0, n  # binary search on slice equality, O(n log n) in C
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class ScriptedEngine:
@@ -176,11 +161,11 @@ class ScriptedEngine:
         prompt = request.prompt_token_ids
         n_prompt = len(prompt) + request.image_tokens  # as a vision engine counts it: images expanded
         key = (request.cache_salt, request.session_key)
-        cached = _common_prefix(self._seen.get(key, array("i")), prompt)
+        cached = common_prefix(self._seen.get(key, array("i")), prompt)
         other = self._by_head.get(_head(request.cache_salt, prompt))
         if other is not None and other != key and other in self._seen:
             # a stateless client (a new session key per request) still hits the prefix it sent before
-            cached = max(cached, _common_prefix(self._seen[other], prompt))
+            cached = max(cached, common_prefix(self._seen[other], prompt))
         # Like a block-based prefix cache: the last prompt token is always computed.
         cached = min(cached, max(len(prompt) - 1, 0))
         stats.prompt_tokens += n_prompt

@@ -17,6 +17,7 @@ replica's event loop (and its health checks) only to learn the same answer.
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -218,3 +219,23 @@ def min_prompt_tokens(items: Sequence[dict[str, Any]], max_chars: Optional[int])
     if not max_chars:
         return 0
     return verbatim_chars(items) // max_chars
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens `a` and `b` share from their start. Token arrays compare by slices (C speed, a
+    binary search): this runs before the terminal event, on a prompt as long as the history."""
+    n = min(len(a), len(b))
+    if isinstance(a, array) and isinstance(b, array) and a.typecode == b.typecode:
+        x, y = memoryview(a), memoryview(b)
+        lo, hi = 0, n  # x[:lo] == y[:lo]; the first difference is before hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if x[lo:mid] == y[lo:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

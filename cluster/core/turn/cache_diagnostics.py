@@ -22,6 +22,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from cluster.core.render.tokenizer import common_prefix  # noqa: F401 - used here and by its tests
 from cluster.core.turn.cache import ResponseState
 
 # Fields of an item that reach the prompt (ids and statuses do not).
@@ -97,26 +98,6 @@ def _context_difference(request: Any, items: Sequence[dict[str, Any]], compariso
                 return "context_compacted"
             return "input_changed"
     return None
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Tokens `a` and `b` share from their start. Token arrays compare by slices (C speed, a
-    binary search): this runs before the terminal event, on a prompt as long as the history."""
-    n = min(len(a), len(b))
-    if isinstance(a, array) and isinstance(b, array) and a.typecode == b.typecode:
-        x, y = memoryview(a), memoryview(b)
-        lo, hi = 0, n  # x[:lo] == y[:lo]; the first difference is before hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if x[lo:mid] == y[lo:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def diagnostics(check: CacheCheck, prompt_ids: Optional[Sequence[int]], prompt_tokens: int,
