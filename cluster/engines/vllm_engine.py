@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import AsyncIterator, MutableMapping
+from typing import AsyncIterator, MutableMapping, Optional
 
 from cluster.config import ModelConfig, VLLMEngineConfig
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
@@ -200,9 +200,7 @@ class VLLMEngine:
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
         self.pins_off_reason = "" if cfg.session_pins and cfg.enable_prefix_caching else "off in the config"
         if not self.pins_off_reason:
-            from cluster.engines.retention_guard import check_installed
-
-            self.pins_off_reason = check_installed() or ""
+            self.pins_off_reason = self.retention_check() or ""
             if self.pins_off_reason:
                 log.warning("KV retention pins are off: %s; the KV budget still admits turns, but the engine "
                             "may evict retained prefixes", self.pins_off_reason)
@@ -246,6 +244,12 @@ class VLLMEngine:
             self.no_placeholder = {await asyncio.to_thread(image_placeholder_id, self.model): -100.0}
         self.sampling_defaults = {k: v for k, v in diff.items()
                                   if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+
+    def retention_check(self) -> Optional[str]:
+        """Why session pins cannot run on the installed vLLM (None: they can): engines/retention_guard.py."""
+        from cluster.engines.retention_guard import check_installed
+
+        return check_installed()
 
     async def shutdown(self) -> None:
         if self.grammar_gate is not None:

@@ -202,3 +202,43 @@ async def test_a_waiting_turn_ends_a_retention_once_waiting_would_cost_more_than
         again = await _turn(a, "and then?", prev=a1[-1]["response"]["id"])  # A is back: a re-prefill, counted
         assert again[-1]["type"] == "response.completed"
     assert _kv(scripted_kv_url)["reprefills"] == after["reprefills"] + 1
+
+
+def test_with_pins_off_by_the_version_guard_the_engine_still_serves_and_says_why(serve_instance):
+    """vLLM outside the tested range: no retaining scheduler, the turns still run through the KV
+    budget, and stats say pins are off and why."""
+    from array import array
+
+    import cloudpickle
+    from ray import serve
+
+    from actors.engine import EngineReplica
+    from cluster.app import engine_options
+    from cluster.config import LoopserveConfig
+    from cluster.core.messages import EngineDone, EngineRequest
+    from tests.support import pins_off_engine
+
+    cloudpickle.register_pickle_by_value(pins_off_engine)  # the replica need not import the tests
+    config = LoopserveConfig.model_validate({
+        "model": {"max_model_len": 2048},
+        "engine": {"backend": "vllm", "vllm": {"block_size": 32, "cpu_kvcache_space_gib": 1,
+                                               "num_gpu_blocks_override": BLOCKS}},
+        "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}}})
+    app = EngineReplica.options(name="PinsOffEngine", **engine_options(config)).bind(
+        config, pins_off_engine.VLLMEngineOnUntestedVersion)
+    handle = serve.run(app, name="pinsoff", route_prefix=None)
+    try:
+        done: list[EngineDone] = []
+        for i in range(2):  # a session's two turns, the second continuing the first
+            prompt = array("i", [(7 * j + 3) % 500 + 10 for j in range(300 + 40 * i)])
+            req = EngineRequest(f"pinsoff-{i}", "pinsoff-session", prompt, 4, temperature=0.0, expect_back=True)
+            for chunk in handle.generate.options(stream=True).remote(req):  # pytest-timeout bounds it
+                done += [p for p in chunk if isinstance(p, EngineDone)]
+        assert len(done) == 2 and all(d.output_tokens > 0 for d in done)
+        kv = handle.stats.remote().result(timeout_s=60)["kv"]
+        assert kv["pins_enabled"] == 0 and f"vLLM {pins_off_engine.FUTURE_VLLM} is outside" in kv["pins_off_reason"]
+        assert kv["admitted"] == 2 and kv["retained_sessions"] == 1  # the budget still runs
+    finally:
+        from tests.support.apps import delete_in_background
+
+        delete_in_background("pinsoff")
