@@ -3,6 +3,7 @@ local cluster serving them, and their engines' KV counters (the peers are in `pe
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -17,9 +18,10 @@ BESIDE_RAY = "vllm-beside-ray"
 def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
                    rates: tuple[float, float], kv_blocks: Optional[int] = None, sessions: int = 0, *,
                    connections: int = 1, store_dir: Optional[str] = None,
-                   serial_prefill: bool = True) -> dict[str, Any]:
+                   serial_prefill: bool = True, lower_tier: float = 0.0) -> dict[str, Any]:
     """`store_dir`: a fresh SQLite store there (chains over HTTP or new sockets, on any connection
-    replica); None: no store (`store: false` WebSocket sessions)."""
+    replica); None: no store (`store: false` WebSocket sessions). `lower_tier`: the scripted engine's
+    modelled tier below its KV, this many times the KV (0: none)."""
     import yaml
 
     args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
@@ -44,6 +46,8 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
                                       "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
                                       "max_output_tokens": 64, "serial_prefill": serial_prefill,
                                       "answer_text": "I ran the tool and read its output; next I will fix the failing test. " * 3}
+        if lower_tier:
+            args["engine"]["scripted"]["kv_lower_tier_tokens"] = int(lower_tier * (kv_tokens or 46_592))
         args["engine_deployment"].setdefault("ray_actor_options", {})["num_cpus"] = 0.1  # 4 replicas on a 4-CPU cluster
     return args
 
@@ -69,3 +73,36 @@ def loopserve_engine_stats(url: str, probes: int = 32) -> list[dict[str, Any]]:
         seen[engine.get("replica", str(i))] = {**engine.get("kv", {}), "prompt_tokens": engine["prompt_tokens"],
                                                "cached_tokens": engine["cached_tokens"]}
     return list(seen.values())
+
+
+def kill_engine_replica_after(delay_s: float, app: str = "sessions") -> threading.Timer:
+    """An engine replica dies `delay_s` into the run (`ray.kill`, as a lost node would take it): its
+    sessions must be placed again and counted, and no turn may be lost. The timer's `killed` names it."""
+    timer: threading.Timer
+
+    def kill() -> None:
+        import ray
+
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["name"].startswith(f"SERVE_REPLICA::{app}#EngineReplica#"))
+        if names:
+            ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+            timer.killed = names[0]  # type: ignore[attr-defined]
+
+    timer = threading.Timer(delay_s, kill)
+    timer.killed = ""  # type: ignore[attr-defined]
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def loopserve_session_moves(url: str, probes: int = 32) -> int:
+    """Sessions every connection replica saw move to another engine replica (summed over the
+    processes that answered the probes)."""
+    from cluster.bench.local import stats
+
+    seen: dict[int, int] = {}
+    for i in range(probes):
+        s = stats(url, last=0, session=f"probe-{i}")
+        seen[s["pid"]] = s.get("session_moves", 0)
+    return sum(seen.values())

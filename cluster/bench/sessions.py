@@ -50,7 +50,15 @@ from typing import Any, Optional
 from cluster.bench.agent_loop import progress_bar
 from cluster.bench.session_clients import TRANSPORTS, SessionPlan, run_session
 from cluster.bench.local import add_ingress_argument
-from cluster.bench.session_systems import BESIDE_RAY, STAND_IN, loopserve, loopserve_args, loopserve_engine_stats
+from cluster.bench.session_systems import (
+    BESIDE_RAY,
+    STAND_IN,
+    kill_engine_replica_after,
+    loopserve,
+    loopserve_args,
+    loopserve_engine_stats,
+    loopserve_session_moves,
+)
 from cluster.bench.session_report import (
     calibrate,
     calibration_table,
@@ -227,6 +235,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prefill-unit", choices=["serial", "parallel"], default="serial",
                     help="scripted engine: prefills share one compute unit (a CPU) or run side by side (a GPU's batch)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="scripted engine: modelled KV per replica")
+    ap.add_argument("--lower-tier", type=float, default=0.0,
+                    help="scripted engine: a modelled KV tier below each replica's, this many times its KV")
+    ap.add_argument("--kill-engine-at", type=float, default=None,
+                    help="loopserve: kill one engine replica this many seconds into each run (sessions re-placed)")
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="real engine: KV blocks of every system's engine (vLLM's num_gpu_blocks_override), to scale "
                          "the workload's KV pressure to a slower machine with shorter turns")
@@ -294,15 +306,16 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 args = loopserve_args(ns.config, engine, ns.replicas, sys_kv, system == "loopserve", rates,
                                       ns.kv_blocks, max(ns_values), connections=ns.connections,
                                       store_dir=str(out) if transports != ["ws"] else None,
-                                      serial_prefill=ns.prefill_unit == "serial")
+                                      serial_prefill=ns.prefill_unit == "serial", lower_tier=ns.lower_tier)
                 url = stack.enter_context(loopserve(args, ns.ingress))
                 model = args["model"]["name"]
                 warm_up(system, url, model, "websocket", store=False)
                 for n, transport in [(n, t) for n in ns_values for t in transports]:
-                    before = loopserve_engine_stats(url)
+                    before, moves = loopserve_engine_stats(url), loopserve_session_moves(url)
+                    kill = kill_engine_replica_after(ns.kill_engine_at) if ns.kill_engine_at else None
                     rows, elapsed = asyncio.run(run_sessions(f"{system}/{transport}", url, model, n, w_round, transport,
                                                              shape=ns.shape, ttl=ns.ttl))
-                    after = loopserve_engine_stats(url)
+                    after, moves = loopserve_engine_stats(url), loopserve_session_moves(url) - moves
                     pre = sum(s.get("preemptions", 0) for s in after) - sum(s.get("preemptions", 0) for s in before)
                     wait = max((s.get("max_queue_wait_s", 0.0) for s in after), default=0.0)
                     capacity = max((s.get("capacity_tokens", 0) for s in after), default=0) or sys_kv
@@ -310,7 +323,9 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                         real_kv_tokens = capacity
                     record(f"{system}/{transport}", n, rows, elapsed, {"round": rnd, "preemptions": pre,
                                                       "server_max_queue_wait_s": wait,
-                                                      "engine_replicas": len(after), "kv_tokens": capacity})
+                                                      "engine_replicas": len(after), "kv_tokens": capacity,
+                                                      "session_moves": moves,
+                                                      "killed_replica": getattr(kill, "killed", None)})
             else:
                 from cluster.bench.peers import agentic_api, vllm_metrics, vllm_server
                 from cluster.engines.vllm_engine import _on_cpu, resolve_dtype, resolve_enforce_eager
