@@ -250,9 +250,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "report the median of each figure (this machine drifts ~10%% between runs)")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--targets", action="store_true",
-                    help="the issue's targets table from one run: the real engine at N=1,8,16 beside vLLM's server, "
-                         "agentic-api and the stand-in (KV: --kv-blocks, default 46,592 tokens), then the scripted "
-                         "engine at 1,000 sessions over 4 replicas at 2x oversubscription")
+                    help="the cache targets from one run (cluster/bench/session_targets.py): every transport on the "
+                         "scripted engine at 6x with and without the KV policy, the real engine at N=8,16 over ws and "
+                         "http beside vLLM's server (KV: --kv-blocks, default 46,592 tokens), 1,000 trace-paced "
+                         "sessions over 4 replicas with a lower tier and one replica killed")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     # A stopped benchmark (SIGTERM) still stops what it started: the peers run in sessions of
