@@ -311,7 +311,8 @@ class EngineReplica:
     async def channel_endpoint(self) -> tuple[str, str]:
         """This replica's direct channel ("" when off or draining) and its id: a session placed here
         streams its turns from it (cluster/serving/clients.py)."""
-        return (self.channel.endpoint if self.channel is not None and not self.channel.closing else "",
+        draining = self.channel is None or self.channel.closing or self.channel.keeps is not None
+        return (self.channel.endpoint if not draining else "",
                 self.replica_id)
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -342,11 +343,27 @@ class EngineReplica:
         if llm is not None:
             await llm.check_health()
 
+    async def _drain_retention(self, channel: ChannelServer) -> None:
+        """Leaving (scale-down, redeploy): Serve routes no new session here any more, and sessions
+        retained here keep their turns on this replica over the direct channel until their retention
+        runs out, within half the graceful shutdown window (Serve counts it from the stop: handle
+        requests drained first, turns in flight finished after).
+        Then the channel closes and they are placed again (counted as moved sessions)."""
+        gate = getattr(self, "gate", None)
+        if gate is None or not gate.retaining():
+            return
+        channel.drain(lambda req: gate.holds(pin_key(req.cache_salt, req.session_key)))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 0.5 * self.config.engine_deployment.graceful_shutdown_timeout_s
+        while loop.time() < deadline and (gate.retaining() or channel.in_flight):
+            await asyncio.sleep(0.2)
+
     async def __del__(self) -> None:
         # Serve runs this after a constructor that failed part-way too: what was not made is
         # skipped, and an engine that started is still shut down (its processes would outlive us).
         channel, engine = getattr(self, "channel", None), getattr(self, "engine", None)
         if channel is not None:
+            await self._drain_retention(channel)
             # Draining: new turns go back through the handle (to live replicas); the
             # ones streaming here finish first.
             await channel.close()

@@ -104,6 +104,16 @@ class KvGate:
     def release(self, session: str) -> None:
         self._changed(self.budget.release(session, self.clock()))
 
+    def holds(self, session: str) -> bool:
+        """Does `session` hold a prefix here (retained, or a turn running)?"""
+        hold = self.budget.sessions.get(session)
+        return hold is not None and bool(hold.retained or hold.turns)
+
+    def retaining(self) -> bool:
+        """Is any session's retention still running?"""
+        now = self.clock()
+        return any(expiry > now for expiry in self.budget.retained_sessions().values())
+
     def snapshot(self) -> dict[str, float | int]:
         return self.budget.snapshot(self.clock())
 

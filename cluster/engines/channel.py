@@ -202,6 +202,8 @@ class ChannelServer:
         self._server: Optional[asyncio.base_events.Server] = None
         self._tasks: set[asyncio.Task] = set()
         self.closing = False  # draining: new requests are refused (the caller goes back to the handle)
+        # Leaving with sessions retained here (`drain`): only requests it keeps are served.
+        self.keeps: Optional[Callable[[EngineRequest], bool]] = None
 
     async def start(self, host: str, bind: Optional[str] = None) -> str:
         # The node's own address, not every interface: only replicas in the cluster dial it.
@@ -229,11 +231,15 @@ class ChannelServer:
             frames = Frames(reader)
             while True:
                 msg = await frames.next()
-                if msg[0] == START and (self.closing or len(self._tasks) >= self.max_streams):
+                if msg[0] == START:
+                    req = decode_request(msg[2])
+                    refused = ("draining" if self.closing or (self.keeps is not None and not self.keeps(req))
+                               else "busy" if len(self._tasks) >= self.max_streams else "")
+                if msg[0] == START and refused:
                     # The caller goes back to the handle: Serve's router and back-pressure apply.
-                    writer.write(_frame([ERROR, msg[1], "draining" if self.closing else "busy"]))
+                    writer.write(_frame([ERROR, msg[1], refused]))
                 elif msg[0] == START:
-                    task = asyncio.get_running_loop().create_task(self._run(msg[1], decode_request(msg[2]), writer))
+                    task = asyncio.get_running_loop().create_task(self._run(msg[1], req, writer))
                     running[msg[1]] = task
                     self._tasks.add(task)
                     task.add_done_callback(lambda t, n=msg[1]: (running.pop(n, None), self._tasks.discard(t)))
@@ -268,6 +274,11 @@ class ChannelServer:
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
+
+    def drain(self, keeps: Callable[[EngineRequest], bool]) -> None:
+        """Leaving, but not yet closed: a request is served only when `keeps(req)` (its session's
+        prefix is retained here); others go back to the handle, which places them on live replicas."""
+        self.keeps = keeps
 
     async def close(self) -> None:
         """Stop taking connections and requests (callers go back to the handle, which

@@ -86,3 +86,46 @@ def test_a_429_carries_retry_after_in_the_http_response():
     response = error_response(ApiError(429, "busy", code="kv_queue_full", retry_after_s=2.2))
     assert response.status_code == 429 and response.headers["retry-after"] == "3"
     assert error_response(ApiError(400, "bad")).headers.get("retry-after") is None
+
+
+async def test_a_leaving_replica_serves_its_retained_sessions_over_its_channel_until_their_retention_ends(
+        tiny_model_dir):
+    """Scale-down or redeploy: Serve routes no new session to a stopping replica; the sessions it
+    retains keep their turns there (their prefix is there) until their retention runs out, and only
+    then does it close and stop. The real replica class and channel, outside Serve."""
+    import asyncio
+    from array import array
+    from dataclasses import replace
+
+    from cluster.config import LoopserveConfig
+    from cluster.core.messages import EngineDone, EngineRequest
+    from cluster.engines.channel import ChannelError, ChannelPool
+
+    config = LoopserveConfig(engine={"backend": "scripted", "kv_budget": {"ttl_initial_s": 1.5, "ttl_min_s": 1.5},
+                                     "scripted": {"kv_capacity_tokens": 4096, "tokens_per_second": 1000}},
+                             engine_deployment={"graceful_shutdown_timeout_s": 30})
+    replica = EngineReplica.func_or_class.__new__(EngineReplica.func_or_class)
+    await replica.__init__(config)
+    pool, loop = ChannelPool(), asyncio.get_running_loop()
+    endpoint = replica.channel.endpoint
+
+    async def done_of(req: EngineRequest) -> EngineDone:
+        return [p async for chunk in pool.stream(endpoint, req) for p in chunk if isinstance(p, EngineDone)][-1]
+
+    try:
+        first = EngineRequest("r1", "kept", array("i", range(40, 240)), 4, expect_back=True)
+        await done_of(first)
+        leaving = asyncio.ensure_future(replica.__del__())
+        started = loop.time()
+        await asyncio.sleep(0.3)
+        assert (await replica.channel_endpoint())[0] == ""  # no new session is placed here
+        again = await done_of(replace(first, request_id="r2", prompt_token_ids=array("i", range(40, 300))))
+        assert again.cached_tokens >= 160  # served here, from its retained prefix
+        with pytest.raises(ChannelError):  # a session with nothing here goes back to be placed elsewhere
+            await done_of(EngineRequest("r3", "other", array("i", range(500, 600)), 4))
+        await asyncio.wait_for(leaving, 20)
+        assert loop.time() - started >= 1.5  # it stopped once the kept session's retention ran out
+    finally:
+        await pool.close()
+        if not replica.channel.closing:
+            await replica.__del__()

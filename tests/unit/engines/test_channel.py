@@ -4,6 +4,7 @@ the caller can fall back on."""
 
 import asyncio
 from array import array
+from dataclasses import replace
 
 import pytest
 
@@ -357,4 +358,20 @@ async def test_connections_past_the_bound_are_closed_before_anything_is_read():
     finally:
         for _, w in idle:
             w.close()
+        await server.close()
+
+
+async def test_a_leaving_replica_serves_the_sessions_it_retains_and_sends_others_back():
+    engine = Engine()
+    server = ChannelServer(engine)
+    await server.start("127.0.0.1", bind="127.0.0.1")
+    pool = ChannelPool()
+    try:
+        server.drain(lambda req: req.session_key == "kept")
+        assert [c async for c in pool.stream(server.endpoint, replace(request(1), session_key="kept"))] == CHUNKS
+        with pytest.raises(ChannelError):  # a session without a prefix here: placed on a live replica
+            _ = [c async for c in pool.stream(server.endpoint, replace(request(2), session_key="other"))]
+        assert [r.request_id for r in engine.seen] == ["req-1"]
+    finally:
+        await pool.close()
         await server.close()
