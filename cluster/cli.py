@@ -55,6 +55,25 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def local_cluster_security(host: str, environ: Optional[dict] = None) -> dict[str, str]:
+    """How the single-host cluster `loopserve serve` starts is closed to the network. Ray's processes
+    and every Serve replica listen on TCP (replicas' gRPC servers on every interface, whatever the
+    node's address), and a replica unpickles what that server is sent: so Ray's token auth is on
+    (RAY_AUTH_MODE=token; Ray keeps a generated token in ~/.ray/auth_token, shared by the processes
+    it starts), and an operator's `RAY_AUTH_MODE=disabled` is refused rather than run open. For a
+    loopback HTTP host the node's address is 127.0.0.1 too, so what binds the node's address (the
+    raylet's, the object manager's and the engine channel's servers) stays on loopback. Returns
+    `ray.init`'s extra arguments."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get("RAY_AUTH_MODE", "").lower()
+    if mode and mode != "token":
+        raise ConfigUnusable(f"RAY_AUTH_MODE={mode}: a cluster without Ray's token auth runs code for anyone who "
+                             "can reach its ports (a Serve replica unpickles what its gRPC server is sent). Unset "
+                             "it (loopserve serve turns token auth on), or set RAY_AUTH_MODE=token")
+    environ["RAY_AUTH_MODE"] = "token"
+    return {"_node_ip_address": "127.0.0.1"} if _loopback(host) else {}
+
+
 def _ports(http_port: int) -> list[int]:
     """The ports the cluster this command starts takes on this machine (HAProxy's stats page too)."""
     from cluster.ingress import haproxy_ingress
@@ -92,6 +111,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                   f"are required: {exc}; or bind --host 127.0.0.1", file=sys.stderr)
             return 2
     if not ns.address:
+        try:
+            local_cluster_security(ns.host, dict(os.environ))  # checked before anything starts
+        except ConfigUnusable as exc:
+            print(f"loopserve serve: {exc}", file=sys.stderr)
+            return 2
         apply_ingress_env(ns.ingress)  # before Ray starts: Serve reads it once, cluster-wide
         refused = clear_ports(_ports(ns.port))
         if refused:
@@ -105,7 +129,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.address:
         ray.init(address=ns.address)
     else:
-        ray.init(num_cpus=ns.num_cpus, include_dashboard=False)
+        ray.init(num_cpus=ns.num_cpus, include_dashboard=False, **local_cluster_security(ns.host))
     # Right after ray.init (which installs its own SIGTERM handler): a signal while the app
     # deploys (HAProxy may already answer) still gets the clean stop below, never Ray's abort.
     signal.signal(signal.SIGINT, _stop)

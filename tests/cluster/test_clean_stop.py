@@ -12,8 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import yaml
 
 from cluster.bench.local import free_port
 from cluster.stale_ingress import holders
+from tests.support.serve_process import Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,31 +40,6 @@ def ray_session_processes(session: str) -> list[str]:
             if session in cmd:
                 found.append(f"{entry}: {cmd[:160]}")
     return found
-
-
-class Server:
-    def __init__(self, config: Path, port: int, stats_port: int, log: Path) -> None:
-        env = {**os.environ, "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port)}
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster", "serve", "--config", str(config), "--port", str(port), "--num-cpus", "2"],
-            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        self.base = f"http://127.0.0.1:{port}"
-
-    def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            if "loopserve: serving" not in self.log.read_text():  # this server's, not a leftover's answer
-                time.sleep(0.5)
-                continue
-            try:
-                if httpx.get(self.base + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError("not ready: " + self.log.read_text()[-3000:])
 
 
 def session_name() -> str:
