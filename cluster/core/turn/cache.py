@@ -114,23 +114,30 @@ def items_nbytes(items: list[dict[str, Any]]) -> int:
     return sum(_size(item) for item in items)
 
 
-def _size(value: Any) -> int:
-    """Payload bytes of a JSON-like value (strings by length, containers by their members).
-    Iterative: a client's nesting depth never reaches Python's recursion limit here."""
+def text_chars(value: Any) -> int:
+    """Characters of the strings in a JSON-like value (keys included): what a template that renders
+    it (tool definitions as JSON) writes at least."""
+    return _size(value, overhead=False)
+
+
+def _size(value: Any, overhead: bool = True) -> int:
+    """Payload bytes of a JSON-like value (strings by length, containers by their members; with
+    `overhead`, each object's own). Iterative: a client's nesting depth never reaches Python's
+    recursion limit here."""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
         if isinstance(v, str):
-            total += 49 + len(v)
+            total += 49 * overhead + len(v)
         elif isinstance(v, dict):
-            total += 64
+            total += 64 * overhead
             stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
-            total += 56
+            total += 56 * overhead
             stack.extend(v)
         else:
-            total += 24
+            total += 24 * overhead
     return total
 
 

@@ -21,6 +21,7 @@ from cluster.core.turn.cache import (
     RenderKey,
     ResponseState,
     items_nbytes,
+    text_chars,
 )
 from cluster.core.turn.context import (
     ResolvedContext,
@@ -179,6 +180,22 @@ class TurnPreparer:
             out.append(item)
         return out, total
 
+    def _check_floor(self, req: ResponsesRequest, new_items: list[dict[str, Any]]) -> None:
+        """Before anything is rendered or tokenized: the new items and the instructions (rendered as
+        they are) must fit the context at the tokenizer's densest, and the tool definitions may hold
+        no more characters than the whole context could (a template writes them out, at least)."""
+        chars, limit = self.settings.max_token_chars, self.settings.context_limit
+        if not chars:
+            return
+        floor = min_prompt_tokens(kept_items(new_items, req.truncation), chars) + len(req.instructions or "") // chars
+        if floor > limit:
+            raise context_too_long(limit, floor, at_least=True)
+        tools = text_chars(req.tools) if req.tools else 0
+        if tools > limit * chars:
+            raise ApiError(400, f"Invalid 'tools': the tool definitions hold {tools} characters; this model's context of "
+                                f"{limit} tokens holds at most {limit * chars}.", param="tools",
+                           code="context_length_exceeded")
+
     def render_fully(self, reason: str) -> None:
         """Every turn from now on renders its whole context (a delta render was found inexact)."""
         self.deltas_off = reason
@@ -212,9 +229,7 @@ class TurnPreparer:
             else:  # decoded and checked here, before a render or the engine sees them
                 context_images(new_items, self.settings.images.max_image_bytes, memo=decoded)
             ctx = resolve_context(new_items, parent)
-            floor = min_prompt_tokens(kept_items(new_items, req.truncation), self.settings.max_token_chars)
-            if floor > self.settings.context_limit:
-                raise context_too_long(self.settings.context_limit, floor, at_least=True)
+            self._check_floor(req, new_items)
             limit = self.settings.max_context_bytes
             if limit is not None:
                 # Payload the state will keep alive (rendered or not): bounded per context.

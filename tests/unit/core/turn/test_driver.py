@@ -110,6 +110,19 @@ async def test_context_length_exceeded(tokenizer):
     assert e.value.code == "context_length_exceeded"
 
 
+async def test_instructions_and_tools_that_cannot_fit_are_refused_before_anything_is_rendered(tokenizer):
+    stack = InProcessStack(tokenizer, max_model_len=64)
+    with pytest.raises(ApiError) as e:
+        await run(stack, SessionCache(), {"input": "hi", "instructions": "word " * 200_000})
+    assert e.value.code == "context_length_exceeded" and "at least" in e.value.message
+    huge = [{**TOOLS[0], "description": "x" * 2_000_000}]
+    with pytest.raises(ApiError) as e:
+        await run(stack, SessionCache(), {"input": "hi", "tools": huge})
+    assert e.value.code == "context_length_exceeded" and e.value.param == "tools"
+    assert stack.render_jobs == []  # neither reached the renderer or the tokenizer
+    assert terminal(await run(stack, SessionCache(), {"input": "hi", "instructions": "be brief"}))["status"] == "completed"
+
+
 async def test_wrong_model_is_model_not_found(stack):
     with pytest.raises(ApiError) as e:
         await run(stack, SessionCache(), {"model": "gpt-99", "input": "x"})
