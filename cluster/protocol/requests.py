@@ -35,35 +35,40 @@ class ContentPart(_Tolerant):
     text: Optional[str] = None
 
 
+# Names and ids a client sends (models, response and item ids, call ids, keys): stored in indexed
+# columns and echoed in errors, so bounded.
+MAX_NAME_CHARS = 256
+
+
 class MessageItem(_Tolerant):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[str, list[ContentPart]]
-    id: Optional[str] = None
+    id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     status: Optional[str] = None
 
 
 class FunctionCallItem(_Tolerant):
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
+    call_id: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     arguments: str
-    id: Optional[str] = None
+    id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     status: Optional[str] = None
     namespace: Optional[str] = None
 
 
 class FunctionCallOutputItem(_Tolerant):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
+    call_id: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     output: Union[str, list[ContentPart]]
-    id: Optional[str] = None
+    id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     status: Optional[str] = None
 
 
 class ReasoningItem(_Tolerant):
     type: Literal["reasoning"]
-    id: Optional[str] = None
+    id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     summary: list[ContentPart] = Field(default_factory=list)
     content: Optional[list[ContentPart]] = None
     encrypted_content: Optional[str] = None
@@ -71,13 +76,13 @@ class ReasoningItem(_Tolerant):
 
 class CompactionItem(_Tolerant):
     type: Literal["compaction"]
-    id: Optional[str] = None
+    id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
     encrypted_content: str
 
 
 class ItemReference(_Tolerant):
     type: Literal["item_reference"]
-    id: str
+    id: str = Field(max_length=MAX_NAME_CHARS)
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "compaction", "item_reference")
@@ -125,7 +130,6 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 # Names and keys a client picks (model, ids, prompt_cache_key, user, x-session-id): each is
 # echoed, stored or keys a table, so each is bounded (clients send ids and UUIDs; the openai
 # clients clamp prompt_cache_key to 64).
-MAX_NAME_CHARS = 256
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 

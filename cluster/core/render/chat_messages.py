@@ -57,9 +57,11 @@ def content_parts(items: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, i
 
 
 def _arguments(raw: str) -> Any:
+    """A call's arguments as the template wants them: parsed when they are JSON, else as sent (a
+    client's nesting too deep for the parser is text too, never a 500)."""
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return raw
 
 

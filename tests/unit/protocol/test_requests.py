@@ -149,3 +149,16 @@ def test_the_item_bound_applies_on_both_transports():
             admit_create({"input": [{"role": "user", "content": "a"}] * 3}, transport=transport, admit=None,
                          max_input_items=2)
         assert err.value.code == "array_above_max_length"
+
+
+@pytest.mark.parametrize("item", [
+    {"type": "function_call", "call_id": "c" * 257, "name": "f", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c" * 257, "output": "x"},
+    {"type": "message", "role": "user", "content": "x", "id": "m" * 10_000},
+    {"type": "item_reference", "id": "r" * 257},
+])
+def test_item_ids_and_call_ids_are_bounded_before_they_reach_an_index_or_an_error_message(item):
+    with pytest.raises(ApiError) as e:
+        parse_request({"input": [item]})
+    assert e.value.status == 400 and e.value.param.startswith("input[0].")
+    assert len(e.value.message) < 1000  # the id is not echoed whole

@@ -52,3 +52,10 @@ def test_reasoning_developer_and_compaction_items_become_the_messages_templates_
     assert msgs[5]["tool_calls"][0]["function"]["arguments"] == "not json"
     assert starts == [0, 1, 2, 4, 5, 6]
     assert [message_kind(m) for m in msgs[2:]] == ["user", "assistant+calls+think", "tool", "assistant+calls"]
+
+
+def test_arguments_nested_deeper_than_the_parser_goes_are_passed_as_text_not_an_error():
+    deep = "[" * 50_000 + "]" * 50_000
+    msgs, _ = messages_from_items([{"type": "message", "role": "user", "content": "hi"},
+                                   {"type": "function_call", "call_id": "a", "name": "f", "arguments": deep}])
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == deep
