@@ -5,6 +5,7 @@ over all the connection caches of a replica."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import weakref
 from array import array
@@ -101,7 +102,9 @@ def estimate_nbytes(state: ResponseState) -> int:
         tokens += 4 * (len(prior.generation) + len(prior.token_ids)) + len(prior.text)
     # (The Response object shares its output items with the context, and its tools and
     # instructions with the state; the rest of it echoes the request's strings.)
-    request = _size(state.tools) + len(state.instructions or "") + len(state.affinity_key or "")
+    request = _size(state.tools) + _size(state.instructions or "") + _size(state.affinity_key or "")
+    if state.rendered is not None:  # the tools again, as the JSON text the render key keeps
+        request += _size(state.rendered.key.tools_json)
     if state.response:
         request += _size({k: v for k, v in state.response.items() if k not in _SHARED_WITH_STATE})
     return 256 + tokens + 8 * len(state.items) + state.context_bytes + request
@@ -128,7 +131,8 @@ def _size(value: Any, overhead: bool = True) -> int:
     while stack:
         v = stack.pop()
         if isinstance(v, str):
-            total += 49 * overhead + len(v)
+            # What CPython holds: 1, 2 or 4 bytes a character (a string of emoji is 4x its length).
+            total += sys.getsizeof(v) if overhead else len(v)
         elif isinstance(v, dict):
             total += 64 * overhead
             stack.extend(v.keys())

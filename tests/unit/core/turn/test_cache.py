@@ -54,3 +54,16 @@ def test_evict_and_counters():
     assert c.evict("a") is False
     assert c.get("a") is None and c.misses == 1
     assert c.nbytes == 0
+
+
+def test_bytes_are_what_python_holds_not_characters_and_the_render_keys_tools_count():
+    import sys
+
+    ascii_state, wide_state = state("a", text="x" * 100_000), state("w", text="\U0001F600" * 100_000)
+    assert wide_state.context_bytes - ascii_state.context_bytes >= 3 * 100_000  # 4 bytes a character
+    assert wide_state.context_bytes >= sys.getsizeof("\U0001F600" * 100_000)
+    tools = [{"type": "function", "name": "f", "description": "d" * 50_000}]
+    with_tools = ResponseState(response_id="t", model="m", items=[], output_start=0, instructions=None, tools=tools,
+                               rendered=RenderedPrefix(RenderKey.of(None, tools), 0, array("i"), 0),
+                               known_call_ids=frozenset(), pending_call_ids=())
+    assert with_tools.nbytes >= 2 * 50_000  # the tools and the render key's JSON copy of them
