@@ -68,7 +68,8 @@ class TurnsService:
         req = admit_create(body, transport="http", admit=lambda: self.auth.admit_request(principal),
                            max_input_items=limits.max_input_items)
         parsed_at = time.perf_counter()
-        session_key = ids.session_key(session_header(headers) or req.prompt_cache_key or req.previous_response_id)
+        session_key = ids.session_key(session_header(headers) or req.prompt_cache_key or req.previous_response_id,
+                                      principal.tenant)
         if req.background:
             return self.responses.start_background(req, principal.tenant, session_key)
         events = self.driver.run(TurnRequest(
@@ -130,7 +131,7 @@ class TurnsService:
         session = WebSocketSession(
             self.driver,
             self.memory.socket_cache(),
-            session_key=ids.session_key(session_header(headers)),
+            session_key=ids.session_key(session_header(headers), principal.tenant),
             config=self.config.websocket,
             send=send,
             close=close,

@@ -89,8 +89,8 @@ async def test_websocket_turn_is_one_trace_tree_across_processes(otel_url, otlp_
     assert parent_name["engine.prefill"] == "engine.generate"
     gen = next(s for s in tree if s["name"] == "engine.generate")
     assert gen["attributes"]["gen_ai.response.time_to_first_token_ms"] > 0
-    # the session key as the server holds it (a digest of x-session-id, made at the edge), hashed again
-    assert first["attributes"]["loopserve.session"] == telemetry.hash_key(session_key("session-otel-1"))
+    # the session key as the server holds it (a digest of the tenant's x-session-id, made at the edge), hashed again
+    assert first["attributes"]["loopserve.session"] == telemetry.hash_key(session_key("session-otel-1", "default"))
     second = next(r for r in roots if r is not first)
     assert second["attributes"]["loopserve.cache"] == "hit"
     assert second["attributes"]["loopserve.cached_tokens"] > 0

@@ -71,6 +71,8 @@ def test_x_session_id_is_bounded_and_session_keys_are_fixed_size_digests():
     assert a == b and len(a) == 32 and a != "my-session"
     assert ids.session_key("other") != a
     assert len(ids.session_key(None)) == 32 and ids.session_key(None) != ids.session_key(None)
+    # two tenants naming their sessions alike get keys of their own (routing, waits, engine tables)
+    assert ids.session_key("my-session", "t1") != ids.session_key("my-session", "t2")
 
 
 def test_the_response_echo_counts_against_the_cache_bounds():
