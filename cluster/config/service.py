@@ -21,8 +21,9 @@ class WebSocketConfig(StrictModel):
     """A socket with no frame and no turn in flight for this long is closed (error event + close 1000), freeing its
     cache."""
     allowed_origins: list[str] = Field(default_factory=list)
-    """Browser clients: when set, an upgrade whose Origin header is not listed is refused (403). Requests without
-    an Origin (SDKs, CLIs) are not affected."""
+    """Browser clients: when set, a request or upgrade whose Origin header is not listed is refused (403). Unset, a
+    server without API keys admits only pages served from localhost (any page its user visits could drive it
+    otherwise); with keys, any Origin. Requests without an Origin (SDKs, CLIs) are not affected."""
     max_frame_bytes: int = 15 * 1024 * 1024
     """Frames above this get an error event (the proxy itself closes above 16 MiB)."""
     max_queued_creates: int = 64

@@ -141,6 +141,9 @@ class ConnectionServices:
 
     # -- what the routes (actors/routes.py) ask of every request --------------------
     def principal(self, headers: Mapping[str, str]) -> Principal:
+        """Who sent an HTTP request; a browser page from a foreign Origin is refused first (the
+        WebSocket's rule: `TurnService.check_origin`)."""
+        self.turns.check_origin(headers.get("origin"))
         return self.auth.authenticate(headers.get("authorization"))
 
     def frame_too_large(self, size: int) -> ApiError:

@@ -9,9 +9,11 @@ body and the socket's send/close, and turn the results into HTTP responses.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Optional, Union
+from urllib.parse import urlsplit
 
 from cluster import telemetry
 from cluster.auth import Authenticator, Principal
@@ -102,9 +104,22 @@ class TurnsService:
 
     # -- WebSocket -------------------------------------------------------------------
     def check_origin(self, origin: Optional[str]) -> None:
+        """A browser page's Origin: one of `allowed_origins` when they are set. Without them, a server
+        that takes no API keys admits only pages served from this machine (localhost): any web page
+        its user visits could otherwise drive it (a browser adds no key, and needs none here).
+        Requests without an Origin (SDKs, CLIs, curl) are not affected."""
+        if origin is None:
+            return
         allowed = self.config.websocket.allowed_origins
-        if allowed and origin is not None and origin not in allowed:
-            raise ApiError(403, f"Origin '{origin[:200]}' is not allowed.", code="origin_not_allowed",
+        if allowed:
+            ok = origin in allowed
+        else:
+            ok = self.auth.enabled or _local_origin(origin)
+        if not ok:
+            hint = "" if allowed or self.auth.enabled else (
+                " This server takes no API keys, so only pages served from localhost may use it; list others in "
+                "websocket.allowed_origins.")
+            raise ApiError(403, f"Origin '{origin[:200]}' is not allowed.{hint}", code="origin_not_allowed",
                            type="invalid_request_error")
 
     def admit_socket(self, headers: Mapping[str, str]) -> Principal:
@@ -167,3 +182,17 @@ class TurnsService:
         # reconnect on (another replica; `store: true` chains continue there).
         self.draining = True
         await asyncio.gather(*[s.session.drain() for s in list(self.sockets)], return_exceptions=True)
+
+
+def _local_origin(origin: str) -> bool:
+    """An Origin of a page served from this machine (http(s)://localhost, 127.x, [::1], *.localhost)."""
+    try:
+        host = urlsplit(origin).hostname or ""
+    except ValueError:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -117,6 +117,19 @@ def test_a_socket_is_refused_before_the_upgrade(tokenizer):
     assert draining.value.status == 503 and draining.value.code == "server_draining"
 
 
+def test_a_server_without_keys_admits_only_pages_served_from_this_machine(tokenizer):
+    turns, _, _ = _service(tokenizer)  # no API keys, no allowed_origins
+    for origin in ("http://localhost:3000", "http://127.0.0.1:8000", "http://[::1]:5173", "http://app.localhost"):
+        assert turns.admit_socket({"origin": origin}).tenant == "default"
+    for origin in ("https://evil.example", "http://127.0.0.1.evil.example", "null"):
+        with pytest.raises(ApiError) as refused:
+            turns.admit_socket({"origin": origin})
+        assert refused.value.status == 403 and "websocket.allowed_origins" in refused.value.message
+    assert turns.admit_socket({}).tenant == "default"  # SDKs and CLIs send no Origin
+    keyed, _, _ = _service(tokenizer, auth=AuthConfig(keys=[{"sha256": key_sha256(KEY), "tenant": "t"}]))
+    assert keyed.admit_socket({"authorization": f"Bearer {KEY}", "origin": "https://app.example"}).tenant == "t"
+
+
 async def _one_turn(turns: TurnsService, store: bool, headers: dict) -> tuple[list[dict], object]:
     sent: list[dict] = []
 
