@@ -41,8 +41,8 @@ class KvGate:
         its prompt and the output its session's turns produced lately (kv_accounting.py), its
         tenant's shared head counted once; `engine_in_use`: the engine's own count, reconciled
         first. Raises `QueueFull` when it would wait behind a full queue."""
-        if engine_in_use is not None:
-            self.budget.reconcile(engine_in_use)
+        if engine_in_use is not None:  # less what it still holds only until the unpins pending reach it
+            self.budget.reconcile(engine_in_use - sum(self.budget.unpinning.get(k, 0) for k in self._unpins))
         need = len(prompt) + image_tokens + self.outputs.reserve(session, max_tokens, self.block)
         group, shared = self.heads.shared(tenant, prompt)
         try:
@@ -52,6 +52,7 @@ class KvGate:
             self._changed(self.budget.tick(self.clock()))  # what expired on the way in
             raise
         self._unpins.discard(session)  # it is back: its blocks are what this turn reuses
+        self.budget.unpinning.pop(session, None)
         fut = None
         if ticket not in admitted:
             fut = self._waiting[ticket] = asyncio.get_running_loop().create_future()
@@ -81,6 +82,8 @@ class KvGate:
 
     def take_unpins(self) -> tuple[str, ...]:
         unpins, self._unpins = tuple(self._unpins), set()
+        for key in unpins:
+            self.budget.unpinning.pop(key, None)
         return unpins
 
     def finish(self, ticket: int, held: int, expect_back: bool, continuable: bool = False,

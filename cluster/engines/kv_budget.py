@@ -64,6 +64,9 @@ class KvBudget(Evictions, Totals):
     _admitted: dict[int, tuple[str, int]] = field(default_factory=dict)  # ticket -> (session, need)
     # Sessions whose retention ended since the last `take_dropped` (the engine unpins them).
     dropped: list[str] = field(default_factory=list)
+    # Their tokens, until the engine has been told (`take_dropped` hands them out; the pin holds
+    # the blocks until then): reconciling with the engine's count leaves these out.
+    unpinning: dict[str, int] = field(default_factory=dict)
     growth_per_turn: float = 0.0  # tokens a returning session's turn adds (moving average)
     growth_samples: int = 0
     # Running totals of the holds (kept by `Totals._change`, kv_accounting.py).
@@ -158,7 +161,7 @@ class KvBudget(Evictions, Totals):
             self._cap_tenant(hold.tenant)
         else:
             self._change(hold, running=-need, turns=-1, retained=0)
-            self.dropped.append(session)
+            self.dropped.append(session)  # (a turn's own blocks: freed by the engine when it ends, unpinned or not)
         return self._drain(now)
 
     def cancel(self, ticket: int, now: float) -> list[int]:

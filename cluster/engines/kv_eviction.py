@@ -19,8 +19,10 @@ class Evictions:
     capacity: int
     policy: Any
     dropped: list
+    unpinning: dict
     _tenant_retained: Any
     def _end_retention(self, key: str, hold: SessionHold) -> None:
+        self.unpinning[key] = hold.retained  # the engine holds them until its unpin is delivered
         self._change(hold, retained=0)
         hold.released = True
         hold.soft = False

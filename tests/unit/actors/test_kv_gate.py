@@ -113,3 +113,13 @@ async def test_what_the_engine_holds_beyond_the_budget_is_not_given_out():
     assert wait is not None and gate.snapshot()["engine_excess_tokens"] == 300
     gate.finish(t, 400, expect_back=False)
     assert wait.done()  # a's 400 went back: 400 + 300 fits now
+
+
+async def test_blocks_the_engine_holds_only_until_a_pending_unpin_reaches_it_are_not_counted_as_excess():
+    gate = KvGate(1000, BudgetPolicy(ttl_initial_s=5, max_queue_wait_s=100))
+    t, _ = gate.request("a", prompt(1, 600), 0, engine_in_use=0)
+    gate.finish(t, 600, expect_back=True)  # retained; the engine pins its 600 tokens
+    gate.release("a")  # a's socket closed: its unpin rides on the next request, the pin holds till then
+    t2, wait = gate.request("b", prompt(2, 700), 0, engine_in_use=600)
+    assert wait is None and gate.snapshot()["engine_excess_tokens"] == 0
+    assert gate.take_unpins() == ("a",)  # ... and this request carries it to the engine
