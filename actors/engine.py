@@ -99,7 +99,7 @@ class EngineReplica:
             import ray
 
             self.channel = ChannelServer(self._generate, tls=tls_contexts(config.engine.channel_tls)[0])
-            await self.channel.start(ray.util.get_node_ip_address())
+            await self.channel.start(config.engine.channel_host or ray.util.get_node_ip_address())
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """The Serve handle's path (a session's first turn, or a fallback): the answer

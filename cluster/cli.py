@@ -55,15 +55,14 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def local_cluster_security(host: str, environ: Optional[dict] = None) -> dict[str, str]:
-    """How the single-host cluster `loopserve serve` starts is closed to the network. Ray's processes
-    and every Serve replica listen on TCP (replicas' gRPC servers on every interface, whatever the
-    node's address), and a replica unpickles what that server is sent: so Ray's token auth is on
-    (RAY_AUTH_MODE=token; Ray keeps a generated token in ~/.ray/auth_token, shared by the processes
-    it starts), and an operator's `RAY_AUTH_MODE=disabled` is refused rather than run open. For a
-    loopback HTTP host the node's address is 127.0.0.1 too, so what binds the node's address (the
-    raylet's, the object manager's and the engine channel's servers) stays on loopback. Returns
-    `ray.init`'s extra arguments."""
+def local_cluster_security(environ: Optional[dict] = None) -> None:
+    """The single-host cluster `loopserve serve` starts is closed to callers without its token. Ray's
+    processes and every Serve replica listen on TCP beyond loopback (Ray binds replicas' gRPC servers
+    on every interface and never takes 127.0.0.1 as a node's address), and a replica unpickles what
+    its gRPC server is sent: so Ray's token auth is on (RAY_AUTH_MODE=token; Ray keeps a generated
+    token in ~/.ray/auth_token, shared by the processes it starts), and an operator's
+    `RAY_AUTH_MODE=disabled` is refused rather than run open. Set before Ray is imported: it reads
+    the mode once per process."""
     environ = os.environ if environ is None else environ
     mode = environ.get("RAY_AUTH_MODE", "").lower()
     if mode and mode != "token":
@@ -71,7 +70,6 @@ def local_cluster_security(host: str, environ: Optional[dict] = None) -> dict[st
                              "can reach its ports (a Serve replica unpickles what its gRPC server is sent). Unset "
                              "it (loopserve serve turns token auth on), or set RAY_AUTH_MODE=token")
     environ["RAY_AUTH_MODE"] = "token"
-    return {"_node_ip_address": "127.0.0.1"} if _loopback(host) else {}
 
 
 def _ports(http_port: int) -> list[int]:
@@ -83,6 +81,12 @@ def _ports(http_port: int) -> list[int]:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    if not ns.address:
+        try:
+            local_cluster_security()
+        except ConfigUnusable as exc:
+            print(f"loopserve serve: {exc}", file=sys.stderr)
+            return 2
     import ray
     from ray import serve
 
@@ -111,11 +115,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                   f"are required: {exc}; or bind --host 127.0.0.1", file=sys.stderr)
             return 2
     if not ns.address:
-        try:
-            local_cluster_security(ns.host, dict(os.environ))  # checked before anything starts
-        except ConfigUnusable as exc:
-            print(f"loopserve serve: {exc}", file=sys.stderr)
-            return 2
+        if _loopback(ns.host):  # one machine: its engine channels stay on loopback
+            for engine in (config.engine, config.safety.guard.engine):
+                engine.channel_host = engine.channel_host or "127.0.0.1"
         apply_ingress_env(ns.ingress)  # before Ray starts: Serve reads it once, cluster-wide
         refused = clear_ports(_ports(ns.port))
         if refused:
@@ -129,7 +131,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.address:
         ray.init(address=ns.address)
     else:
-        ray.init(num_cpus=ns.num_cpus, include_dashboard=False, **local_cluster_security(ns.host))
+        ray.init(num_cpus=ns.num_cpus, include_dashboard=False)
     # Right after ray.init (which installs its own SIGTERM handler): a signal while the app
     # deploys (HAProxy may already answer) still gets the clean stop below, never Ray's abort.
     signal.signal(signal.SIGINT, _stop)

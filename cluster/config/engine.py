@@ -233,6 +233,10 @@ class EngineConfig(StrictModel):
     direct_stream: bool = True
     """After a session's first turn (placed by Serve's router), stream its turns from the same engine replica over
     a direct channel instead of a handle call per turn."""
+    channel_host: Optional[str] = None
+    """The address an engine replica's direct channel listens on and is dialled at. Unset: the node's address (Ray's,
+    normally its LAN address; the channel is opened only with a per-replica secret). `loopserve serve` on a loopback
+    `--host` sets 127.0.0.1: on one machine every replica dials it there, and nothing else can."""
     channel_tls: Optional[ChannelTlsConfig] = None
     kv_budget: KvBudgetConfig = Field(default_factory=KvBudgetConfig)
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)

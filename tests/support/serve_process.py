@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -14,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Server:
-    def __init__(self, config: Path, port: int, stats_port: int, log: Path) -> None:
-        env = {**os.environ, "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port)}
+    def __init__(self, config: Path, port: int, stats_port: int, log: Path, env: Optional[dict] = None) -> None:
+        env = {**os.environ, "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port), **(env or {})}
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cluster", "serve", "--config", str(config), "--port", str(port), "--num-cpus", "2"],
