@@ -70,8 +70,7 @@ def answer_without_token(ip: str, port: int) -> str:
 
 def test_a_single_host_start_keeps_to_loopback_and_what_ray_opens_wider_wants_its_token(tmp_path: Path):
     env_before = os.environ.get("RAY_AUTH_MODE")
-    server = Server(ROOT / "serve_configs/scripted.yaml", free_port(), free_port(), tmp_path / "serve.log",
-                    env={"RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())})
+    server = Server(ROOT / "serve_configs/scripted.yaml", free_port(), free_port(), tmp_path / "serve.log")
     try:
         server.wait_ready()
         sockets = listening(server.proc.pid)

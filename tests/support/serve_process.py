@@ -11,12 +11,16 @@ from typing import Optional
 
 import httpx
 
+from cluster.bench.local import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class Server:
     def __init__(self, config: Path, port: int, stats_port: int, log: Path, env: Optional[dict] = None) -> None:
-        env = {**os.environ, "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port), **(env or {})}
+        # HAProxy's stats and metrics ports of its own: another cluster on the machine may hold the defaults.
+        env = {**os.environ, "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
+               "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), **(env or {})}
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cluster", "serve", "--config", str(config), "--port", str(port), "--num-cpus", "2"],
