@@ -128,11 +128,12 @@ def tool_output(session: str, turn: int, chars: int) -> str:
     return "".join(parts)[:chars]
 
 
-def session_tag(w: Workload, n: int, index: int) -> str:
+def session_tag(w: Workload, n: int, index: int, variant: int = 0) -> str:
     """The same text for session `index` of an N-session run on every system: greedy outputs
     (and so the decode work each turn asks for) are then the same side by side. Unique across
-    N values, so a server that ran N=8 holds no prefix of an N=16 session."""
-    return hashlib.sha256(f"{w.seed}:{w.shape}:{n}:{index}".encode()).hexdigest()[:12]
+    N values and across the transports one server runs one after the other (`variant`), so a
+    server holds no prefix of a session it has not seen."""
+    return hashlib.sha256(f"{w.seed}:{w.shape}:{n}:{index}:{variant}".encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -162,7 +163,8 @@ def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, q
 
 
 async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, transport: str,
-                       store: bool = False, shape: str = "plain", ttl: Optional[str] = None) -> tuple[list[Row], float]:
+                       store: bool = False, shape: str = "plain", ttl: Optional[str] = None,
+                       variant: int = 0) -> tuple[list[Row], float]:
     """N sessions at once over `transport` (session_clients.TRANSPORTS; "websocket" is "ws")."""
     total, done = n * (w.turns + 1), 0
     rows: list[Row] = []
@@ -170,7 +172,7 @@ async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, t
 
     async def one(index: int) -> None:
         nonlocal done
-        tag = session_tag(w, n, index)
+        tag = session_tag(w, n, index, variant)
         plan = SessionPlan(system, url, model, index, n, transport, store, shape, ttl)
 
         def text(turn: int, rng: random.Random) -> str:
@@ -315,7 +317,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     before, moves = loopserve_engine_stats(url), loopserve_session_moves(url)
                     kill = kill_engine_replica_after(ns.kill_engine_at) if ns.kill_engine_at else None
                     rows, elapsed = asyncio.run(run_sessions(f"{system}/{transport}", url, model, n, w_round, transport,
-                                                             shape=ns.shape, ttl=ns.ttl))
+                                                             shape=ns.shape, ttl=ns.ttl,
+                                                             variant=transports.index(transport)))
                     after, moves = loopserve_engine_stats(url), loopserve_session_moves(url) - moves
                     pre = sum(s.get("preemptions", 0) for s in after) - sum(s.get("preemptions", 0) for s in before)
                     wait = max((s.get("max_queue_wait_s", 0.0) for s in after), default=0.0)

@@ -37,6 +37,7 @@ def test_every_system_sees_the_same_sessions_and_n_values_do_not_share_prefixes(
     w = Workload()
     assert session_tag(w, 8, 3) == session_tag(Workload(), 8, 3)
     assert session_tag(w, 8, 3) != session_tag(w, 16, 3)
+    assert session_tag(w, 8, 3, variant=1) != session_tag(w, 8, 3)  # the next transport on the same server
     assert len({session_tag(w, 16, i) for i in range(16)}) == 16
 
 
