@@ -23,6 +23,7 @@ from starlette.requests import HTTPConnection
 from starlette.websockets import WebSocketDisconnect
 
 from actors.http import deny, error_response, json_body, new_app, peak_rss_bytes, rss_bytes, sse
+from cluster.auth import ANONYMOUS
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError
 from cluster.serving.turns import StreamedTurn
@@ -61,11 +62,13 @@ async def health(conn: "ConnectionServices" = Conn) -> JSONResponse:
 
 @router.get("/loopserve/stats")
 async def stats(request: Request, last: int = 200, engine_session: Optional[str] = None,
-                conn: "ConnectionServices" = Conn) -> dict[str, Any]:
-    """Counters and per-turn timings of every tenant: admin key only. `engine_session`
-    picks the engine replica that session key routes to (else any one)."""
+                engine_tenant: str = ANONYMOUS.tenant, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
+    """Counters and per-turn timings of every tenant: admin key only. `engine_session` (of
+    `engine_tenant`'s, the keyless one's by default: session keys are per tenant) picks the engine
+    replica that session routes to (else any one)."""
     conn.auth.authenticate_admin(request.headers.get("authorization"))
-    figures = await conn.stats(last, ids.session_key(engine_session) if engine_session else None, rss_bytes())
+    key = ids.session_key(engine_session, engine_tenant) if engine_session else None
+    figures = await conn.stats(last, key, rss_bytes())
     # pid: which process answered (a replica Serve replaced answers with another one)
     return {**figures, "peak_rss_bytes": peak_rss_bytes(), "pid": os.getpid()}
 
