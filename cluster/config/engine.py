@@ -17,6 +17,9 @@ class ImageInputConfig(StrictModel):
     """Images one conversation may hold, its history included (vLLM's `limit_mm_per_prompt`)."""
     max_image_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest image file one part may carry (decoded bytes)."""
+    max_image_pixels: int = Field(4096 * 4096, ge=64 * 64, le=12_000 * 12_000)
+    """Largest image one part may carry, in pixels (width x height, read from the file's header
+    before anything is decoded): a small PNG can expand to GBs of RGB."""
     placeholder: Optional[str] = None
     """The text the chat template sees for an image; unset: the processor's `image_token`."""
 

@@ -14,6 +14,7 @@ from typing import AsyncIterator, MutableMapping, Optional
 
 from cluster.config import ModelConfig, VLLMEngineConfig
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
+from cluster.engines.image_inputs import DecodedImages
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +23,6 @@ def image_placeholder_id(model: ModelConfig) -> int:
     from cluster.core.render.images import load_processor
 
     return load_processor(model.resolved_path(), model.name, model.images.placeholder if model.images else None)[2]
-
-
-def open_image(data: bytes):
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as img:
-        return img.convert("RGB")
 
 
 def _on_cpu() -> bool:
@@ -160,6 +152,7 @@ class VLLMEngine:
         # A vision model never generates its image placeholder: a continuation that reuses the
         # generated tokens would hold a placeholder without an image (vLLM refuses the prompt).
         self.no_placeholder: dict[int, float] = {}
+        self.decoded_images: Optional[DecodedImages] = None  # a vision model's images, decoded once
 
     async def start(self) -> None:
         if _on_cpu():
@@ -242,6 +235,7 @@ class VLLMEngine:
         diff = self.llm.model_config.get_diff_sampling_param()
         if self.model.images is not None:
             self.no_placeholder = {await asyncio.to_thread(image_placeholder_id, self.model): -100.0}
+            self.decoded_images = DecodedImages(self.model.images.max_image_pixels)
         self.sampling_defaults = {k: v for k, v in diff.items()
                                   if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 
@@ -299,7 +293,9 @@ class VLLMEngine:
         if request.images:
             # One placeholder token per image in the ids: vLLM runs the model's processor on the
             # images and expands each placeholder (its mm cache skips images it has processed).
-            prompt["multi_modal_data"] = {"image": [open_image(data) for data in request.images]}
+            if self.decoded_images is None:
+                raise ValueError(f"model {self.model.name!r} takes no images")
+            prompt["multi_modal_data"] = {"image": await self.decoded_images.rgb(request.images)}
         if request.cache_salt and self.config.enable_prefix_caching:
             prompt["cache_salt"] = request.cache_salt  # blocks hash with the tenant's salt
         stats = self.stats

@@ -218,7 +218,8 @@ def turn_settings(config: LoopserveConfig) -> TurnSettings:
         max_context_bytes=config.limits.max_context_bytes,
         can_force_tool_calls=eng.backend == "scripted" or tool_format(config.model.tool_parser).forcible,
         sampling_defaults=model_sampling_defaults(config) if eng.backend == "vllm" else {},
-        images=ImageLimits(config.model.images.max_per_context, config.model.images.max_image_bytes)
+        images=ImageLimits(config.model.images.max_per_context, config.model.images.max_image_bytes,
+                           config.model.images.max_image_pixels)
         if config.model.images is not None else None,
     )
 

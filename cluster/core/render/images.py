@@ -18,6 +18,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
+import warnings
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,8 +28,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from cluster.core.render.chat_messages import content_parts
 from cluster.protocol.errors import ApiError
 
-# What an image may arrive as: a data URL of one of these types (decoded by Pillow on the engine).
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+# What an image may arrive as: a data URL of one of these types, opened by Pillow as that format
+# only (Pillow guesses a file's format from its bytes otherwise, and some of its plugins call out:
+# EPS runs Ghostscript).
+IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}
+DEFAULT_MAX_PIXELS = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class ImageLimits:
 
     max_per_context: int
     max_image_bytes: int
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
 
     def check_count(self, n: int) -> None:
         if n > self.max_per_context:
@@ -49,8 +55,10 @@ def image_parts(items: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, int
     return (found for found in content_parts(items) if found[3].get("type") == "input_image")
 
 
-def decode_image(part: dict[str, Any], param: str, max_bytes: int) -> bytes:
-    """The image bytes of a data-URL `input_image` part, or the API's 400 naming the part."""
+def decode_image(part: dict[str, Any], param: str, max_bytes: int, max_pixels: Optional[int] = None) -> bytes:
+    """The image bytes of a data-URL `input_image` part, or the API's 400 naming the part. With
+    `max_pixels`, the file's header is read too (nothing is decoded): it must be the declared
+    format and hold at most `max_pixels` (a 21 KB PNG can hold 169 MP: 507 MB once decoded)."""
     url = part.get("image_url")
     if part.get("file_id") and not url:
         raise ApiError(400, "Images by 'file_id' need the Files API, which this server does not keep; send the image "
@@ -71,23 +79,69 @@ def decode_image(part: dict[str, Any], param: str, max_bytes: int) -> bytes:
         raise ApiError(400, f"The image is larger than {max_bytes} bytes.", param=f"{param}.image_url",
                        code="image_too_large")
     try:
-        return base64.b64decode(payload, validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "The image data URL is not valid base64.", param=f"{param}.image_url",
                        code="invalid_image_format") from None
+    if max_pixels is not None:
+        try:
+            width, height = image_size(data, IMAGE_TYPES[mime])
+        except ImageRefused as exc:
+            raise ApiError(400, f"The image is not a readable {mime} file ({exc}).", param=f"{param}.image_url",
+                           code="invalid_image_format") from None
+        if width * height > max_pixels:
+            raise ApiError(400, f"The image is {width}x{height} pixels; this server takes at most {max_pixels} "
+                                "pixels an image. Scale it down.", param=f"{param}.image_url", code="image_too_large")
+    return data
+
+
+class ImageRefused(ValueError):
+    """A file Pillow will not open as the format it was declared as (or any served format)."""
+
+
+def image_size(data: bytes, fmt: Optional[str] = None) -> tuple[int, int]:
+    """Width and height from the file's header (Pillow opens lazily: no pixel is decoded)."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=[fmt] if fmt else list(IMAGE_TYPES.values())) as img:
+                return img.size
+    except Exception as exc:  # noqa: BLE001 - whatever a plugin raises on a malformed header
+        raise ImageRefused(type(exc).__name__) from None
+
+
+def open_rgb(data: bytes, max_pixels: Optional[int]):
+    """The image decoded to RGB, opened as a served format only and refused past `max_pixels`
+    before anything is decoded (the engine's copy of the connection's check)."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=list(IMAGE_TYPES.values())) as img:
+                if max_pixels is not None and img.size[0] * img.size[1] > max_pixels:
+                    raise ImageRefused(f"{img.size[0]}x{img.size[1]} pixels is above {max_pixels}")
+                return img.convert("RGB")
+    except ImageRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a plugin raises on a malformed file
+        raise ImageRefused(type(exc).__name__) from None
 
 
 def context_images(items: Sequence[dict[str, Any]], max_bytes: int, prefix: str = "input",
-                   memo: Optional[dict[int, bytes]] = None) -> list[bytes]:
+                   memo: Optional[dict[int, bytes]] = None, max_pixels: Optional[int] = None) -> list[bytes]:
     """Every image of `items` decoded, in render order (400 on the first bad one). `memo` (by the
     part's identity, for parts alive while it is) decodes a part seen before only once."""
     if memo is None:
-        return [decode_image(part, f"{prefix}[{i}].{field}[{j}]", max_bytes) for i, field, j, part in image_parts(items)]
+        return [decode_image(part, f"{prefix}[{i}].{field}[{j}]", max_bytes, max_pixels)
+                for i, field, j, part in image_parts(items)]
     out = []
     for i, field, j, part in image_parts(items):
         data = memo.get(id(part))
         if data is None:
-            data = memo[id(part)] = decode_image(part, f"{prefix}[{i}].{field}[{j}]", max_bytes)
+            data = memo[id(part)] = decode_image(part, f"{prefix}[{i}].{field}[{j}]", max_bytes, max_pixels)
         out.append(data)
     return out
 
@@ -140,16 +194,12 @@ def processor_image_tokens(processor: Any, placeholder_id: int) -> Callable[[byt
     """An image's token count as the model's own HF processor expands it (the count vLLM checks):
     all the tokens its placeholder becomes (Idefics3: tiles, their row/column markers and the
     global view), less what the tokenizer adds around any text (a BOS)."""
-    import io
-
-    from PIL import Image
-
     placeholder = getattr(processor, "image_token", None) or processor.tokenizer.convert_ids_to_tokens(placeholder_id)
     added = len(processor.tokenizer(placeholder)["input_ids"]) - 1
 
     def count(image: bytes) -> int:
-        with Image.open(io.BytesIO(image)) as img:
-            out = processor(text=placeholder, images=[img.convert("RGB")])
+        # Checked on the connection replica (format, pixels) before any render is asked for.
+        out = processor(text=placeholder, images=[open_rgb(image, None)])
         return len(out["input_ids"][0]) - added
 
     return count

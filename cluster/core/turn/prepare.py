@@ -226,9 +226,12 @@ class TurnPreparer:
             new_items = open_sealed(new_items, self.sealer, owner)
             if self.settings.images is None:
                 reject_non_text(new_items, self.model_name)
-            else:  # decoded and checked here, before a render or the engine sees them
-                context_images(new_items, self.settings.images.max_image_bytes, memo=decoded)
+            else:  # decoded and checked here (bytes, format, pixels), before a render or the engine sees them
+                context_images(new_items, self.settings.images.max_image_bytes, memo=decoded,
+                               max_pixels=self.settings.images.max_image_pixels)
             ctx = resolve_context(new_items, parent)
+            if self.settings.images is not None:  # counted before a render runs the processor on each
+                self.settings.images.check_count(self._image_count(ctx.items, parent))
             self._check_floor(req, new_items)
             limit = self.settings.max_context_bytes
             if limit is not None:
@@ -294,6 +297,14 @@ class TurnPreparer:
             raise context_too_long(st.context_limit, prompt_len + image_tokens)
         return Prepared(ctx, Rendered(prefix, rendered.generation, rendered.anchor_start, extends,
                                       rendered.prompt_override, images, image_tokens), tools_spec, key)
+
+    @staticmethod
+    def _image_count(items: list[dict[str, Any]], parent: Optional[ResponseState]) -> int:
+        """How many images the context holds: the parent's render's count and the new items'."""
+        pre = parent.rendered if parent is not None else None
+        if pre is None or pre.item_count > len(items):
+            return sum(1 for _ in image_parts(items))
+        return len(pre.images) + sum(1 for _ in image_parts(items[pre.item_count:]))
 
     def _images(self, items: list[dict[str, Any]], pre: Optional[RenderedPrefix],
                 decoded: dict[int, bytes]) -> tuple[bytes, ...]:

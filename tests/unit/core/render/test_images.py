@@ -155,6 +155,54 @@ async def test_image_limits_and_text_only_models(vision, tokenizer):
     assert (err.value.code, err.value.param) == ("unsupported_value", "input[0].content[0]")
 
 
+def bomb(width: int, height: int) -> bytes:
+    """A 1-bit PNG: a few KB of file that decodes to width x height x 3 bytes of RGB."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (width, height)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_image_past_the_pixel_bound_is_refused_from_its_header():
+    small_file = bomb(5000, 5000)  # 75 MB once decoded to RGB
+    assert len(small_file) < 16 * 1024
+    part = {"type": "input_image", "image_url": data_url(small_file)}
+    with pytest.raises(ApiError) as err:
+        decode_image(part, "input[0].content[0]", max_bytes=1 << 20, max_pixels=4096 * 4096)
+    assert (err.value.code, err.value.param) == ("image_too_large", "input[0].content[0].image_url")
+    assert "5000x5000" in err.value.message
+    assert decode_image(part, "input[0].content[0]", max_bytes=1 << 20, max_pixels=5000 * 5000) == small_file
+
+
+@pytest.mark.parametrize("declared,content", [
+    ("image/jpeg", png(8, 8)),  # a PNG declared as JPEG
+    ("image/png", b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"),  # EPS: Pillow would call Ghostscript
+    ("image/png", png(8, 8)[:40]),  # a cut header
+])
+def test_an_image_is_opened_only_as_the_format_it_declares(declared, content):
+    part = {"type": "input_image", "image_url": f"data:{declared};base64," + base64.b64encode(content).decode()}
+    with pytest.raises(ApiError) as err:
+        decode_image(part, "input[0].content[0]", max_bytes=1 << 20, max_pixels=4096 * 4096)
+    assert err.value.code == "invalid_image_format"
+
+
+async def test_a_context_s_images_are_counted_before_the_processor_sees_any(vision):
+    stack = vision_stack(vision)
+    counted = []
+    real = stack.renderer.images._count
+    stack.renderer.images._count = lambda image: counted.append(image) or real(image)
+    with pytest.raises(ApiError) as err:
+        await stack.run({"input": [user("four", *[png(8 + i, 8) for i in range(4)])], "store": False})
+    assert err.value.code == "too_many_images" and counted == []
+    two = await stack.run({"input": [user("two", png(20, 20), png(21, 20))], "store": False})
+    assert len(counted) == 2
+    with pytest.raises(ApiError) as err:  # the parent's two and two new: over 3 before any render
+        await stack.run({"previous_response_id": two["id"], "input": [user("two more", png(22, 20), png(23, 20))],
+                         "store": False})
+    assert err.value.code == "too_many_images" and len(counted) == 2
+
+
 async def test_an_image_in_a_tool_output_reaches_the_engine(vision):
     """Codex's view_image tool answers with an input_image inside the function_call_output."""
     stack = vision_stack(vision)
