@@ -137,24 +137,24 @@ async def compact(request: Request, conn: "ConnectionServices" = Conn) -> dict[s
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
                       order: str = "desc", conn: "ConnectionServices" = Conn) -> dict[str, Any]:
-    p = conn.principal(request.headers)
+    p = conn.read_principal(request.headers)
     return await conn.responses.input_items(response_id, p.tenant, after=after, limit=limit, order=order)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel(request: Request, response_id: str, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
-    return await conn.responses.cancel(response_id, conn.principal(request.headers).tenant)
+    return await conn.responses.cancel(response_id, conn.read_principal(request.headers).tenant)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(request: Request, response_id: str, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
-    return await conn.responses.delete(response_id, conn.principal(request.headers).tenant)
+    return await conn.responses.delete(response_id, conn.read_principal(request.headers).tenant)
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve(request: Request, response_id: str, stream: bool = False, starting_after: Optional[int] = None,
                    conn: "ConnectionServices" = Conn):
-    p = conn.principal(request.headers)
+    p = conn.read_principal(request.headers)
     if stream:
         events = await conn.responses.replay(response_id, p.tenant, starting_after)
 

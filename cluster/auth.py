@@ -19,6 +19,7 @@ class Principal:
     key_id: str  # a short, non-secret id (hash prefix) for logs and limits
     max_connections: int
     requests_per_minute: int
+    reads_per_minute: int = 1_000_000_000
 
 
 ANONYMOUS = Principal("default", "anonymous", 1_000_000, 1_000_000_000)
@@ -45,7 +46,8 @@ class Authenticator:
                 match = key
         if match is None:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key", type="invalid_request_error")
-        return Principal(match.tenant, match.sha256[:12], match.max_connections, match.requests_per_minute)
+        return Principal(match.tenant, match.sha256[:12], match.max_connections, match.requests_per_minute,
+                         match.reads_per_minute)
 
     def authenticate_admin(self, authorization: Optional[str]) -> None:
         """Operational routes: an admin key, or 403 when the server has none configured."""
@@ -57,14 +59,21 @@ class Authenticator:
             raise ApiError(401, "Incorrect admin key provided.", code="invalid_api_key", type="invalid_request_error")
 
     def admit_request(self, p: Principal, now: Optional[float] = None) -> None:
-        """Sliding one-minute window per key; 429 past the limit."""
+        """A create (or a request that renders like one): sliding one-minute window per key; 429 past the limit."""
+        self._admit(p.key_id, p.requests_per_minute, "requests", now)
+
+    def admit_read(self, p: Principal, now: Optional[float] = None) -> None:
+        """A read, delete or cancel: a window of its own, so polling does not eat the create budget."""
+        self._admit(p.key_id + "/read", p.reads_per_minute, "reads", now)
+
+    def _admit(self, window_key: str, limit: int, what: str, now: Optional[float]) -> None:
         now = time.monotonic() if now is None else now
-        window = self._windows.setdefault(p.key_id, deque())
+        window = self._windows.setdefault(window_key, deque())
         while window and window[0] <= now - 60.0:
             window.popleft()
-        if len(window) >= p.requests_per_minute:
+        if len(window) >= limit:
             retry = max(0.0, 60.0 - (now - window[0]))
-            raise ApiError(429, f"Rate limit reached: {p.requests_per_minute} requests per minute. "
+            raise ApiError(429, f"Rate limit reached: {limit} {what} per minute. "
                                 f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded",
                            retry_after_s=retry)
         window.append(now)

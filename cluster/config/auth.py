@@ -21,6 +21,9 @@ class ApiKey(StrictModel):
     """WebSockets the tenant may hold open at once."""
     requests_per_minute: int = Field(600, ge=1)
     """Responses the tenant may create per minute."""
+    reads_per_minute: int = Field(3000, ge=1)
+    """Reads and deletes the tenant may make per minute (GET a response or its input items, DELETE,
+    cancel): a read of a response no longer in memory loads its chain from the store."""
 
 
 class AuthConfig(StrictModel):

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from cluster.protocol.errors import ApiError, from_validation_error, invalid_request
+from cluster.protocol.request_bounds import MAX_JSON_DEPTH, echo_error, json_depth_error  # noqa: F401 - re-exported
 
 
 class _Tolerant(BaseModel):
@@ -265,27 +266,6 @@ class ResponsesRequest(_Tolerant):
         return [item.model_dump(exclude_none=True, by_alias=True) for item in self.input]
 
 
-# JSON nesting a request may have: tool schemas and structured content nest a dozen levels;
-# nothing a client needs comes near this, and every layer below (size accounting, the
-# grammar compiler, json.dumps of the echo) stays far from Python's recursion limit.
-MAX_JSON_DEPTH = 64
-
-
-def json_depth_error(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Optional[ApiError]:
-    """A 400 naming the top-level field that nests deeper than `max_depth` (iterative)."""
-    stack: list[tuple[Any, int, Optional[str]]] = [(value, 0, None)]
-    while stack:
-        v, depth, top = stack.pop()
-        if depth > max_depth:
-            return ApiError(400, f"The JSON is nested too deeply: at most {max_depth} levels of objects and "
-                                 "arrays are allowed.", param=top, code="invalid_value")
-        if isinstance(v, dict):
-            stack.extend((child, depth + 1, top if top is not None else str(key)) for key, child in v.items())
-        elif isinstance(v, list):
-            stack.extend((child, depth + 1, top) for child in v)
-    return None
-
-
 def session_header(headers: Any) -> Optional[str]:
     """`x-session-id`, bounded like the other names a client picks."""
     value = headers.get("x-session-id")
@@ -312,7 +292,7 @@ def parse_request(body: Any, *, max_input_items: Optional[int] = None) -> Respon
             param="input",
             code="array_above_max_length",
         )
-    bad_item = unknown_item_type_error(body)
+    bad_item = unknown_item_type_error(body) or echo_error(body)
     if bad_item is not None:
         raise bad_item
     try:

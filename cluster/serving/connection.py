@@ -146,6 +146,12 @@ class ConnectionServices:
         self.turns.check_origin(headers.get("origin"))
         return self.auth.authenticate(headers.get("authorization"))
 
+    def read_principal(self, headers: Mapping[str, str]) -> Principal:
+        """`principal`, admitted against its key's read limit (GET, DELETE, cancel)."""
+        p = self.principal(headers)
+        self.auth.admit_read(p)
+        return p
+
     def frame_too_large(self, size: int) -> ApiError:
         return frame_too_large(size, self.config.websocket.max_frame_bytes)
 

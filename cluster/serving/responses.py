@@ -55,12 +55,12 @@ class ResponsesService:
         if self.store is None:
             return None
         chain = await self._read(self.store.chain(response_id, tenant))
-        if not chain:
+        if chain is None:
             return None
-        if chain[0].previous_response_id is not None:
+        if chain.missing_ancestor is not None:
             # An ancestor was deleted: continuing would silently drop its part of the context.
             raise ApiError(400, f"Response '{response_id}' cannot be continued: its ancestor "
-                                f"'{chain[0].previous_response_id}' was deleted, so its context is incomplete.",
+                                f"'{chain.missing_ancestor}' was deleted, so its context is incomplete.",
                            param="previous_response_id", code="previous_response_chain_broken")
         state = state_from_chain(chain)
         self.registry.put(state)

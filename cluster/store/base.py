@@ -32,12 +32,19 @@ class StoredResponse:
     # from the store on any connection replica goes back there.
     engine_replica: Optional[str] = None
 
+    @property
+    def compacted(self) -> bool:
+        """It compacted its context in the turn: its input is the whole window it continued from,
+        so no ancestor of it is part of its chain's context."""
+        return any(o.get("type") == "compaction" for o in self.output)
+
     def row(self) -> tuple:
         return (
             self.id, self.tenant, self.previous_response_id, self.created_at, self.model,
             json.dumps(self.input_items), json.dumps(self.output), json.dumps(self.response),
             self.instructions, json.dumps(self.tools), self.affinity_key,
             json.dumps(self.blocked) if self.blocked is not None else None, self.engine_replica,
+            int(self.compacted),
         )
 
     def item_rows(self) -> list[tuple[str, str, str, str]]:
@@ -50,11 +57,42 @@ class StoredResponse:
     def from_row(cls, row: Any) -> "StoredResponse":
         r = tuple(row)
         return cls(r[0], r[1], r[2], float(r[3]), r[4], json.loads(r[5]), json.loads(r[6]), json.loads(r[7]),
-                   r[8], json.loads(r[9]), r[10], json.loads(r[11]) if r[11] else None, r[12])
+                   r[8], json.loads(r[9]), r[10], json.loads(r[11]) if r[11] else None, r[12])  # r[13]: derived
 
 
 COLUMNS = ("id, tenant, previous_response_id, created_at, model, input_items, output, response, "
-           "instructions, tools, affinity_key, blocked, engine_replica")
+           "instructions, tools, affinity_key, blocked, engine_replica, compacted")
+COLUMN_COUNT = len(COLUMNS.split(","))
+# Rows stored before `compacted` was a column: the server's own JSON of a compaction item (a
+# client's text holding these characters is escaped inside a JSON string, so it cannot match).
+BACKFILL_COMPACTED = """UPDATE responses SET compacted = 1 WHERE output LIKE '%"type": "compaction"%'"""
+
+
+@dataclass
+class ChainLink:
+    """What a continuation needs of an ancestor: its own input and output. Its echo fields (the
+    request's tools, the response object) are never loaded: they are the newest row's alone."""
+
+    id: str
+    previous_response_id: Optional[str]
+    input_items: list[dict[str, Any]]
+    output: list[dict[str, Any]]
+    compacted: bool
+
+
+@dataclass
+class StoredChain:
+    """A stored response's context as the store holds it: its links oldest first, from the
+    nearest compaction (nothing before it is part of the context), and the response itself."""
+
+    links: list[ChainLink]
+    last: StoredResponse
+
+    @property
+    def missing_ancestor(self) -> Optional[str]:
+        """The id of a deleted ancestor the context needs (None: the chain is whole)."""
+        first = self.links[0]
+        return first.previous_response_id if not first.compacted else None
 
 # Items by id, per tenant (`item_reference` inputs); deleted with their response. A row per
 # (response, item): item ids in an input are the client's to choose, so two responses may carry
@@ -82,17 +120,26 @@ MIGRATE_LEGACY_ITEMS = [
 
 
 def chain_query(id_param: str, tenant_param: str) -> str:
-    """A response and its ancestors (same tenant at every hop), oldest first, in one query."""
-    joined = ", ".join(f"r.{c.strip()}" for c in COLUMNS.split(","))
+    """A response's links and its ancestors' (same tenant at every hop), oldest first, in one
+    query: the walk reads ids only and stops at the nearest compaction; then only the input and
+    output of the rows it reached are read (the echo fields of the last row come from `get`)."""
     return f"""
-WITH RECURSIVE chain(depth, {COLUMNS}) AS (
-    SELECT 0, {COLUMNS} FROM responses WHERE id = {id_param} AND tenant = {tenant_param}
+WITH RECURSIVE chain(depth, id, tenant, previous_response_id, compacted) AS (
+    SELECT 0, id, tenant, previous_response_id, compacted FROM responses
+    WHERE id = {id_param} AND tenant = {tenant_param}
     UNION ALL
-    SELECT chain.depth + 1, {joined}
+    SELECT chain.depth + 1, r.id, r.tenant, r.previous_response_id, r.compacted
     FROM responses r JOIN chain ON r.id = chain.previous_response_id AND r.tenant = chain.tenant
+    WHERE chain.compacted = 0
 )
-SELECT {COLUMNS} FROM chain ORDER BY depth DESC
+SELECT r.id, r.previous_response_id, r.input_items, r.output, r.compacted
+FROM chain JOIN responses r ON r.id = chain.id AND r.tenant = chain.tenant ORDER BY chain.depth DESC
 """
+
+
+def link_from_row(row: Any) -> ChainLink:
+    r = tuple(row)
+    return ChainLink(r[0], r[1], json.loads(r[2]), json.loads(r[3]), bool(r[4]))
 
 
 class ResponseStore(Protocol):
@@ -106,8 +153,8 @@ class ResponseStore(Protocol):
 
     async def get(self, response_id: str, tenant: str) -> Optional[StoredResponse]: ...
 
-    async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
-        """The response and its ancestors, oldest first ([] if not found for this tenant)."""
+    async def chain(self, response_id: str, tenant: str) -> Optional[StoredChain]:
+        """The response and its context's links, oldest first (None if not found for this tenant)."""
         ...
 
     async def delete(self, response_id: str, tenant: str) -> bool: ...
@@ -119,17 +166,18 @@ class ResponseStore(Protocol):
         ...
 
 
-def state_from_chain(chain: list[StoredResponse]) -> ResponseState:
-    """Rebuild the continuation state of `chain[-1]` (a cache miss: rendering starts over)."""
+def state_from_chain(chain: StoredChain) -> ResponseState:
+    """Rebuild the continuation state of `chain.last` (a cache miss: rendering starts over)."""
     items: list[dict[str, Any]] = []
-    for rec in chain:
-        if any(o.get("type") == "compaction" for o in rec.output):
+    last_output: list[dict[str, Any]] = []
+    for rec in chain.links:
+        if rec.compacted:
             # It compacted its context in the turn: its input is the whole window it continued from.
             items = []
         items.extend(rec.input_items)
         last_output = output_as_context(rec.output)
         items.extend(last_output)
-    last = chain[-1]
+    last = chain.last
     known: set[str] = set()
     pending: list[str] = []
     for item in items:

@@ -9,8 +9,12 @@ from cluster.store.base import (
     ITEMS_TABLE_NAME,
     LEGACY_ITEMS_TABLE,
     MIGRATE_LEGACY_ITEMS,
+    StoredChain,
     StoredResponse,
+    BACKFILL_COMPACTED,
+    COLUMN_COUNT,
     chain_query,
+    link_from_row,
     items_table,
 )
 
@@ -34,9 +38,12 @@ MIGRATIONS = [
     [*items_table("BIGSERIAL PRIMARY KEY"), *MIGRATE_LEGACY_ITEMS],
     # version 5: the engine replica holding the chain's prefix (its placement, for every connection replica)
     ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS engine_replica TEXT"],
+    # version 6: whether a response compacted its context (a chain's walk stops there)
+    ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS compacted INTEGER NOT NULL DEFAULT 0", BACKFILL_COMPACTED],
 ]
 
 CHAIN = chain_query("$1", "$2")
+PLACEHOLDERS = ",".join(f"${i}" for i in range(1, COLUMN_COUNT + 1))
 
 
 class PostgresStore:
@@ -73,8 +80,9 @@ class PostgresStore:
     async def put(self, record: StoredResponse) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute(
-                f"""INSERT INTO responses ({COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13)
+                f"""INSERT INTO responses ({COLUMNS}) VALUES ({PLACEHOLDERS})
                     ON CONFLICT (id) DO UPDATE SET response = EXCLUDED.response, output = EXCLUDED.output,
+                    compacted = EXCLUDED.compacted,
                     blocked = COALESCE(EXCLUDED.blocked, responses.blocked)""",
                 *record.row(),
             )
@@ -96,9 +104,12 @@ class PostgresStore:
                                         response_id, tenant)
         return StoredResponse.from_row(row) if row else None
 
-    async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
-        rows = await self._pool.fetch(CHAIN, response_id, tenant)
-        return [StoredResponse.from_row(r) for r in rows]
+    async def chain(self, response_id: str, tenant: str) -> Optional[StoredChain]:
+        last = await self.get(response_id, tenant)
+        if last is None:
+            return None
+        links = [link_from_row(r) for r in await self._pool.fetch(CHAIN, response_id, tenant)]
+        return StoredChain(links, last) if links else None
 
     async def mark_blocked(self, response_id: str, tenant: str, blocked: dict) -> bool:
         import json

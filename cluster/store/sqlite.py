@@ -13,8 +13,12 @@ from cluster.store.base import (
     ITEMS_TABLE_NAME,
     LEGACY_ITEMS_TABLE,
     MIGRATE_LEGACY_ITEMS,
+    StoredChain,
     StoredResponse,
+    BACKFILL_COMPACTED,
+    COLUMN_COUNT,
     chain_query,
+    link_from_row,
     items_table,
 )
 
@@ -23,12 +27,14 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS responses (
         id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT, created_at REAL NOT NULL,
         model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
-        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT, engine_replica TEXT)""",
+        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT, engine_replica TEXT,
+        compacted INTEGER NOT NULL DEFAULT 0)""",
     """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
     *items_table("INTEGER PRIMARY KEY AUTOINCREMENT"),
 ]
 
 CHAIN = chain_query("?", "?")
+PLACEHOLDERS = ",".join("?" * COLUMN_COUNT)
 
 
 class SQLiteStore:
@@ -53,13 +59,16 @@ class SQLiteStore:
                 db.execute("ALTER TABLE responses ADD COLUMN blocked TEXT")
             if "engine_replica" not in columns:  # version 4 -> 5: the chain's engine placement
                 db.execute("ALTER TABLE responses ADD COLUMN engine_replica TEXT")
+            if "compacted" not in columns:  # version 5 -> 6: a chain's walk stops at a compaction
+                db.execute("ALTER TABLE responses ADD COLUMN compacted INTEGER NOT NULL DEFAULT 0")
+                db.execute(BACKFILL_COMPACTED)
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if LEGACY_ITEMS_TABLE in tables:  # version 3 -> 4: a row per (response, item)
                 with db:
                     db.execute("BEGIN")
                     for stmt in MIGRATE_LEGACY_ITEMS:
                         db.execute(stmt)
-            db.execute("UPDATE loopserve_schema SET version = 5")
+            db.execute("UPDATE loopserve_schema SET version = 6")
             return db
 
         self._db = await asyncio.to_thread(open_db)
@@ -77,7 +86,7 @@ class SQLiteStore:
         def write(db: sqlite3.Connection) -> None:
             with db:  # one transaction: the response and its items
                 db.execute("BEGIN")
-                db.execute(f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                db.execute(f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES ({PLACEHOLDERS})",
                            record.row())
                 db.executemany(f"INSERT OR REPLACE INTO {ITEMS_TABLE_NAME} (tenant, item_id, response_id, item) "
                                "VALUES (?,?,?,?)", record.item_rows())
@@ -95,9 +104,13 @@ class SQLiteStore:
             f"SELECT {COLUMNS} FROM responses WHERE id = ? AND tenant = ?", (response_id, tenant)).fetchone())
         return StoredResponse.from_row(row) if row else None
 
-    async def chain(self, response_id: str, tenant: str) -> list[StoredResponse]:
+    async def chain(self, response_id: str, tenant: str) -> Optional[StoredChain]:
+        last = await self.get(response_id, tenant)
+        if last is None:
+            return None
         rows = await self._run(lambda db: db.execute(CHAIN, (response_id, tenant)).fetchall())
-        return [StoredResponse.from_row(r) for r in rows]
+        links = [link_from_row(r) for r in rows]
+        return StoredChain(links, last) if links else None
 
     async def mark_blocked(self, response_id: str, tenant: str, blocked: dict) -> bool:
         cur = await self._run(lambda db: db.execute(

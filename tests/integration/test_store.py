@@ -159,6 +159,16 @@ async def test_per_key_limits_answer_429(pg_url):
             codes.append(429)
             assert err.body["code"] == "rate_limit_exceeded"
     assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
+    # Reads have a window of their own (a GET of an evicted response loads its chain from the store).
+    reads = []
+    for _ in range(6):
+        try:
+            limited.responses.retrieve("resp_does_not_exist")
+        except RateLimitError:
+            reads.append(429)
+        except NotFoundError:
+            reads.append(404)
+    assert reads == [404] * 4 + [429] * 2
 
 
 async def test_conversation_survives_a_restart_of_every_actor(serve_instance):

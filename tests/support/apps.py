@@ -119,7 +119,7 @@ def pg_app_args() -> dict:
             {"sha256": key_sha256(KEY_A), "tenant": "tenant-a"},
             {"sha256": key_sha256(KEY_B), "tenant": "tenant-b"},
             {"sha256": key_sha256(KEY_LIMITED), "tenant": "tenant-c", "max_connections": 1,
-             "requests_per_minute": 3},
+             "requests_per_minute": 3, "reads_per_minute": 4},
         ]},
         "connection": {"ray_actor_options": {"num_cpus": 0.05}}, "render": {"ray_actor_options": {"num_cpus": 0.05}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.05}},
         "safety": {"deployment": {"ray_actor_options": {"num_cpus": 0.05}}, "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},

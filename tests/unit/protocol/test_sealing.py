@@ -271,7 +271,7 @@ async def test_compaction_saves_a_turn_that_would_not_fit(tokenizer):
 
 
 def test_a_stored_chain_restarts_where_a_turn_compacted():
-    from cluster.store.base import StoredResponse, state_from_chain
+    from cluster.store.base import ChainLink, StoredChain, StoredResponse, state_from_chain
 
     def rec(rid, prev, inputs, output):
         return StoredResponse(id=rid, tenant="t1", previous_response_id=prev, created_at=0.0, model="m",
@@ -282,6 +282,8 @@ def test_a_stored_chain_restarts_where_a_turn_compacted():
     item = {"type": "compaction", "id": "cmp_1", "encrypted_content": "ls1.k.x"}
     window = [user, {**item, "_summary": "they said hi"}, {"type": "message", "role": "user", "content": "more"}]
     said2 = {**said, "id": "msg_3"}
-    state = state_from_chain([rec("r1", None, [user], [said]), rec("r2", "r1", window, [item, said2])])
+    rows = [rec("r1", None, [user], [said]), rec("r2", "r1", window, [item, said2])]
+    links = [ChainLink(r.id, r.previous_response_id, r.input_items, r.output, r.compacted) for r in rows]
+    state = state_from_chain(StoredChain(links, rows[-1]))
     assert [i.get("id") for i in state.items] == ["msg_1", "cmp_1", None, "msg_3"]
     assert state.items[1]["_summary"] == "they said hi" and state.output_start == 3

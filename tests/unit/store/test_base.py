@@ -139,3 +139,58 @@ async def test_a_version_3_postgres_store_is_migrated():
         await old.execute("INSERT INTO response_items VALUES ('t', 'msg_old', 'resp_old', '{\"type\": \"message\"}')")
         await old.close()
         await assert_v3_item_migrated(PostgresStore(dsn))
+
+
+def linked(rid: str, prev, *, inputs=(), output=(), tools=()) -> StoredResponse:
+    rec = record(rid, "t", inputs=inputs, output=output)
+    rec.previous_response_id, rec.tools, rec.response = prev, list(tools), {"id": rid, "tools": list(tools)}
+    return rec
+
+
+COMPACTION = {"type": "compaction", "id": "cmp_1", "encrypted_content": "ls1.k.x"}
+
+
+async def test_a_chain_reads_its_ancestors_input_and_output_only_from_the_nearest_compaction(store):
+    """A GET or continuation of an evicted response loads what its context needs: not every
+    ancestor's echo fields (tools, the response object), and nothing before a compaction."""
+    big_tool = {"type": "web_search", "x": "A" * 100_000}
+    await store.put(linked("r1", None, inputs=[msg("m1", "one")], tools=[big_tool]))
+    await store.put(linked("r2", "r1", inputs=[msg("m2", "two")], output=[COMPACTION], tools=[big_tool]))
+    await store.put(linked("r3", "r2", inputs=[msg("m3", "three")], tools=[big_tool]))
+    await store.put(linked("r4", "r3", inputs=[msg("m4", "four")], tools=[big_tool]))
+    chain = await store.chain("r4", "t")
+    assert [link.id for link in chain.links] == ["r2", "r3", "r4"]  # r1 is before the compaction
+    assert [link.compacted for link in chain.links] == [True, False, False]
+    assert chain.missing_ancestor is None
+    assert not hasattr(chain.links[0], "tools") and chain.last.tools == [big_tool]  # the newest row's only
+    assert await store.chain("r4", "other tenant") is None
+    # A deleted ancestor before the compaction is not part of the context; one after it is.
+    assert await store.delete("r1", "t")
+    assert (await store.chain("r4", "t")).missing_ancestor is None
+    assert await store.delete("r3", "t")
+    assert (await store.chain("r4", "t")).missing_ancestor == "r3"
+
+
+async def test_rows_stored_before_the_compacted_column_are_backfilled(tmp_path):
+    path = str(tmp_path / "v5.db")
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE loopserve_schema (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO loopserve_schema VALUES (5)")
+    db.execute("""CREATE TABLE responses (
+        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT, created_at REAL NOT NULL,
+        model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
+        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT, engine_replica TEXT)""")
+    old = [linked("r1", None, inputs=[msg("m1", "x")]),
+           linked("r2", "r1", output=[COMPACTION, msg("m2", 'they wrote "type": "compaction"')]),
+           linked("r3", "r2", output=[msg("m3", '"type": "compaction"')])]
+    for rec in old:
+        db.execute("INSERT INTO responses VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rec.row()[:13])
+    db.commit()
+    db.close()
+    store = SQLiteStore(path)
+    await store.start()
+    try:
+        chain = await store.chain("r3", "t")
+        assert [(link.id, link.compacted) for link in chain.links] == [("r2", True), ("r3", False)]
+    finally:
+        await store.close()

@@ -1,0 +1,54 @@
+"""Bounds a request body is held to before it is validated: how deeply its JSON nests, and how
+much of it a response echoes back (and a stored row keeps) without rendering it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from cluster.protocol.errors import ApiError
+
+# JSON nesting a request may have: tool schemas and structured content nest a dozen levels;
+# nothing a client needs comes near this, and every layer below (size accounting, the
+# grammar compiler, json.dumps of the echo) stays far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth_error(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Optional[ApiError]:
+    """A 400 naming the top-level field that nests deeper than `max_depth` (iterative)."""
+    stack: list[tuple[Any, int, Optional[str]]] = [(value, 0, None)]
+    while stack:
+        v, depth, top = stack.pop()
+        if depth > max_depth:
+            return ApiError(400, f"The JSON is nested too deeply: at most {max_depth} levels of objects and "
+                                 "arrays are allowed.", param=top, code="invalid_value")
+        if isinstance(v, dict):
+            stack.extend((child, depth + 1, top if top is not None else str(key)) for key, child in v.items())
+        elif isinstance(v, list):
+            stack.extend((child, depth + 1, top) for child in v)
+    return None
+
+
+# Fields a response echoes (and a stored row keeps) that nothing renders: `text` and `reasoning`
+# (their extra keys included), `tool_choice`, `prompt_cache_options`, `context_management` and
+# tools the model is not offered (web_search, ...). Rendered fields are bounded by the context
+# (instructions and tools by the pre-tokenize floor); these by this.
+MAX_ECHO_CHARS = 1 << 20
+RENDERED_TOOL_TYPES = ("function", "namespace")
+ECHOED = ("text", "reasoning", "tool_choice", "prompt_cache_options", "context_management")
+
+
+def echo_error(body: dict[str, Any]) -> Optional[ApiError]:
+    """A 400 naming the largest echoed-only field when they hold more than MAX_ECHO_CHARS together."""
+    sizes = {name: len(json.dumps(body[name])) for name in ECHOED if body.get(name) is not None}
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        sizes["tools"] = sum(len(json.dumps(t)) for t in tools
+                             if not (isinstance(t, dict) and t.get("type") in RENDERED_TOOL_TYPES))
+    total = sum(sizes.values())
+    if total <= MAX_ECHO_CHARS:
+        return None
+    largest = max(sizes, key=sizes.__getitem__)
+    return ApiError(400, f"Invalid '{largest}': the fields this server echoes back without rendering ({', '.join(sizes)}) "
+                         f"hold {total} characters of JSON; at most {MAX_ECHO_CHARS} are allowed.",
+                    param=largest, code="string_above_max_length")
