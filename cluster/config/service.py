@@ -29,7 +29,11 @@ class WebSocketConfig(StrictModel):
     max_queued_creates: int = 64
     """Creates and unread errors one socket may have waiting; more are refused at once (429)."""
     max_queued_bytes: int = 32 * 1024 * 1024
-    """Bytes of frames waiting behind the response in flight on one socket."""
+    """Bytes creates waiting behind the responses in flight on one socket hold, parsed (a frame of small items
+    holds ~10x its size once parsed)."""
+    max_replica_queued_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)
+    """The same, summed over every socket of one connection replica: past it a create is refused at once (429),
+    whatever socket it came on."""
     agent_wait_seconds: float = Field(300.0, gt=0)
     """A multi-agent response (beta) waits this long for `response.inject` to answer its tool calls; then it ends
     as it stands (completed, the calls left for a normal continuation)."""

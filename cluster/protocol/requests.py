@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from cluster.protocol.errors import ApiError, from_validation_error, invalid_request
-from cluster.protocol.request_bounds import MAX_JSON_DEPTH, echo_error, json_depth_error  # noqa: F401 - re-exported
+from cluster.protocol.request_bounds import MAX_JSON_DEPTH, echo_error, json_depth_error, json_shape  # noqa: F401
 
 
 class _Tolerant(BaseModel):
@@ -336,12 +336,11 @@ def multi_agent_enabled(body: dict[str, Any]) -> bool:
 
 def admit_create(body: dict[str, Any], *, transport: Literal["http", "websocket"],
                  admit: Optional[Callable[[], None]], max_input_items: Optional[int],
-                 betas: frozenset[str] = frozenset(), parsed: Optional[ResponsesRequest] = None) -> ResponsesRequest:
-    """The request, or the ApiError that refuses it. `parsed`: `body` already parsed (a WebSocket
-    create parsed to announce its `response.queued`), not parsed again."""
+                 betas: frozenset[str] = frozenset()) -> ResponsesRequest:
+    """The request, or the ApiError that refuses it."""
     if admit is not None:
         admit()  # the key's rate limit: every create counts, valid or not
-    req = parsed if parsed is not None else parse_request(body, max_input_items=max_input_items)
+    req = parse_request(body, max_input_items=max_input_items)
     multi_agent = multi_agent_enabled(body)
     if transport == "http":
         if multi_agent:  # nothing could inject the outputs a multi-agent response would wait for

@@ -23,6 +23,7 @@ from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import TurnRequest, cache_salt
+from cluster.core.websocket.protocol import ReplicaQueue
 from cluster.core.websocket.session import WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
@@ -60,6 +61,7 @@ class TurnsService:
         self.engine, self.metrics, self.settle = engine, metrics, settle
         self.sockets: set[Socket] = set()
         self.draining = False
+        self.queued = ReplicaQueue(config.websocket.max_replica_queued_bytes)  # every socket's waiting creates
 
     # -- HTTP ------------------------------------------------------------------------
     async def create(self, body: object, principal: Principal, headers: Mapping[str, str],
@@ -158,6 +160,7 @@ class TurnsService:
             timing_metrics=headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
             betas=frozenset(b.strip() for b in headers.get("openai-beta", "").split(",") if b.strip()),
             settle=self.settle,
+            replica_queue=self.queued,
         )
         socket = Socket(session, principal)
         self.metrics.socket_opened()

@@ -21,7 +21,6 @@ from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
-from cluster.protocol.requests import ResponsesRequest
 
 MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)
 
@@ -33,9 +32,8 @@ class WsCreate:
     body: dict[str, Any]
     received_at: Optional[float]
     stream_id: Optional[str]
-    nbytes: int = 0  # the frame's size: counted against `max_queued_bytes` until the create starts
+    nbytes: int = 0  # what `body` holds parsed: counted against `max_queued_bytes` until the create starts
     response_id: Optional[str] = None  # given when `response.queued` announced it, else at `response.created`
-    request: Optional[ResponsesRequest] = None  # `body` parsed, when announcing it needed that already
     announced: asyncio.Event = field(default_factory=asyncio.Event)  # its `response.queued` (if any) is out
     stop: Stop = field(default_factory=Stop)  # `response.interrupt` or `response.steer` named it
     commits: list[Steer] = field(default_factory=list)  # steering input its `response.created` commits

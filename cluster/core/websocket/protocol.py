@@ -35,7 +35,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.websocket.inflight import InFlight, WsCreate
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
-from cluster.protocol.requests import json_depth_error, parse_request
+from cluster.protocol.requests import json_shape, parse_request
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
 MAX_ACTIVE = 16  # responses running at once on one connection
@@ -122,6 +122,24 @@ class Lane:
         return self.current is not None or any(isinstance(item, WsCreate) for item in self.pending)
 
 
+class ReplicaQueue:
+    """Bytes of creates waiting on every socket's lanes of one replica (shared by its sockets'
+    protocols): a socket's own bound times the sockets a replica takes is no bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held = max(0, self.held - nbytes)
+
+
 def frame_bytes(data: Union[str, bytes]) -> int:
     """A frame's size in bytes as it came over the wire (UTF-8 for text frames)."""
     if isinstance(data, bytes):
@@ -137,7 +155,8 @@ def frame_too_large(size: int, limit: int) -> ApiError:
 
 class WebSocketProtocol:
     def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
-                 cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None) -> None:
+                 cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None,
+                 replica_queue: Optional[ReplicaQueue] = None) -> None:
         self.config = config
         self.model_name = model_name
         self.sampling = sampling or {}  # the model's sampling defaults (a queued response reports them)
@@ -147,7 +166,8 @@ class WebSocketProtocol:
         self.end: Optional[End] = None
         self.inflight = InFlight()
         self.lanes: dict[str, Lane] = {}  # "" = the default lane
-        self.queued_bytes = 0  # creates waiting on their lanes and errors waiting to be sent
+        self.queued_bytes = 0  # creates waiting on their lanes (parsed) and errors waiting to be sent
+        self.replica_queue = replica_queue if replica_queue is not None else ReplicaQueue(1 << 62)
         self.waiting_creates = 0
         self.deferred_errors = 0
         self.started_at = now
@@ -180,12 +200,11 @@ class WebSocketProtocol:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             return self._defer(ApiError(400, "Each message must be a JSON object with a 'type'.", param="type",
                                         code="missing_required_parameter"))
-        too_deep = json_depth_error(event)  # steers and injects too, before anything holds them
+        too_deep, held = json_shape(event)  # steers and injects too, before anything holds them
         if too_deep is not None:
             return self._defer(too_deep)
-        # Counted in UTF-8 bytes, not characters: a text frame of 4-byte characters holds ~4x
-        # its length in memory once parsed.
-        return self._event(event, size, received_at)
+        # Counted as what the parsed event holds (~10x a frame of small items), not the frame.
+        return self._event(event, held, received_at)
 
     def _event(self, event: Event, nbytes: int, received_at: Optional[float]) -> list[Action]:
         kind = event["type"]
@@ -223,10 +242,21 @@ class WebSocketProtocol:
             return self._defer(ApiError(
                 400, f"This connection already has {MAX_LANES} active stream_id lanes; wait for one to finish.",
                 param="stream_id", code="websocket_stream_limit_reached"), stream_id=stream_id)
-        lane = self._lane(key)
-        create = WsCreate(body, received_at, stream_id, nbytes=nbytes)
+        existing = self.lanes.get(key)
         # Each lane with creates holds (or waits for) one of the MAX_ACTIVE slots.
-        waits = lane.has_creates or sum(1 for other in self.lanes.values() if other.has_creates) >= MAX_ACTIVE
+        waits = (existing is not None and existing.has_creates) or \
+            sum(1 for other in self.lanes.values() if other.has_creates) >= MAX_ACTIVE
+        if waits and self.queued_bytes + nbytes > self.config.max_queued_bytes:
+            return [SendError(ApiError(
+                429, f"This request holds {nbytes} bytes parsed; with what waits on this connection that is over "
+                     f"its limit ({self.config.max_queued_bytes}). Wait for the responses in flight.",
+                code="rate_limit_exceeded"), stream_id)]
+        if not self.replica_queue.take(nbytes):
+            return [SendError(ApiError(
+                429, "This server has too many requests waiting on its connections; retry shortly.",
+                code="rate_limit_exceeded", retry_after_s=1.0), stream_id)]
+        create = WsCreate(body, received_at, stream_id, nbytes=nbytes)
+        lane = self._lane(key)
         lane.pending.append(create)
         self.queued_bytes += nbytes
         self.waiting_creates += 1
@@ -237,7 +267,8 @@ class WebSocketProtocol:
             req = parse_request(create.body, max_input_items=self.max_input_items)
         except ApiError:
             return None  # its error is sent when its turn comes, in lane order
-        create.request = req  # parsed once: the lane runs it as it is
+        # Only the id is kept: the parsed request would hold the body twice while it waits (the
+        # lane parses it again when it starts it).
         create.response_id = new_id("resp")
         response = build_response(response_id=create.response_id, model=self.model_name, request=req,
                                   previous_response_id=req.previous_response_id, sampling=self.sampling)
@@ -267,6 +298,7 @@ class WebSocketProtocol:
             self.deferred_errors -= 1
         else:
             self.waiting_creates -= 1
+            self.replica_queue.give(item.nbytes)
             lane.current = item
         return item
 
@@ -329,6 +361,7 @@ class WebSocketProtocol:
     def client_left(self) -> None:
         """The socket is gone: nothing more is sent, what waited is dropped."""
         self.state = State.CLOSED
+        self.replica_queue.give(sum(c.nbytes for c in self.queued()))
         self.lanes.clear()
         self.queued_bytes = self.waiting_creates = self.deferred_errors = 0
 

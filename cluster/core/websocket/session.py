@@ -30,6 +30,7 @@ from cluster.core.websocket.protocol import (
     Close,
     DeferredError,
     Enqueued,
+    ReplicaQueue,
     RunLane,
     SendError,
     SendEvent,
@@ -64,6 +65,7 @@ class WebSocketSession:
         timing_metrics: bool = False,
         betas: frozenset[str] = frozenset(),
         settle: Optional[Callable[[list[str]], Awaitable[bool]]] = None,
+        replica_queue: Optional[ReplicaQueue] = None,
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -71,7 +73,8 @@ class WebSocketSession:
         self.config = config
         self.protocol = WebSocketProtocol(config, model_name=driver.model_name,
                                           max_input_items=driver.settings.max_input_items, cache=cache,
-                                          now=time.monotonic(), sampling=driver.settings.sampling_defaults)
+                                          now=time.monotonic(), sampling=driver.settings.sampling_defaults,
+                                          replica_queue=replica_queue)
         self._send = send
         self._close = close
         self._lookup = lookup
@@ -226,8 +229,7 @@ class WebSocketSession:
         progress = TurnProgress()
         try:
             req = admit_create(body, transport="websocket", admit=self._admit,
-                               max_input_items=self.driver.settings.max_input_items, betas=self._betas,
-                               parsed=None if create.commits else create.request)
+                               max_input_items=self.driver.settings.max_input_items, betas=self._betas)
             create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
             if multi_agent_enabled(body):
                 create.inbox = AgentInbox(self.config.agent_wait_seconds)

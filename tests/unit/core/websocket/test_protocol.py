@@ -16,6 +16,7 @@ from cluster.core.websocket.protocol import (
     Enqueued,
     RunLane,
     SendError,
+    ReplicaQueue,
     SendEvent,
     State,
     WebSocketProtocol,
@@ -89,11 +90,11 @@ def test_past_max_active_lanes_a_create_waits_and_is_announced():
         assert enqueued(p.receive(create(stream_id=f"lane{n}"), now=1.0)).announce is None
     late = enqueued(p.receive(create(stream_id="late"), now=1.0))
     assert late.announce is not None and late.announce["stream_id"] == "late"
-    # parsed once, to announce it: the lane runs that request, it does not parse the frame again
-    assert late.create.request is not None and late.create.request.stream_id == "late"
-    assert admit_create(late.create.body, transport="websocket", admit=None, max_input_items=None,
-                        parsed=late.create.request) is late.create.request
-    assert enqueued(p.receive(create(stream_id="lane0"), now=1.0)).create.request is not None
+    # parsed to announce it, but only its id is kept while it waits (the parsed request would
+    # hold the body a second time): the lane parses it again when it starts
+    assert late.create.response_id == late.announce["response"]["id"]
+    assert not hasattr(late.create, "request")
+    assert admit_create(late.create.body, transport="websocket", admit=None, max_input_items=None).stream_id == "late"
 
 
 def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
@@ -112,6 +113,39 @@ def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
     r = protocol(max_queued_bytes=1200)
     assert enqueued(r.receive(raw_create("\U0001F600" * 250), now=1.0)).create.nbytes > 1000
     assert errors(r.receive(raw_create("\U0001F600" * 100), now=1.0)) == ["rate_limit_exceeded"]
+
+
+def test_a_waiting_create_is_counted_as_what_it_holds_parsed():
+    """10,000 one-character messages are a 300 KB frame that holds several MB once parsed (audit-2 N3)."""
+    import tracemalloc
+
+    frame = create([{"role": "user", "content": "a"} for _ in range(10_000)])
+    tracemalloc.start()
+    held = json.loads(frame)
+    parsed_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del held
+    p = protocol(max_queued_bytes=64 * 1024 * 1024)
+    p.receive(create("in flight"), now=1.0)
+    waiting = enqueued(p.receive(frame, now=1.0))
+    assert waiting.announce is not None
+    assert waiting.create.nbytes >= parsed_bytes > 5 * len(frame)
+    q = protocol(max_queued_bytes=2 * len(frame))  # the frame fits; what it holds does not
+    q.receive(create("in flight"), now=1.0)
+    assert errors(q.receive(frame, now=1.0)) == ["rate_limit_exceeded"] and q.waiting_creates == 1
+
+
+def test_what_waits_on_every_socket_of_a_replica_is_bounded_together():
+    shared = ReplicaQueue(limit=20_000)
+    a, b = (WebSocketProtocol(WebSocketConfig(), model_name="m", max_input_items=None, cache=SessionCache(), now=0.0,
+                              replica_queue=shared) for _ in range(2))
+    a.receive(create("x" * 12_000), now=1.0)
+    refused = b.receive(create("y" * 12_000), now=1.0)
+    assert errors(refused) == ["rate_limit_exceeded"] and "retry" in refused[0].error.message
+    assert a.next_on_lane("") is not None and shared.held == 0  # started: no longer waiting
+    enqueued(b.receive(create("y" * 12_000), now=1.0))
+    b.client_left()  # a socket that goes away gives back what waited on it
+    assert shared.held == 0
 
 
 def test_an_oversized_frame_is_never_held_and_errors_nobody_reads_end_the_connection():
