@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.protocol.errors import ApiError, loc_to_param, server_error
+from cluster.protocol.request_bounds import json_containers_error
 
 log = logging.getLogger("loopserve.connection")
 
@@ -84,6 +85,9 @@ async def json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
         body += chunk
         if len(body) > limit:
             raise _too_large(len(body), limit)
+    too_complex = json_containers_error(body)  # before the parse, which holds the event loop
+    if too_complex is not None:
+        raise too_complex
     try:
         return json.loads(body)
     except (ValueError, RecursionError):  # invalid UTF-8, nesting deeper than the parser goes

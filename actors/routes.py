@@ -172,6 +172,7 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
     received_at = time.perf_counter()
     try:
         p = conn.principal(request.headers)
+        conn.auth.admit_request(p)  # before the body is read and parsed: every create counts, valid or not
         body = await json_body(request, conn.config.limits.max_request_bytes)
         turn = await conn.turns.create(body, p, request.headers, received_at)
     except ApiError as err:

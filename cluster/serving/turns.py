@@ -69,8 +69,8 @@ class TurnsService:
         """POST /v1/responses: the final response (or a background one, queued), or the stream.
         Raises `ApiError` for a request refused before the turn started, or a turn that failed."""
         limits = self.config.limits
-        req = admit_create(body, transport="http", admit=lambda: self.auth.admit_request(principal),
-                           max_input_items=limits.max_input_items)
+        # The key's rate limit was applied before the body was read (routes.py).
+        req = admit_create(body, transport="http", admit=None, max_input_items=limits.max_input_items)
         parsed_at = time.perf_counter()
         session_key = ids.session_key(session_header(headers) or req.prompt_cache_key or req.previous_response_id,
                                       principal.tenant)

@@ -159,6 +159,10 @@ async def test_per_key_limits_answer_429(pg_url):
             codes.append(429)
             assert err.body["code"] == "rate_limit_exceeded"
     assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
+    # Counted before the body is read: a key past its limit costs no parse (an invalid body is a 429, not a 400).
+    raw = httpx.post(pg_url + "/v1/responses", content=b"{not json", timeout=30,
+                     headers={"Authorization": f"Bearer {KEY_LIMITED}", "content-type": "application/json"})
+    assert raw.status_code == 429 and raw.json()["error"]["code"] == "rate_limit_exceeded"
     # Reads have a window of their own (a GET of an evicted response loads its chain from the store).
     reads = []
     for _ in range(6):

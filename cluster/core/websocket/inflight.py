@@ -34,6 +34,7 @@ class WsCreate:
     stream_id: Optional[str]
     nbytes: int = 0  # what `body` holds parsed: counted against `max_queued_bytes` until the create starts
     response_id: Optional[str] = None  # given when `response.queued` announced it, else at `response.created`
+    admitted: bool = False  # counted against the key's rate limit on arrival (a large frame)
     announced: asyncio.Event = field(default_factory=asyncio.Event)  # its `response.queued` (if any) is out
     stop: Stop = field(default_factory=Stop)  # `response.interrupt` or `response.steer` named it
     commits: list[Steer] = field(default_factory=list)  # steering input its `response.created` commits

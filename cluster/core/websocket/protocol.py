@@ -27,19 +27,24 @@ import json
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
 from cluster.core.events import Event, build_response
 from cluster.core.turn.cache import SessionCache
+from cluster.core.websocket.frames import ReplicaQueue, frame_bytes, frame_too_large  # noqa: F401 - re-exported
 from cluster.core.websocket.inflight import InFlight, WsCreate
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
+from cluster.protocol.request_bounds import json_containers_error
 from cluster.protocol.requests import json_shape, parse_request
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
 MAX_ACTIVE = 16  # responses running at once on one connection
 MAX_LANES = 32  # named lanes (stream_id) at once on one connection
+# A frame this large counts against its key's rate limit before it is parsed (parsing holds the
+# event loop ~25 ms a MB); a create counted so is not counted again when it starts.
+ADMIT_BEFORE_PARSE_BYTES = 64 * 1024
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 
@@ -122,41 +127,10 @@ class Lane:
         return self.current is not None or any(isinstance(item, WsCreate) for item in self.pending)
 
 
-class ReplicaQueue:
-    """Bytes of creates waiting on every socket's lanes of one replica (shared by its sockets'
-    protocols): a socket's own bound times the sockets a replica takes is no bound."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, nbytes: int) -> bool:
-        if self.held + nbytes > self.limit:
-            return False
-        self.held += nbytes
-        return True
-
-    def give(self, nbytes: int) -> None:
-        self.held = max(0, self.held - nbytes)
-
-
-def frame_bytes(data: Union[str, bytes]) -> int:
-    """A frame's size in bytes as it came over the wire (UTF-8 for text frames)."""
-    if isinstance(data, bytes):
-        return len(data)
-    return len(data) if data.isascii() else len(data.encode())
-
-
-def frame_too_large(size: int, limit: int) -> ApiError:
-    # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
-    return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
-                    code="websocket_message_too_large")
-
-
 class WebSocketProtocol:
     def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
                  cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None,
-                 replica_queue: Optional[ReplicaQueue] = None) -> None:
+                 replica_queue: Optional[ReplicaQueue] = None, admit: Optional[Callable[[], None]] = None) -> None:
         self.config = config
         self.model_name = model_name
         self.sampling = sampling or {}  # the model's sampling defaults (a queued response reports them)
@@ -168,6 +142,7 @@ class WebSocketProtocol:
         self.lanes: dict[str, Lane] = {}  # "" = the default lane
         self.queued_bytes = 0  # creates waiting on their lanes (parsed) and errors waiting to be sent
         self.replica_queue = replica_queue if replica_queue is not None else ReplicaQueue(1 << 62)
+        self.admit = admit  # the key's rate limit (raises its 429)
         self.waiting_creates = 0
         self.deferred_errors = 0
         self.started_at = now
@@ -192,6 +167,16 @@ class WebSocketProtocol:
             return [SendError(ApiError(
                 429, f"Too many bytes queued on this connection (limit {cfg.max_queued_bytes}); wait for the "
                      "responses in flight.", code="rate_limit_exceeded"))]
+        admitted = False
+        if size > ADMIT_BEFORE_PARSE_BYTES and self.admit is not None:
+            try:
+                self.admit()
+            except ApiError as err:
+                return [SendError(err)]  # nothing held: the frame is dropped at once
+            admitted = True
+        too_complex = json_containers_error(data)
+        if too_complex is not None:
+            return self._defer(too_complex)
         try:
             event = json.loads(data)
         except (ValueError, RecursionError) as exc:
@@ -204,9 +189,9 @@ class WebSocketProtocol:
         if too_deep is not None:
             return self._defer(too_deep)
         # Counted as what the parsed event holds (~10x a frame of small items), not the frame.
-        return self._event(event, held, received_at)
+        return self._event(event, held, received_at, admitted)
 
-    def _event(self, event: Event, nbytes: int, received_at: Optional[float]) -> list[Action]:
+    def _event(self, event: Event, nbytes: int, received_at: Optional[float], admitted: bool = False) -> list[Action]:
         kind = event["type"]
         if kind in IGNORED_TYPES:
             return []
@@ -230,9 +215,10 @@ class WebSocketProtocol:
         if isinstance(body.get("response"), dict) and "input" not in body:
             # Tolerate the nested form some clients send: {"type", "response": {...}}.
             body = {**body.pop("response"), **body}
-        return self._enqueue(body, nbytes, received_at)
+        return self._enqueue(body, nbytes, received_at, admitted)
 
-    def _enqueue(self, body: dict[str, Any], nbytes: int, received_at: Optional[float]) -> list[Action]:
+    def _enqueue(self, body: dict[str, Any], nbytes: int, received_at: Optional[float],
+                 admitted: bool = False) -> list[Action]:
         stream_id = body.get("stream_id")
         if stream_id is not None and not (isinstance(stream_id, str) and _STREAM_ID.match(stream_id)):
             return self._defer(ApiError(400, "stream_id must be 1-256 characters of [A-Za-z0-9_.-].",
@@ -255,7 +241,7 @@ class WebSocketProtocol:
             return [SendError(ApiError(
                 429, "This server has too many requests waiting on its connections; retry shortly.",
                 code="rate_limit_exceeded", retry_after_s=1.0), stream_id)]
-        create = WsCreate(body, received_at, stream_id, nbytes=nbytes)
+        create = WsCreate(body, received_at, stream_id, nbytes=nbytes, admitted=admitted)
         lane = self._lane(key)
         lane.pending.append(create)
         self.queued_bytes += nbytes

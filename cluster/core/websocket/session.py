@@ -74,7 +74,7 @@ class WebSocketSession:
         self.protocol = WebSocketProtocol(config, model_name=driver.model_name,
                                           max_input_items=driver.settings.max_input_items, cache=cache,
                                           now=time.monotonic(), sampling=driver.settings.sampling_defaults,
-                                          replica_queue=replica_queue)
+                                          replica_queue=replica_queue, admit=admit)
         self._send = send
         self._close = close
         self._lookup = lookup
@@ -228,7 +228,7 @@ class WebSocketSession:
                 body = steering.with_queued_input(body, create.commits)
         progress = TurnProgress()
         try:
-            req = admit_create(body, transport="websocket", admit=self._admit,
+            req = admit_create(body, transport="websocket", admit=None if create.admitted else self._admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas)
             create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
             if multi_agent_enabled(body):

@@ -148,6 +148,35 @@ def test_what_waits_on_every_socket_of_a_replica_is_bounded_together():
     assert shared.held == 0
 
 
+def test_a_large_frame_counts_against_the_key_s_limit_before_it_is_parsed():
+    """audit-2 N5: a key past its limit costs no parse; a create counted on arrival is not counted again."""
+    from cluster.protocol.errors import ApiError as Err
+
+    budget = [2]
+
+    def admit():
+        if budget[0] == 0:
+            raise Err(429, "Rate limit reached.", code="rate_limit_exceeded")
+        budget[0] -= 1
+
+    p = WebSocketProtocol(WebSocketConfig(), model_name="m", max_input_items=None, cache=SessionCache(), now=0.0,
+                          admit=admit)
+    big = create("x" * 100_000)
+    assert enqueued(p.receive(big, now=1.0)).create.admitted
+    assert not enqueued(p.receive(create("small"), now=1.0)).create.admitted  # counted when it starts
+    p.receive("{" + "x" * 100_000, now=1.0)  # invalid JSON, counted all the same
+    over = p.receive("{" + "x" * 100_000, now=1.0)
+    assert errors(over) == ["rate_limit_exceeded"] and p.deferred_errors == 1  # not parsed: no invalid_json
+
+
+def test_a_frame_opening_too_many_objects_is_refused_unparsed():
+    p = protocol(max_queued_creates=10)
+    p.receive(create("in flight"), now=1.0)
+    assert p.receive(create([{}] * 250_000), now=1.0) == [RunLane("")]
+    p.next_on_lane("")
+    assert p.next_on_lane("").error.code == "json_too_complex"
+
+
 def test_an_oversized_frame_is_never_held_and_errors_nobody_reads_end_the_connection():
     p = protocol(max_frame_bytes=100, max_queued_creates=4)
     p.receive(create("a"), now=1.0)  # in flight: the errors below wait behind it
