@@ -31,6 +31,10 @@ class WebSocketConfig(StrictModel):
     max_queued_bytes: int = 32 * 1024 * 1024
     """Bytes creates waiting behind the responses in flight on one socket hold, parsed (a frame of small items
     holds ~10x its size once parsed)."""
+    max_error_bytes_per_minute: int = Field(16 * 1024 * 1024, ge=64 * 1024)
+    """Bytes of errors and failed steers/injects (which return their input) the server may send one socket a
+    minute (a token bucket); past it the socket is closed (1008 `too_many_errors`). Holds whether the ingress
+    applies back-pressure or not (Serve's Python proxy does not)."""
     max_replica_queued_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)
     """The same, summed over every socket of one connection replica: past it a create is refused at once (429),
     whatever socket it came on."""

@@ -32,6 +32,15 @@ from typing import Any, Callable, Optional, Union
 from cluster.config import WebSocketConfig
 from cluster.core.events import Event, build_response
 from cluster.core.turn.cache import SessionCache
+from cluster.core.websocket.actions import (  # noqa: F401 - re-exported
+    Action,
+    Close,
+    DeferredError,
+    Enqueued,
+    RunLane,
+    SendError,
+    SendEvent,
+)
 from cluster.core.websocket.frames import ReplicaQueue, frame_bytes, frame_too_large  # noqa: F401 - re-exported
 from cluster.core.websocket.inflight import InFlight, WsCreate
 from cluster.protocol.errors import ApiError
@@ -60,57 +69,6 @@ class End(enum.Enum):
     IDLE = "idle"
     DRAIN = "drain"
     FLOOD = "flood"
-
-
-# -- actions --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SendEvent:
-    event: Event
-
-
-@dataclass(frozen=True)
-class SendError:
-    error: ApiError
-    stream_id: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class Enqueued:
-    """A create is on its lane: send `announce` (its `response.queued`, when it has to wait)
-    before the lane may start it, then mark it announced."""
-
-    create: WsCreate
-    announce: Optional[Event]
-
-
-@dataclass(frozen=True)
-class RunLane:
-    """The lane has work: run it unless it is running already."""
-
-    key: str
-
-
-@dataclass(frozen=True)
-class Close:
-    code: int
-    reason: str
-
-
-Action = Union[SendEvent, SendError, Enqueued, RunLane, Close]
-
-
-@dataclass(frozen=True)
-class DeferredError:
-    """A frame's error waiting for its place in the FIFO (on the default lane)."""
-
-    error: ApiError
-    stream_id: Optional[str] = None
-
-    @property
-    def nbytes(self) -> int:
-        return 256 + len(self.error.message) + len(self.error.param or "")  # it may quote the client
 
 
 @dataclass
@@ -143,6 +101,8 @@ class WebSocketProtocol:
         self.queued_bytes = 0  # creates waiting on their lanes (parsed) and errors waiting to be sent
         self.replica_queue = replica_queue if replica_queue is not None else ReplicaQueue(1 << 62)
         self.admit = admit  # the key's rate limit (raises its 429)
+        self._answer_bytes = 0  # errors and failure events the frame being handled made
+        self._answer_budget, self._answer_at = float(config.max_error_bytes_per_minute), now
         self.waiting_creates = 0
         self.deferred_errors = 0
         self.started_at = now
@@ -152,6 +112,29 @@ class WebSocketProtocol:
     def receive(self, data: Union[str, bytes], now: float, received_at: Optional[float] = None) -> list[Action]:
         if self.state is not State.OPEN:
             return []  # closed, or ending: the connection takes nothing more
+        self._answer_bytes = 0
+        actions = self._receive(data, now, received_at)
+        # What this frame made the server say back without a turn: errors, and failed steers and
+        # injects (which return the client's input). Under Serve's Python proxy a send never
+        # blocks, so "errors waiting to be read" never fills; this budget holds whatever the
+        # ingress does.
+        for action in actions:
+            if isinstance(action, SendError):
+                self._answer_bytes += 256 + len(action.error.message)
+            elif isinstance(action, SendEvent) and str(action.event.get("type", "")).endswith(".failed"):
+                self._answer_bytes += 256 + frame_bytes(data)
+        if self._answer_bytes and self.state is State.OPEN and not self._spend_answers(self._answer_bytes, now):
+            return self._close(End.FLOOD)
+        return actions
+
+    def _spend_answers(self, nbytes: int, now: float) -> bool:
+        """A token bucket of `max_error_bytes_per_minute`, refilled over a minute: False once it is spent."""
+        cap = self.config.max_error_bytes_per_minute
+        self._answer_budget = min(cap, self._answer_budget + (now - self._answer_at) * cap / 60.0) - nbytes
+        self._answer_at = now
+        return self._answer_budget >= 0
+
+    def _receive(self, data: Union[str, bytes], now: float, received_at: Optional[float]) -> list[Action]:
         cfg = self.config
         if self.deferred_errors >= cfg.max_queued_creates:
             # Invalid frames faster than their errors are read: nothing more is held for this client.
@@ -266,6 +249,7 @@ class WebSocketProtocol:
 
     def _defer(self, err: ApiError, stream_id: Optional[str] = None) -> list[Action]:
         deferred = DeferredError(err, stream_id)
+        self._answer_bytes += deferred.nbytes
         self.deferred_errors += 1
         self.queued_bytes += deferred.nbytes
         self._lane("").pending.append(deferred)
@@ -362,9 +346,11 @@ class WebSocketProtocol:
         self.state = State.CLOSED
         self.end = why
         if why is End.FLOOD:
-            return [SendError(ApiError(400, f"More than {self.config.max_queued_creates} invalid messages are "
-                                            "waiting for their errors to be read; closing this connection.",
-                                       code="too_many_errors")), Close(1008, "too many errors not read")]
+            return [SendError(ApiError(400, f"Too many invalid messages: more than {self.config.max_queued_creates} "
+                                            "waiting for their errors to be read, or more errors and failed events "
+                                            f"than {self.config.max_error_bytes_per_minute} bytes a minute; closing this "
+                                            "connection.", code="too_many_errors")),
+                    Close(1008, "too many errors not read")]
         if why is End.DRAIN:
             message = ("This server is shutting down this connection (scale-down or restart). "
                        "Create a new websocket connection to continue.")

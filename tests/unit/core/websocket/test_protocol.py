@@ -177,6 +177,37 @@ def test_a_frame_opening_too_many_objects_is_refused_unparsed():
     assert p.next_on_lane("").error.code == "json_too_complex"
 
 
+def test_errors_answered_at_once_still_end_a_flooding_connection():
+    """audit-2 N7: under Serve's Python proxy a send never blocks, so errors never wait to be read;
+    a client sending invalid frames nonstop is closed by the bytes of errors it made the server say."""
+    p = protocol(max_error_bytes_per_minute=64 * 1024)
+    sent = 0
+    for n in range(10_000):
+        actions = p.receive("x", now=1.0 + n * 0.0001)
+        p.next_on_lane("")  # its error went out at once (the lane is idle)
+        if p.state is State.CLOSED:
+            break
+        sent += 1
+    assert p.state is State.CLOSED and actions[-1] == Close(1008, "too many errors not read")
+    assert errors(actions) == ["too_many_errors"]
+    assert sent * 256 <= 64 * 1024 + 512  # no more than the budget's worth of errors went out
+    # An honest client's rare error never comes near it: the budget refills over a minute.
+    q = protocol(max_error_bytes_per_minute=64 * 1024)
+    for n in range(600):
+        q.receive("x", now=1.0 + n)  # one bad frame a second for ten minutes
+        q.next_on_lane("")
+    assert q.state is State.OPEN
+
+
+def test_failed_steers_returning_large_inputs_count_against_the_same_budget():
+    p = protocol(max_error_bytes_per_minute=1024 * 1024)
+    steer = json.dumps({"type": "response.steer", "response_id": "resp_unknown",
+                        "input": [{"role": "user", "content": "z" * 200_000}]})
+    outcomes = [p.receive(steer, now=1.0) for _ in range(10)]
+    assert p.state is State.CLOSED
+    assert sum(1 for a in outcomes if a and not isinstance(a[-1], Close)) <= 5
+
+
 def test_an_oversized_frame_is_never_held_and_errors_nobody_reads_end_the_connection():
     p = protocol(max_frame_bytes=100, max_queued_creates=4)
     p.receive(create("a"), now=1.0)  # in flight: the errors below wait behind it
