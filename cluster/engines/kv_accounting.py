@@ -127,6 +127,11 @@ class Totals:
     _tenant_retained: "Counter[str]"  # tenant -> retained tokens (as sessions hold them)
     _shared: "dict[str, Counter[int]]"  # head -> shared lengths of its resident sessions
     engine_excess: int  # tokens the engine has in use beyond the budget's count (`reconcile`)
+    # Sessions retained between turns, in the order they became so (least recently used first):
+    # what expiry, eviction and the tenant cap look at. Their number is bounded by the capacity
+    # (each holds a prefix), where the sessions tracked for their pauses are up to `max_sessions`.
+    _idle: "OrderedDict[str, None]"
+    _idle_tokens: int
 
     def reconcile(self, engine_in_use: int) -> int:
         """The engine's own count of KV in use: what it holds beyond the budget (requests the
@@ -148,6 +153,7 @@ class Totals:
     def _change(self, hold: "SessionHold", *, running: int = 0, turns: int = 0, retained: Optional[int] = None,
                 shared: Optional[tuple[str, int]] = None) -> None:
         footprint, resident = hold.footprint, bool(hold.retained or hold.turns)
+        idle_before = hold.retained if hold.idle_retained else 0
         before = (hold.share_group, hold.shared) if resident and hold.shared else None
         hold.running += running
         hold.turns += turns
@@ -168,6 +174,12 @@ class Totals:
                 self._count_shared(*after, 1)
         self._running += running
         self._resident += now_resident - resident
+        idle_after = hold.retained if hold.idle_retained else 0
+        self._idle_tokens += idle_after - idle_before
+        if idle_after and not idle_before:
+            self._idle[hold.key] = None
+        elif idle_before and not idle_after:
+            self._idle.pop(hold.key, None)
 
     def _count_shared(self, group: str, length: int, step: int) -> None:
         counted = self._shared_counted(group)

@@ -77,6 +77,13 @@ class KvBudget(Evictions, Totals):
     _shared: "dict[str, Counter[int]]" = field(default_factory=dict)
     engine_excess: int = 0
     _tenant_queued: "Counter[str]" = field(default_factory=Counter)  # tenant -> waiting turns
+    _waiting: "Counter[str]" = field(default_factory=Counter)  # session -> its waiting turns
+    _idle: "OrderedDict[str, None]" = field(default_factory=OrderedDict)  # retained between turns (Totals)
+    _idle_tokens: int = 0
+    # (expiry, seq, session) of retentions: expiring is O(log n) a retention, not a walk. Entries
+    # of sessions that came back or were evicted meanwhile are dropped when they surface.
+    _expiries: list = field(default_factory=list)
+    _seq: "itertools.count[int]" = field(default_factory=itertools.count)
     prefill: PrefillRate = field(default_factory=PrefillRate)  # what a re-prefill costs
 
     # -- what the engine replica calls ---------------------------------------------------
@@ -122,6 +129,7 @@ class KvBudget(Evictions, Totals):
             self._start(ticket, session, need)
             return ticket, [ticket]
         self.queue[ticket] = Waiter(ticket, session, need, now, tenant)
+        self._waiting[session] += 1
         self._tenant_queued[tenant] += 1
         self.counters.queued += 1
         return ticket, self._drain(now)
@@ -157,6 +165,7 @@ class KvBudget(Evictions, Totals):
             hold.soft = not firm
             self._change(hold, running=-need, turns=-1, retained=min(held, self.capacity))
             hold.expires_at = now + self.ttl(hold)
+            self._schedule_expiry(hold)
             self.counters.retained += 1
             self._cap_tenant(hold.tenant)
         else:
@@ -195,14 +204,13 @@ class KvBudget(Evictions, Totals):
         if not self.queue:
             return None
         head = next(iter(self.queue.values()))
-        times = [head.since + self._wait_bound(head, self._hold_no_touch(head.session))]
-        back = {w.session for w in self.queue.values()}
-        times += [h.expires_at for k, h in self.sessions.items() if h.retained and not h.turns and k not in back]
-        return min(times)
+        deadline = head.since + self._wait_bound(head, self._hold_no_touch(head.session))
+        expiry = self._next_expiry()
+        return deadline if expiry is None else min(deadline, expiry)
 
     def retained_sessions(self) -> dict[str, float]:
         """Session -> retention expiry (the engine keeps these sessions' blocks)."""
-        return {k: h.expires_at for k, h in self.sessions.items() if h.retained and not h.turns}
+        return {k: self.sessions[k].expires_at for k in self._idle}
 
     # -- figures -----------------------------------------------------------------------
 
@@ -212,7 +220,7 @@ class KvBudget(Evictions, Totals):
 
     @property
     def retained_tokens(self) -> int:
-        return sum(h.retained for h in self.sessions.values() if not h.turns)
+        return self._idle_tokens
 
     @property
     def queued_tokens(self) -> int:
@@ -244,7 +252,7 @@ class KvBudget(Evictions, Totals):
         head_wait = now - next(iter(self.queue.values())).since if self.queue else 0.0
         return {"capacity_tokens": self.capacity, "running_tokens": self.running_tokens,
                 "retained_tokens": self.retained_tokens, "queued_tokens": self.queued_tokens,
-                "retained_sessions": sum(1 for h in self.sessions.values() if h.retained and not h.turns),
+                "retained_sessions": len(self._idle),
                 "queued_turns": len(self.queue), "head_wait_s": round(head_wait, 3),
                 "admitted": c.admitted, "waited": c.queued, "queue_wait_s": round(c.queue_wait_s, 3),
                 "max_queue_wait_s": round(c.max_queue_wait_s, 3), "retained": c.retained,
@@ -261,18 +269,25 @@ class KvBudget(Evictions, Totals):
     def _hold(self, session: str) -> SessionHold:
         hold = self.sessions.get(session)
         if hold is None:
-            hold = self.sessions[session] = SessionHold()
+            hold = self.sessions[session] = SessionHold(key=session)
             self._forget_idle()
         else:
             self.sessions.move_to_end(session)
         return hold
 
     def _forget_idle(self) -> None:
-        # Pause statistics of long-gone sessions: the oldest idle ones go first.
+        # Pause statistics of long-gone sessions: the least recently used idle ones go first (the
+        # walk stops as soon as enough are gone: those at the front are the oldest).
         excess = len(self.sessions) - self.policy.max_sessions
         if excess <= 0:
             return
-        for key in [k for k, h in self.sessions.items() if not h.turns and not h.retained][:excess]:
+        gone = []
+        for key, h in self.sessions.items():
+            if not h.turns and not h.retained and key not in self._waiting:
+                gone.append(key)
+                if len(gone) >= excess:
+                    break
+        for key in gone:
             del self.sessions[key]
 
     def _fits(self, hold: SessionHold, need: int, spare: bool = True) -> bool:
@@ -296,13 +311,6 @@ class KvBudget(Evictions, Totals):
         self._change(hold, running=need, turns=1)  # a retained prefix stays counted: it is what this turn reuses
         self._admitted[ticket] = (session, need)
         self.counters.admitted += 1
-
-    def _expire(self, now: float) -> None:
-        back = {w.session for w in self.queue.values()}  # a session whose turn waits is back: it keeps its place
-        for key, hold in self.sessions.items():
-            if hold.retained and not hold.turns and hold.expires_at <= now and key not in back:
-                self._end_retention(key, hold)
-                self.counters.expired += 1
 
     def _drain(self, now: float) -> list[int]:
         """Admit what fits: the head in order; behind it, turns of sessions whose prefix is
@@ -353,6 +361,9 @@ class KvBudget(Evictions, Totals):
     def _dequeue(self, ticket: int) -> None:
         w = self.queue.pop(ticket, None)
         if w is not None:
+            self._waiting[w.session] -= 1
+            if not self._waiting[w.session]:
+                del self._waiting[w.session]
             self._tenant_queued[w.tenant] -= 1
             if not self._tenant_queued[w.tenant]:
                 del self._tenant_queued[w.tenant]
@@ -373,5 +384,5 @@ class KvBudget(Evictions, Totals):
     def _hold_no_touch(self, session: str) -> SessionHold:
         hold = self.sessions.get(session)
         if hold is None:
-            hold = self.sessions[session] = SessionHold()
+            hold = self.sessions[session] = SessionHold(key=session)
         return hold

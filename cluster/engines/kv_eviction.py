@@ -1,4 +1,5 @@
-"""How the KV budget ends retention early: for a waiting turn, for a tenant over its share.
+"""How the KV budget ends retention: when it expires, and early: for a waiting turn, for a
+tenant over its share.
 
 A mixin of `KvBudget` (`kv_budget.py`), split out to keep each file readable; it reads and
 changes the budget's holds only through `_change`, so the running totals stay exact.
@@ -6,7 +7,8 @@ changes the budget's holds only through `_change`, so the running totals stay ex
 
 from __future__ import annotations
 
-from typing import Any
+import heapq
+from typing import Any, Optional
 
 from cluster.engines.kv_policy import SessionHold, Waiter
 
@@ -21,6 +23,52 @@ class Evictions:
     dropped: list
     unpinning: dict
     _tenant_retained: Any
+    _idle: Any  # sessions retained between turns, least recently used first (kv_accounting.Totals)
+    _waiting: Any  # session -> its turns waiting in the queue
+    _expiries: list  # (expiry, seq, session) heap
+    _seq: Any
+
+    def _schedule_expiry(self, hold: SessionHold) -> None:
+        heapq.heappush(self._expiries, (hold.expires_at, next(self._seq), hold.key))
+        if len(self._expiries) > 2 * len(self._idle) + 1024:  # mostly stale: rebuild from the live ones
+            self._expiries = [(self.sessions[k].expires_at, next(self._seq), k) for k in self._idle]
+            heapq.heapify(self._expiries)
+
+    def _live_expiry(self, entry: tuple) -> Optional[SessionHold]:
+        hold = self.sessions.get(entry[2])
+        return hold if hold is not None and hold.idle_retained and hold.expires_at == entry[0] else None
+
+    def _next_expiry(self) -> Optional[float]:
+        """The soonest retention expiry of a session whose turn does not wait (it keeps its place)."""
+        aside, found = [], None
+        while self._expiries:
+            entry = self._expiries[0]
+            if self._live_expiry(entry) is None:
+                heapq.heappop(self._expiries)  # stale: it came back, or its retention ended otherwise
+            elif self._waiting[entry[2]]:
+                aside.append(heapq.heappop(self._expiries))
+            else:
+                found = entry[0]
+                break
+        for entry in aside:
+            heapq.heappush(self._expiries, entry)
+        return found
+
+    def _expire(self, now: float) -> None:
+        aside = []  # a session whose turn waits is back: it keeps its place
+        while self._expiries and self._expiries[0][0] <= now:
+            entry = heapq.heappop(self._expiries)
+            hold = self._live_expiry(entry)
+            if hold is None:
+                continue
+            if self._waiting[entry[2]]:
+                aside.append(entry)
+                continue
+            self._end_retention(entry[2], hold)
+            self.counters.expired += 1
+        for entry in aside:
+            heapq.heappush(self._expiries, entry)
+
     def _end_retention(self, key: str, hold: SessionHold) -> None:
         self.unpinning[key] = hold.retained  # the engine holds them until its unpin is delivered
         self._change(hold, retained=0)
@@ -31,11 +79,11 @@ class Evictions:
     def _evict_soft_for(self, waiter: Waiter, hold: SessionHold) -> None:
         """Soft retentions (a chain that may come back but gave no sign) give their room to a
         waiting turn at once, least recently used first."""
-        queued = {w.session for w in self.queue.values()}
-        for key, victim in list(self.sessions.items()):
+        for key in list(self._idle):
             if self._fits(hold, waiter.need):
                 return
-            if victim.soft and victim.idle_retained and key not in queued and key != waiter.session:
+            victim = self.sessions[key]
+            if victim.soft and key not in self._waiting and key != waiter.session:
                 self._end_retention(key, victim)
                 self.counters.evicted += 1
                 self.counters.evicted_soft += 1
@@ -46,10 +94,9 @@ class Evictions:
         waiting = list(self.queue.values())
         at = next(i for i, w in enumerate(waiting) if w.ticket == waiter.ticket)
         behind = {w.session: i for i, w in enumerate(waiting) if i > at}
-        queued = {w.session for w in waiting}
         # (a lifetime its client declared keeps a session's place longest among the idle)
-        candidates = [(0, bool(h.min_ttl), h.finished_at or 0.0, k) for k, h in self.sessions.items()
-                      if h.retained and not h.turns and k not in queued]
+        candidates = [(0, bool(h.min_ttl), h.finished_at or 0.0, k) for k in self._idle
+                      if k not in self._waiting for h in (self.sessions[k],)]
         candidates += [(1, False, -i, k) for k, i in behind.items() if k != waiter.session
                        and self.sessions[k].retained and not self.sessions[k].turns]
         for *_, key in sorted(candidates):
@@ -64,9 +111,10 @@ class Evictions:
         limit = self.policy.tenant_share * self.capacity
         if self._tenant_retained[tenant] <= limit:
             return
-        for key, h in list(self.sessions.items()):
+        for key in list(self._idle):
             if self._tenant_retained[tenant] <= limit:
                 break
-            if h.tenant == tenant and h.idle_retained:
+            h = self.sessions[key]
+            if h.tenant == tenant:
                 self._end_retention(key, h)
                 self.counters.over_share += 1

@@ -95,6 +95,7 @@ class SessionHold:
     # calls, never came back, no declared lifetime): its room goes to the first turn that needs it.
     soft: bool = False
 
+    key: str = ""  # the session's key in the budget
     shared: int = 0  # of its tokens, a head its tenant's sessions share (counted once for all of them)
     share_group: str = ""  # which head (kv_accounting.SharedHeads)
 

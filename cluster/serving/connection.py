@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
-from typing import Any, Mapping, Optional
+import time
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from ray.serve.handle import DeploymentHandle
 
@@ -54,6 +55,24 @@ from cluster.serving.responses import ResponsesService
 from cluster.serving.turns import TurnsService
 from cluster.store import ResponseStore, open_store
 
+HEALTH_TTL_S = 1.0
+
+
+class SharedCheck:
+    """An async check run at most once per `ttl_s`: callers meanwhile share its outcome."""
+
+    def __init__(self, check: Callable[[], Awaitable[None]], ttl_s: float) -> None:
+        self.check, self.ttl_s = check, ttl_s
+        self._last: Optional[asyncio.Future] = None
+        self._at = 0.0
+
+    async def __call__(self) -> None:
+        now = time.monotonic()
+        if self._last is None or (self._last.done() and now - self._at > self.ttl_s):
+            self._at = now
+            self._last = asyncio.ensure_future(self.check())
+        await asyncio.shield(self._last)
+
 log = logging.getLogger("loopserve.connection")
 DRAIN_SETTLE_S = 2.0  # how long a draining socket waits for its responses' store writes
 
@@ -69,6 +88,9 @@ class ConnectionServices:
         self.render, self.engine, self.safety, self.store = render, engine, safety, store
         self.usage = UsageMeter()
         self.safety_ledger = SafetyLedger()
+        # /health is open to anyone and a check asks every deployment for its stats: one check
+        # serves every caller for HEALTH_TTL_S (its failure too).
+        self.health = SharedCheck(self._check_health, HEALTH_TTL_S)
         self.post_work = PostWorkQueue({"usage": self.usage, "safety": self.safety_ledger},
                                        retries=config.post_work.retries, backoff_s=config.post_work.backoff_s)
         settings = turn_settings(config)
@@ -155,7 +177,7 @@ class ConnectionServices:
     def frame_too_large(self, size: int) -> ApiError:
         return frame_too_large(size, self.config.websocket.max_frame_bytes)
 
-    async def health(self) -> None:
+    async def _check_health(self) -> None:
         """Raises unless every deployment a turn needs answers."""
         checks = [self.render.stats(), self.engine.stats()]
         if self.safety is not None and self.safety.handle is not None:

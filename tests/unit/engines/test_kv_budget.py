@@ -1,5 +1,7 @@
 """The engine replica's KV budget as pure logic (cluster/engines/kv_budget.py), on a fake clock."""
 
+from collections import OrderedDict
+
 import pytest
 
 from cluster.engines.kv_budget import BudgetPolicy, KvBudget, QueueFull
@@ -425,3 +427,71 @@ def test_one_tenant_retains_at_most_its_share():
     b.finish(t, held=200, expect_back=True, now=4.5)
     # big holds 400 of 1000 after its oldest retention (a) went; small is untouched
     assert set(b.retained_sessions()) == {"b", "c", "d"} and b.counters.over_share == 1
+
+
+class CountingSessions(OrderedDict):
+    """The budget's session table, counting full walks over it."""
+
+    walks = 0
+    visited = 0
+
+    def items(self):
+        type(self).walks += 1
+        for entry in super().items():
+            type(self).visited += 1
+            yield entry
+
+    def values(self):
+        type(self).walks += 1
+        return super().values()
+
+
+def test_a_turn_does_not_walk_every_tracked_session():
+    """audit-2 N9: up to max_sessions (100,000) are tracked for their pauses, most of them long
+    idle; a turn's decisions look at the sessions that hold KV, not at all of them."""
+    budget = KvBudget(10_000, BudgetPolicy(retention=True))
+    budget.sessions = CountingSessions()
+    now = 0.0
+    for i in range(5_000):  # stateless HTTP turns: each a new session, none retained
+        t, _ = budget.request(f"gone{i}", 10, now)
+        budget.finish(t, 10, expect_back=False, now=now)
+        now += 0.01
+    for i in range(4):
+        t, _ = budget.request(f"agent{i}", 500, now)
+        budget.finish(t, 500, expect_back=True, now=now)
+    CountingSessions.walks = 0
+    for step in range(200):
+        now += 0.5
+        t, _ = budget.request(f"agent{step % 4}", 520, now)
+        budget.next_deadline()
+        budget.finish(t, 520, expect_back=True, now=now)
+        budget.tick(now)
+        assert budget.retained_tokens == sum(h.retained for h in dict(budget.sessions).values() if not h.turns)
+    assert CountingSessions.walks == 0
+    assert budget.snapshot(now)["retained_sessions"] == 4
+
+
+def test_retentions_expire_in_time_order_and_a_waiting_session_keeps_its_place():
+    budget = KvBudget(1_000, BudgetPolicy(retention=True, ttl_initial_s=10.0, max_queue_wait_s=1e9))
+    a, _ = budget.request("a", 400, 0.0)
+    budget.finish(a, 400, expect_back=True, now=0.0)  # expires at 10
+    b, _ = budget.request("b", 400, 5.0)
+    budget.finish(b, 400, expect_back=True, now=5.0)  # expires at 15
+    c, started = budget.request("c", 900, 6.0)  # does not fit: waits
+    assert started == [] and budget.next_deadline() == 10.0
+    budget.tick(10.0)
+    assert "a" in budget.take_dropped() and budget.sessions["b"].retained == 400
+    back, _ = budget.request("b", 450, 12.0)  # b's turn waits behind c: b is back, it keeps its place
+    budget.tick(20.0)
+    assert budget.sessions["b"].retained == 400 and "b" not in budget.take_dropped()
+
+
+def test_forgetting_idle_sessions_stops_as_soon_as_enough_are_gone():
+    budget = KvBudget(10_000, BudgetPolicy(retention=True, max_sessions=1_000))
+    budget.sessions = CountingSessions()
+    CountingSessions.visited = 0
+    for i in range(3_000):
+        t, _ = budget.request(f"s{i}", 10, float(i))
+        budget.finish(t, 10, expect_back=False, now=float(i))
+    assert len(budget.sessions) == 1_000 and "s2999" in budget.sessions and "s0" not in budget.sessions
+    assert CountingSessions.visited <= 2 * 2_000  # about one entry a forgotten session, not the table each time
