@@ -24,6 +24,9 @@ happening:
   its own pauses, at least its declared `prompt_cache_options.ttl` (clamped). A chain that
   can be continued but gave no sign is kept softly. One tenant's retained tokens are
   capped at `tenant_share`. Others free their tokens at once.
+- **Tenants.** A waiting turn of a tenant under its fair share (the capacity over the tenants
+  here) takes room at once from idle retention of tenants over theirs; retention beyond a
+  tenant's fair share is left out of the autoscaling demand.
 - **Accounting.** Re-prefills, waits, refusals, expirations and evictions are counted.
 
 The engine itself must keep the retained sessions' blocks while others run: vLLM's
@@ -231,8 +234,12 @@ class KvBudget(Evictions, Totals):
         return self._used
 
     def demand(self) -> float:
-        """(running + retained + queued) / capacity: what autoscaling follows."""
-        return (self.used + self.queued_tokens) / max(1, self.capacity)
+        """(running + retained + queued) / capacity: what autoscaling follows. Each tenant's
+        retained prefixes count up to its fair share only: one key's retention alone does not
+        scale the engines up."""
+        fair = self.fair_share()
+        over = sum(max(0.0, held - fair) for held in self._tenant_retained.values())
+        return max(0.0, self.used + self.queued_tokens - over) / max(1, self.capacity)
 
     def session_tokens(self) -> int:
         """Tokens a session typically holds here (its footprint; what one more costs a placement)."""
@@ -343,6 +350,7 @@ class KvBudget(Evictions, Totals):
                 continue  # behind a head that waited too long, nobody passes
             if not head_blocked and not self._fits(hold, w.need):
                 self._evict_soft_for(w, hold)
+                self._evict_over_share_for(w, hold)
             overdue = not head_blocked and now - w.since >= self._wait_bound(w, hold)
             if not self._fits(hold, w.need, spare=not overdue) and overdue:
                 self._evict_for(w, hold)

@@ -25,6 +25,7 @@ class Evictions:
     _tenant_retained: Any
     _idle: Any  # sessions retained between turns, least recently used first (kv_accounting.Totals)
     _waiting: Any  # session -> its turns waiting in the queue
+    _tenant_queued: Any  # tenant -> its turns waiting in the queue
     _expiries: list  # (expiry, seq, session) heap
     _seq: Any
 
@@ -87,6 +88,31 @@ class Evictions:
                 self._end_retention(key, victim)
                 self.counters.evicted += 1
                 self.counters.evicted_soft += 1
+
+    def fair_share(self, extra_tenant: Optional[str] = None) -> float:
+        """Each tenant's even part of the capacity, among the tenants holding retained prefixes
+        or waiting here (and `extra_tenant`)."""
+        tenants = set(self._tenant_retained) | set(self._tenant_queued)
+        if extra_tenant is not None:
+            tenants.add(extra_tenant)
+        return self.capacity / max(1, len(tenants))
+
+    def _evict_over_share_for(self, waiter: Waiter, hold: SessionHold) -> None:
+        """A waiting turn of a tenant under its fair share takes room from the idle retained
+        sessions of tenants over theirs, least recently used first, at once: one key's retention
+        cannot keep another key's new session waiting (for a TTL or the queue's wait bound)."""
+        fair = self.fair_share(waiter.tenant)
+        if len(self._tenant_retained.keys() | {waiter.tenant}) < 2 or self._tenant_retained[waiter.tenant] >= fair:
+            return
+        for key in list(self._idle):
+            if self._fits(hold, waiter.need):
+                return
+            victim = self.sessions[key]
+            if victim.tenant != waiter.tenant and self._tenant_retained[victim.tenant] > fair \
+                    and key not in self._waiting:
+                self._end_retention(key, victim)
+                self.counters.evicted += 1
+                self.counters.over_share += 1
 
     def _evict_for(self, waiter: Waiter, hold: SessionHold) -> None:
         # Idle sessions first (least recently used first); then sessions whose turn waits

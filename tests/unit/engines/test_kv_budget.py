@@ -495,3 +495,33 @@ def test_forgetting_idle_sessions_stops_as_soon_as_enough_are_gone():
         budget.finish(t, 10, expect_back=False, now=float(i))
     assert len(budget.sessions) == 1_000 and "s2999" in budget.sessions and "s0" not in budget.sessions
     assert CountingSessions.visited <= 2 * 2_000  # about one entry a forgotten session, not the table each time
+
+
+def test_one_tenant_s_retention_gives_way_to_another_tenant_s_new_session_at_once():
+    """audit-2 N8: tenant A's retained prefixes fill the replica; tenant B's first turn does not
+    wait for their TTLs or the queue's wait bound: A is over its fair share, B under."""
+    budget = KvBudget(10_000, BudgetPolicy(retention=True, ttl_initial_s=600.0, max_queue_wait_s=60.0,
+                                           compute_bound=True))
+    for i in range(10):
+        t, _ = budget.request(f"a{i}", 950, float(i), tenant="A")
+        budget.finish(t, 950, expect_back=True, now=float(i))
+    running, _ = budget.request("a-busy", 400, 10.0, tenant="A")  # something runs: waiting would cost nothing
+    assert budget.demand() == pytest.approx((9_500 + 400) / 10_000)  # one tenant: all of it counts
+    ticket, started = budget.request("b0", 2_000, 11.0, tenant="B")
+    assert started == [ticket]
+    assert budget.counters.over_share >= 2 and budget._tenant_retained["A"] <= 10_000 - 2_000 - 400
+    # A tenant at or under its share is not evicted for another: a second B session is not let
+    # in over A's remaining retention before B's fair share is reached.
+    budget.finish(ticket, 2_000, expect_back=True, now=12.0)
+    assert budget.sessions["b0"].retained == 2_000
+
+
+def test_retention_beyond_a_tenant_s_fair_share_does_not_drive_autoscaling():
+    budget = KvBudget(10_000, BudgetPolicy(retention=True, ttl_initial_s=600.0, max_queue_wait_s=60.0))
+    for i in range(9):
+        t, _ = budget.request(f"a{i}", 1_000, float(i), tenant="A")
+        budget.finish(t, 1_000, expect_back=True, now=float(i))
+    t, _ = budget.request("b0", 500, 10.0, tenant="B")
+    budget.finish(t, 500, expect_back=True, now=10.0)
+    # two tenants: each counts up to half the capacity; A's 9,000 retained count as 5,000
+    assert budget.demand() == pytest.approx((5_000 + 500) / 10_000)
