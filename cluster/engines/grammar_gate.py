@@ -26,6 +26,15 @@ class GrammarTooComplex(ValueError):
     """A schema the engine would take too long to compile (a 400 for the client)."""
 
 
+class GrammarBusy(Exception):
+    """New schemas of other requests fill the compiler for longer than a request may wait for it
+    (a 429 with Retry-After): one client's stream of slow schemas does not queue everyone's."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__("the structured-output compiler of this engine replica is busy with other new schemas")
+        self.retry_after_s = retry_after_s
+
+
 def _worker(conn: Any, model_path: str) -> None:
     import cluster  # noqa: F401  (torch extension guard before transformers)
     import xgrammar as xgr
@@ -50,7 +59,11 @@ def request_schemas(text_format: Optional[dict[str, Any]], tools: Iterable[dict[
 
     schemas = []
     if forced:
-        schemas += [json.dumps(t["function"]["parameters"]) for t in tools]
+        # vLLM compiles one grammar over all the tools (a structural tag); their parameters as
+        # one schema is the closest JSON-schema stand-in, and costs what the sum of them costs.
+        params = [t["function"]["parameters"] for t in tools]
+        if params:
+            schemas.append(json.dumps(params[0] if len(params) == 1 else {"anyOf": params}))
     elif text_format and text_format.get("type") == "json_schema":
         schemas.append(json.dumps(text_format["schema"]))
     return schemas
@@ -67,6 +80,7 @@ class GrammarGate:
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
         self._conn: Any = None
         self._up = False  # the worker said it is ready
+        self._restarting: Optional[asyncio.Task] = None
 
     @property
     def ready(self) -> bool:
@@ -85,25 +99,47 @@ class GrammarGate:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 continue
-            async with self._lock:
+            # A new schema waits for the compiler no longer than two compiles' time limit: past
+            # that, a stream of slow schemas (each just under the limit) is queueing everyone.
+            wait_s = 2 * self.time_limit_s
+            if self._restarting is not None and not self._restarting.done():
+                await asyncio.shield(self._restarting)  # a replacement worker starting is not a busy compiler
+            try:
+                await asyncio.wait_for(self._lock.acquire(), wait_s)
+            except asyncio.TimeoutError:
+                raise GrammarBusy(wait_s) from None
+            try:
                 await self._compile(schema)
+            finally:
+                self._lock.release()
             self._compiled[key] = None
             while len(self._compiled) > self.remember:
                 self._compiled.popitem(last=False)
 
     async def _compile(self, schema: str) -> None:
+        if self._restarting is not None and not self._restarting.done():
+            await asyncio.shield(self._restarting)
         if self._proc is None or not self._proc.is_alive():
             await self._start()
         self._conn.send(schema)
         if not await asyncio.to_thread(self._conn.poll, self.time_limit_s):
             self._stop()
             self.refused += 1
+            # Its replacement starts now, in the background (seconds: a process and a tokenizer),
+            # not inside the next requester's wait.
+            self._restarting = asyncio.get_running_loop().create_task(self._restart())
             raise GrammarTooComplex(
                 f"the JSON schema's grammar did not compile within {self.time_limit_s:g} s; simplify it (fewer "
                 "or shorter patterns, fewer properties)")
         status, detail = self._conn.recv()
         if status == "error":
             raise ValueError(f"the JSON schema cannot be compiled: {detail}")
+
+    async def _restart(self) -> None:
+        try:
+            await self._start()
+        except Exception as exc:  # noqa: BLE001 - the next new schema starts it again
+            log.warning("grammar worker did not restart: %s", exc)
 
     async def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # no copy of the engine's threads and CUDA state
@@ -113,7 +149,12 @@ class GrammarGate:
         self._proc.start()
         child.close()
         self._conn = parent
-        if not await asyncio.to_thread(parent.poll, 120):
+        try:
+            started = await asyncio.to_thread(parent.poll, 120)
+        except BaseException:  # cancelled (the gate is closing): no worker left behind
+            self._stop()
+            raise
+        if not started:
             self._stop()
             raise RuntimeError("the grammar worker did not start")
         parent.recv()
@@ -129,4 +170,6 @@ class GrammarGate:
         self._proc, self._conn = None, None
 
     def close(self) -> None:
+        if self._restarting is not None and not self._restarting.done():
+            self._restarting.cancel()
         self._stop()

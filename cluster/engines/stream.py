@@ -10,6 +10,7 @@ from typing import AsyncIterator, Callable, Optional
 
 from cluster.core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress
 from cluster.engines.base import Engine
+from cluster.engines.grammar_gate import GrammarBusy
 from cluster.engines.output_parser import StreamingOutputParser, ToolCallExtractor
 
 
@@ -65,6 +66,10 @@ async def stream_chunks(
     async with aclosing(engine.generate(request)) as deltas:
         try:
             delta = await anext(deltas, None)
+        except GrammarBusy as exc:
+            yield [EngineFailure(429, f"{exc}; retry shortly, or send a schema it has compiled before.",
+                                 code="rate_limit_exceeded", retry_after_s=exc.retry_after_s)]
+            return
         except ValueError as exc:  # the engine refused the request (e.g. a schema structured outputs cannot compile)
             yield [EngineFailure(400, f"The request cannot be generated: {str(exc)[:300]}", code="invalid_value")]
             return

@@ -56,16 +56,38 @@ def check_output_controls(req: ResponsesRequest, tools: list[dict[str, Any]], *,
             raise ApiError(400, f"The model '{model}' cannot be forced to call a tool: its tool-call format has no "
                                 "structured-output support. Use tool_choice 'auto'.",
                            param="tool_choice", code="unsupported_value")
-        # Forced calls compile the tools' parameters into the grammar.
-        for i, tool in enumerate(req.tools or []):
-            if isinstance(tool.get("parameters"), dict):
-                check_grammar_cost(tool["parameters"], f"tools[{i}].parameters")
+        # Forced calls compile every offered function's parameters into one grammar, the
+        # functions nested in namespace tools included: each is checked, and so is their sum.
+        if len(tools) > MAX_FORCED_TOOLS:
+            raise ApiError(400, f"A forced tool call compiles every offered function into one grammar; at most "
+                                f"{MAX_FORCED_TOOLS} functions may be offered with it ({len(tools)} were).",
+                           param="tools", code="invalid_value")
+        params = [spec["function"]["parameters"] for spec in tools]
+        for schema, param in zip(params, _function_params(req.tools or [])):
+            check_grammar_cost(schema, param)
+        if len(params) > 1:
+            check_grammar_cost({"anyOf": params}, "tools", max_bytes=MAX_FORCED_SCHEMA_BYTES)
+
+
+def _function_params(tools: list[dict[str, Any]]) -> list[str]:
+    """Where each offered function's parameters are in the request, in `normalize_tools` order."""
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") == "function":
+            out.append(f"tools[{i}].parameters")
+        elif tool.get("type") == "namespace":
+            field = "tools" if tool.get("tools") else "functions"
+            out += [f"tools[{i}].{field}[{j}].parameters" for j, nested in enumerate(tool.get(field) or [])
+                    if isinstance(nested, dict) and isinstance(nested.get("name"), str)]
+    return out
 
 
 # What a schema may ask of vLLM's grammar compiler. It compiles on one worker per engine, so
 # one slow schema holds back every later request to that replica: measured here, the 47-byte
 # pattern ^(a|b){16000}$ took 48 s (6,000: 5.6 s, about quadratic in the expansion).
 MAX_SCHEMA_BYTES = 64 * 1024
+MAX_FORCED_TOOLS = 128  # functions one forced tool call may choose among (one grammar over all)
+MAX_FORCED_SCHEMA_BYTES = 4 * MAX_SCHEMA_BYTES  # their parameters together
 MAX_PATTERN_CHARS = 1000
 MAX_PATTERN_EXPANSION = 2000  # atoms after expanding bounded repetition ({n,m}), nested ones multiplied
 MAX_SCHEMA_EXPANSION = 10 * MAX_PATTERN_EXPANSION  # all patterns of one schema together
@@ -124,16 +146,17 @@ def pattern_expansion(pattern: str) -> int:
     return sum(stack)
 
 
-def check_grammar_cost(schema: Any, param: str) -> None:
+def check_grammar_cost(schema: Any, param: str, max_bytes: int = 0) -> None:
     """A 400 for a JSON schema whose grammar would take the engine too long to compile."""
     import json
 
+    max_bytes = max_bytes or MAX_SCHEMA_BYTES
     try:
         size = len(json.dumps(schema))
     except (TypeError, ValueError, RecursionError):
         raise ApiError(400, "The JSON schema cannot be serialized.", param=param, code="invalid_value") from None
-    if size > MAX_SCHEMA_BYTES:
-        raise ApiError(400, f"The JSON schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed.",
+    if size > max_bytes:
+        raise ApiError(400, f"The JSON schema is {size} bytes; at most {max_bytes} are allowed.",
                        param=param, code="invalid_value")
     stack, total = [schema], 0
     while stack:

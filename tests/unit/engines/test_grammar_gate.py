@@ -82,3 +82,25 @@ def test_the_schemas_a_request_makes_the_engine_compile():
     assert request_schemas(fmt, [tool], forced=False) == ['{"type": "integer"}']
     assert request_schemas(fmt, [tool], forced=True) == ['{"type": "object"}']  # a forced call wins
     assert request_schemas(None, [tool], forced=False) == []
+    other = {"type": "function", "function": {"name": "write", "parameters": {"type": "string"}}}
+    # vLLM compiles one grammar over every tool of a forced call: the gate compiles them as one
+    assert request_schemas(None, [tool, other], forced=True) == ['{"anyOf": [{"type": "object"}, {"type": "string"}]}']
+
+
+async def test_new_schemas_wait_for_the_compiler_a_bounded_time(tiny_model_dir):
+    """audit-2 N10: a client sending slow schemas one after another (each refused at the limit)
+    does not queue every other new schema behind them: past twice the limit, a 429."""
+    from cluster.engines.grammar_gate import GrammarBusy
+
+    gate = GrammarGate(str(tiny_model_dir), time_limit_s=0.3)
+    try:
+        await gate.check([SIMPLE])
+        slow = [json.dumps({**slow_schema(10), "title": f"v{i}"}) for i in range(4)]
+        outcomes = await asyncio.gather(*(gate.check([s]) for s in slow), return_exceptions=True)
+        kinds = sorted(type(o).__name__ for o in outcomes)
+        assert "GrammarTooComplex" in kinds and "GrammarBusy" in kinds, kinds
+        busy = next(o for o in outcomes if isinstance(o, GrammarBusy))
+        assert busy.retry_after_s == pytest.approx(0.6)
+        await gate.check([json.dumps({"type": "boolean"})])  # and the gate works on afterwards
+    finally:
+        gate.close()

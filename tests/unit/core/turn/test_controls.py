@@ -131,3 +131,37 @@ async def test_truncation_work_is_bounded_by_the_context_not_the_body(tokenizer)
     # the whole body once (it did not fit), then renders of the newest turns only
     sizes = sorted(len(job.items) for job in full)
     assert len(full) <= 2 + 2 * 9 and sizes[-2] < 200  # O(log turns); no second render of the whole body
+
+
+def _forced(tools):
+    req = parse_request({"input": "x", "tools": tools, "tool_choice": "required"})
+    check_output_controls(req, normalize_tools(req.tools), model="m", can_force_tool_calls=True)
+
+
+def test_a_forced_call_checks_the_functions_nested_in_namespace_tools():
+    """audit-2 N10: the 47-byte ^(a|b){16000}$ took 48 s to compile; inside a namespace tool it
+    was forced into the grammar unchecked."""
+    bomb = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(a|b){16000}$"}}}
+    with pytest.raises(ApiError) as err:
+        _forced([{"type": "function", "name": "ok", "parameters": {"type": "object"}},
+                 {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f", "parameters": bomb}]}])
+    assert err.value.param == "tools[1].tools[0].parameters" and "repeats too much" in err.value.message
+
+
+def test_a_forced_call_bounds_its_functions_and_their_sum():
+    from cluster.core.turn.controls import MAX_FORCED_TOOLS, MAX_SCHEMA_EXPANSION
+
+    many = [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(MAX_FORCED_TOOLS + 1)]
+    with pytest.raises(ApiError) as err:
+        _forced(many)
+    assert err.value.param == "tools" and str(MAX_FORCED_TOOLS) in err.value.message
+    _forced(many[:MAX_FORCED_TOOLS])  # at the bound: fine
+    # each function within the schema bound, all of them together over it (one grammar)
+    per_tool = MAX_SCHEMA_EXPANSION // 1800 // 2 + 1
+    heavy = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^(a|b){900}$"}
+                                              for i in range(per_tool)}}
+    with pytest.raises(ApiError) as err:
+        _forced([{"type": "function", "name": "a", "parameters": heavy},
+                 {"type": "function", "name": "b", "parameters": heavy}])
+    assert err.value.param == "tools" and "together" in err.value.message
+    _forced([{"type": "function", "name": "a", "parameters": heavy}])
