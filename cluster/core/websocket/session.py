@@ -163,9 +163,11 @@ class WebSocketSession:
             elif isinstance(action, SendError):
                 await self._send_error(action.error, action.stream_id)
             elif isinstance(action, Enqueued):
-                if action.announce is not None:
-                    await self._send(action.announce)
-                action.create.announced.set()
+                try:
+                    if action.announce is not None:
+                        await self._send(action.announce)
+                finally:  # a failed send (the client left) must not leave its lane waiting forever
+                    action.create.announced.set()
             elif isinstance(action, RunLane):
                 task = self._lane_tasks.get(action.key)
                 if task is None or task.done():
