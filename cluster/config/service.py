@@ -69,6 +69,8 @@ class LimitsConfig(StrictModel):
     can pin in a replica's caches."""
     max_background: int = Field(256, ge=1)
     """`background: true` responses running at once on one replica (429 beyond)."""
+    max_background_per_tenant: int = Field(64, ge=1)
+    """Of those, what one tenant may have running (429 beyond): one key cannot take every slot."""
 
 
 class CacheConfig(StrictModel):

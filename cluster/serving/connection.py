@@ -101,7 +101,8 @@ class ConnectionServices:
                                  items=store.get_item if store is not None else None, sealer=cluster_sealer(config))
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
         self.memory = CacheMemory(config.cache.max_entries, config.cache.max_bytes, config.cache.connections_max_bytes)
-        self.responses = ResponsesService(self.driver, self.registry, store, max_background=config.limits.max_background)
+        self.responses = ResponsesService(self.driver, self.registry, store, max_background=config.limits.max_background,
+                                          max_background_per_tenant=config.limits.max_background_per_tenant)
         self.post_work.add("persist", self.responses.persist, retry_for_s=config.store.write_retry_s)
         if safety is not None:
             self.post_work.add("output_safety", OutputTailCheck(safety, self.safety_ledger,

@@ -40,9 +40,10 @@ def not_found(response_id: str) -> ApiError:
 
 class ResponsesService:
     def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore],
-                 max_background: int = 256) -> None:
+                 max_background: int = 256, max_background_per_tenant: int = 64) -> None:
         self.driver = driver
         self.max_background = max_background
+        self.max_background_per_tenant = max_background_per_tenant
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
         self.background: dict[str, dict[str, Any]] = {}  # id -> {"task", "response", "tenant"}
@@ -228,6 +229,10 @@ class ResponsesService:
         if len(self.background) >= self.max_background:
             raise ApiError(429, f"Too many background responses in progress (limit {self.max_background}); "
                                 "retry when some have finished.", code="rate_limit_exceeded")
+        if sum(1 for e in self.background.values() if e["tenant"] == tenant) >= self.max_background_per_tenant:
+            raise ApiError(429, f"Too many background responses of yours in progress (limit "
+                                f"{self.max_background_per_tenant}); retry when some have finished.",
+                           code="rate_limit_exceeded")
         rid = new_id("resp")
         response = build_response(response_id=rid, model=self.driver.model_name, request=req,
                                   previous_response_id=req.previous_response_id,

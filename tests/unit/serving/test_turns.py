@@ -185,3 +185,25 @@ async def test_a_socket_opened_while_draining_is_drained(tokenizer):
         await asyncio.sleep(0.01)
     assert closed, "the session was not closed for the drain"
     await turns.close_socket(socket)
+
+
+async def test_one_tenant_cannot_take_every_background_slot(tokenizer):
+    """audit-2 N12: background slots are per replica; one key may hold at most its share."""
+    stack = InProcessStack(tokenizer, tokens_per_second=5)  # slow: the responses stay in progress
+    responses = ResponsesService(stack.driver, SessionCache(), None, max_background=3, max_background_per_tenant=2)
+    from cluster.protocol.requests import parse_request
+
+    req = parse_request({**_body(background=True, store=True), "max_output_tokens": 200})
+    try:
+        for _ in range(2):
+            responses.start_background(req, "tenant-a", "s")
+        with pytest.raises(ApiError) as over:
+            responses.start_background(req, "tenant-a", "s")
+        assert over.value.status == 429 and "of yours" in over.value.message
+        assert responses.start_background(req, "tenant-b", "s")["status"] == "queued"  # another key still gets one
+        with pytest.raises(ApiError) as full:
+            responses.start_background(req, "tenant-c", "s")
+        assert full.value.status == 429 and "limit 3" in full.value.message
+    finally:
+        for entry in list(responses.background.values()):
+            entry["task"].cancel()
