@@ -20,45 +20,40 @@ import hmac
 import logging
 import secrets
 import ssl
-import struct
-from array import array
-from dataclasses import fields
-from operator import attrgetter
+from collections import Counter
 from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
-import msgpack
-
-from cluster.core.messages import (
-    EngineChunk,
-    EngineDone,
-    EngineFailure,
-    EngineQueued,
-    EngineRequest,
-    ReasoningPiece,
-    TextPiece,
-    TokenProgress,
-    ToolCallPiece,
-    done_of,
+from cluster.core.messages import EngineChunk, EngineRequest, done_of
+from cluster.engines.channel_codec import (  # noqa: F401 - the wire format, re-exported
+    CANCEL,
+    CHUNK,
+    END,
+    ERROR,
+    HELLO,
+    MAX_FRAME,
+    START,
+    ChannelError,
+    Frames,
+    _frame,
+    _read,
+    decode_chunk,
+    decode_request,
+    encode_chunk,
+    encode_request,
 )
 
 log = logging.getLogger("loopserve.channel")
 
-HELLO, START, CANCEL, CHUNK, END, ERROR = range(6)
-MAX_FRAME = 256 * 1024 * 1024
 MAX_HELLO = 512  # the only frame read before the secret is checked
 MAX_STREAMS = 256  # requests in flight on one engine replica's channel; past it, callers use the handle
 # Connections one channel serves at once (a connection replica needs one): past it, a new one is
 # closed at once, authenticated or not; its caller goes back to the handle.
 MAX_CONNECTIONS = 1024
-_LEN = struct.Struct(">I")
-_REQUEST_FIELDS = [f.name for f in fields(EngineRequest)]
-_PROMPT = _REQUEST_FIELDS.index("prompt_token_ids")
-_UNPIN = _REQUEST_FIELDS.index("kv_unpin")
-_IMAGES = _REQUEST_FIELDS.index("images")
-
-
-class ChannelError(Exception):
-    """The channel failed (connection refused or lost, bad secret)."""
+# Connections that have not said HELLO yet have slots of their own (and a short time to say it):
+# a LAN peer holding sockets open cannot take the slots of the replicas that know the secret.
+MAX_PENDING_HELLO = 64
+MAX_PENDING_PER_PEER = 8
+HELLO_TIMEOUT_S = 2.0
 
 
 class StopSignal(Protocol):
@@ -70,103 +65,6 @@ class StopSignal(Protocol):
 
 
 _STOPPED = object()  # a stream's queue entry: its caller's stop was set
-
-
-# -- codec ------------------------------------------------------------------------------
-
-
-def encode_request(req: EngineRequest) -> list:
-    values = [getattr(req, name) for name in _REQUEST_FIELDS]
-    values[_PROMPT] = req.prompt_token_ids.tobytes()
-    values[_REQUEST_FIELDS.index("tools")] = list(req.tools)
-    values[_IMAGES] = list(req.images)
-    return values
-
-
-def decode_request(values: list) -> EngineRequest:
-    values = list(values)
-    prompt = array("i")
-    prompt.frombytes(values[_PROMPT])
-    values[_PROMPT] = prompt
-    values[_UNPIN] = tuple(values[_UNPIN])
-    values[_IMAGES] = tuple(values[_IMAGES])
-    return EngineRequest(*values)
-
-
-_PIECES = (TextPiece, ReasoningPiece, ToolCallPiece, TokenProgress, EngineDone, EngineFailure, EngineQueued)
-
-
-def _reader(cls: type) -> Callable[[Any], tuple]:
-    names = [f.name for f in fields(cls)]
-    if len(names) == 1:
-        return lambda piece, name=names[0]: (getattr(piece, name),)
-    return attrgetter(*names)
-
-
-# Pieces hold scalars only: their fields read as they are (`dataclasses.astuple` deep-copies each
-# value: 7.0 -> 1.1 us for a two-piece chunk, on every token of every stream).
-_ENCODERS = {cls: (kind, _reader(cls)) for kind, cls in enumerate(_PIECES)}
-
-
-def encode_chunk(chunk: EngineChunk) -> list:
-    out = []
-    for piece in chunk:
-        kind, read = _ENCODERS[type(piece)]
-        out.append([kind, *read(piece)])
-    return out
-
-
-def decode_chunk(data: list) -> EngineChunk:
-    return [_PIECES[kind](*values) for kind, *values in data]
-
-
-def _frame(msg: list) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
-
-
-def _message(body: Any) -> list:
-    msg = msgpack.unpackb(body, raw=False)
-    if not isinstance(msg, list) or not msg:
-        raise ChannelError("malformed frame")
-    return msg
-
-
-async def _read(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> list:
-    """One frame, reading no byte past it (the handshake: what follows belongs to `Frames`)."""
-    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > limit:
-        raise ChannelError(f"frame of {size} bytes")
-    return _message(await reader.readexactly(size))
-
-
-class Frames:
-    """The frames of a stream, parsed from whatever one read brought: a burst of engine chunks
-    costs one await, not two a frame. Holds at most one frame (<= `limit`) plus one read."""
-
-    READ = 64 * 1024
-
-    def __init__(self, reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> None:
-        self._reader, self._limit = reader, limit
-        self._buf = bytearray()
-
-    async def next(self) -> list:
-        buf = self._buf
-        while True:
-            if len(buf) >= _LEN.size:
-                (size,) = _LEN.unpack_from(buf)
-                if size > self._limit:
-                    raise ChannelError(f"frame of {size} bytes")
-                end = _LEN.size + size
-                if len(buf) >= end:
-                    with memoryview(buf) as view:
-                        msg = _message(view[_LEN.size : end])
-                    del buf[:end]  # cheap at the front of a bytearray
-                    return msg
-            data = await self._reader.read(self.READ)
-            if not data:
-                raise asyncio.IncompleteReadError(bytes(buf), None)
-            buf += data
 
 
 # -- server (in the engine replica) ------------------------------------------------------
@@ -194,7 +92,8 @@ class ChannelServer:
                  tls: Optional[ssl.SSLContext] = None, max_connections: int = MAX_CONNECTIONS) -> None:
         self.handler = handler
         self.max_connections = max_connections
-        self.connections = 0
+        self.connections = 0  # authenticated
+        self.pending: Counter[str] = Counter()  # peer address -> connections that have not said HELLO
         self.tls = tls
         self.max_streams = max_streams
         self.secret = secret or secrets.token_hex(16)
@@ -219,14 +118,26 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         running: dict[int, asyncio.Task] = {}
-        if self.connections >= self.max_connections:
+        peer = str((writer.get_extra_info("peername") or ("?",))[0])
+        if self.connections >= self.max_connections or sum(self.pending.values()) >= MAX_PENDING_HELLO \
+                or self.pending[peer] >= MAX_PENDING_PER_PEER:
             writer.close()
             return
-        self.connections += 1
+        self.pending[peer] += 1
+        authenticated = False
         try:
-            hello = await asyncio.wait_for(_read(reader, MAX_HELLO), 10)
+            try:
+                hello = await asyncio.wait_for(_read(reader, MAX_HELLO), HELLO_TIMEOUT_S)
+            finally:
+                self.pending[peer] -= 1
+                if not self.pending[peer]:
+                    del self.pending[peer]
             if len(hello) != 2 or hello[0] != HELLO or not hmac.compare_digest(str(hello[1]), self.secret):
                 return
+            if self.connections >= self.max_connections:
+                return
+            self.connections += 1
+            authenticated = True
             writer.write(_frame([HELLO, "ok"]))
             frames = Frames(reader)
             while True:
@@ -250,7 +161,8 @@ class ChannelServer:
         except Exception as exc:  # noqa: BLE001 - a malformed peer loses its connection, nothing else
             log.debug("engine channel peer dropped: %s", type(exc).__name__)
         finally:
-            self.connections -= 1
+            if authenticated:
+                self.connections -= 1
             for task in list(running.values()):
                 task.cancel()  # the caller went away: abort its generations
             writer.close()

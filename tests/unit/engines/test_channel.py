@@ -338,26 +338,37 @@ async def test_mutual_tls_carries_the_channel_and_refuses_peers_outside_the_clus
         await server.close()
 
 
-async def test_connections_past_the_bound_are_closed_before_anything_is_read():
-    """Issue 22, item 11: idle or unauthenticated connections cannot pile up on a channel."""
-    server = ChannelServer(Engine(), max_connections=4)
+async def test_connections_that_do_not_say_hello_cannot_take_the_authenticated_slots():
+    """Issue 22 item 11, audit-2 N11: idle or unauthenticated connections cannot pile up on a
+    channel, nor take the slots of the replicas that know its secret."""
+    from cluster.engines.channel import HELLO_TIMEOUT_S, MAX_PENDING_PER_PEER
+
+    server = ChannelServer(Engine(), max_connections=2)
     await server.start("127.0.0.1", bind="127.0.0.1")
     host, port = server.address.split(":")
-    idle = [await asyncio.open_connection(host, int(port)) for _ in range(4)]  # never say HELLO
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(MAX_PENDING_PER_PEER)]  # never say HELLO
+    pools = [ChannelPool() for _ in range(3)]
     try:
         await asyncio.sleep(0.1)
-        assert server.connections == 4
-        with pytest.raises(ChannelError):  # the fifth, even with the secret, is closed
-            _ = [c async for c in ChannelPool().stream(server.endpoint, request())]
-        for _, w in idle[:2]:
-            w.close()
-        await asyncio.sleep(0.1)
-        pool = ChannelPool()
-        assert [c async for c in pool.stream(server.endpoint, request(1))] == CHUNKS  # room again
-        await pool.close()
+        assert server.pending["127.0.0.1"] == MAX_PENDING_PER_PEER and server.connections == 0
+        extra_r, extra_w = await asyncio.open_connection(host, int(port))  # one more from that peer: closed at once
+        assert await asyncio.wait_for(extra_r.read(), 1) == b""
+        extra_w.close()
+        await asyncio.sleep(HELLO_TIMEOUT_S + 0.3)  # the idle ones are dropped after the HELLO timeout
+        assert not server.pending
+        for r, _ in idle:
+            assert await asyncio.wait_for(r.read(), 1) == b""
+        # authenticated connections have max_connections slots of their own
+        for n, pool in enumerate(pools[:2]):
+            assert [c async for c in pool.stream(server.endpoint, request(n))] == CHUNKS
+        assert server.connections == 2
+        with pytest.raises(ChannelError):  # the third is closed
+            _ = [c async for c in pools[2].stream(server.endpoint, request(9))]
     finally:
         for _, w in idle:
             w.close()
+        for pool in pools:
+            await pool.close()
         await server.close()
 
 
