@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any, Optional, Union
+from urllib.parse import urlsplit
 
 from ray.serve import Application
 
@@ -98,6 +100,24 @@ def connection_options(config: LoopserveConfig) -> dict[str, Any]:
     return opts
 
 
+log = logging.getLogger("loopserve")
+
+
+def inline_secrets(config: LoopserveConfig) -> list[str]:
+    """Secrets written into the config itself: Serve keeps the deployed config, and `serve config`
+    and the dashboard (`/api/serve/applications/`) show it to whoever can reach them."""
+    found = []
+    if config.sealing.keys:
+        found.append("sealing.keys (use sealing.keys_file)")
+    if config.auth.keys or config.auth.admin_keys:
+        found.append("auth.keys / auth.admin_keys (unsalted sha256 digests: a weak key can be recovered from "
+                     "its digest; use auth.keys_file)")
+    if config.store.backend == "postgres" and not config.store.postgres_dsn_env \
+            and urlsplit(config.store.postgres_dsn).password:
+        found.append("store.postgres_dsn with a password (use store.postgres_dsn_env)")
+    return found
+
+
 def with_sealing_key(config: LoopserveConfig) -> LoopserveConfig:
     """`config` with a sealing key of this deployment's own when it configures none: every replica
     is bound with the same config, so blobs open on any of them, and stop opening after a redeploy
@@ -124,6 +144,11 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
         from cluster.models.builtin import check_can_make
 
         check_can_make(config.model.builtin)  # a missing package fails here, not in every replica
+    for secret in inline_secrets(config):
+        log.warning("the config holds a secret inline, which Serve shows in its deployed config: %s", secret)
+    if not (config.sealing.keys or config.sealing.keys_file):
+        log.info("no sealing key configured: this deployment makes its own, so blobs handed out before a redeploy "
+                 "or config update no longer open after it (set sealing.keys_file to keep them)")
     config = with_sealing_key(config)
     fast = config.serve_fast_path
     render = None

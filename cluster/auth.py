@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from cluster.config import ApiKey, AuthConfig
 from cluster.protocol.errors import ApiError
+
+log = logging.getLogger("loopserve.auth")
 
 
 @dataclass(frozen=True)
@@ -25,18 +29,62 @@ class Principal:
 ANONYMOUS = Principal("default", "anonymous", 1_000_000, 1_000_000_000)
 
 
+KEYS_FILE_CHECK_S = 5.0  # how often `auth.keys_file` is looked at for a change
+
+
 class Authenticator:
+    """Keys from the config and `auth.keys_file`. The file is read again when it changes (looked
+    at every KEYS_FILE_CHECK_S): a revoked key stops working within seconds, on sockets already
+    open too (their next create), without a restart."""
+
     def __init__(self, config: AuthConfig) -> None:
-        self._keys: list[tuple[bytes, ApiKey]] = [(bytes.fromhex(k.sha256), k) for k in config.keys]
-        self._admin: list[bytes] = [bytes.fromhex(d) for d in config.admin_keys]
+        self._config = config
+        self._file = Path(config.keys_file) if config.keys_file else None
+        self._file_seen: Optional[tuple[int, int]] = self._stamp()
+        self._checked_at = time.monotonic()
+        self._load(config.resolved())  # raises KeysMissing at start, never on a reload
         self._windows: dict[str, deque[float]] = {}
         self._connections: dict[str, int] = {}
+
+    def _load(self, resolved: AuthConfig) -> None:
+        self._keys: list[tuple[bytes, ApiKey]] = [(bytes.fromhex(k.sha256), k) for k in resolved.keys]
+        self._admin: list[bytes] = [bytes.fromhex(d) for d in resolved.admin_keys]
+        self._key_ids = frozenset(k.sha256[:12] for k in resolved.keys)
+
+    def _stamp(self) -> Optional[tuple[int, int]]:
+        try:
+            st = self._file.stat() if self._file is not None else None
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size) if st is not None else None
+
+    def refresh(self, now: Optional[float] = None) -> None:
+        """Read `keys_file` again if it changed (a bad or missing file keeps the keys in force)."""
+        now = time.monotonic() if now is None else now
+        if self._file is None or now - self._checked_at < KEYS_FILE_CHECK_S:
+            return
+        self._checked_at = now
+        stamp = self._stamp()
+        if stamp is None or stamp == self._file_seen:
+            return
+        try:
+            resolved = self._config.resolved()
+            if self._keys and not resolved.keys:  # a server with keys never turns keyless (open) on a reload
+                raise ValueError("it holds no key")
+            self._load(resolved)
+        except Exception as exc:  # noqa: BLE001 - a half-written Secret: keep what works, say so
+            log.warning("auth.keys_file %s changed but was not loaded (%s); the previous keys stay in force",
+                        self._file, exc)
+            return
+        self._file_seen = stamp
+        log.info("auth.keys_file %s reloaded: %d keys", self._file, len(self._keys))
 
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
 
     def authenticate(self, authorization: Optional[str]) -> Principal:
+        self.refresh()
         if not self._keys:
             return ANONYMOUS
         digest = _bearer_digest(authorization)
@@ -59,7 +107,11 @@ class Authenticator:
             raise ApiError(401, "Incorrect admin key provided.", code="invalid_api_key", type="invalid_request_error")
 
     def admit_request(self, p: Principal, now: Optional[float] = None) -> None:
-        """A create (or a request that renders like one): sliding one-minute window per key; 429 past the limit."""
+        """A create (or a request that renders like one): sliding one-minute window per key; 429 past the limit.
+        A key revoked since its socket opened is refused (401)."""
+        self.refresh()
+        if self._keys and p is not ANONYMOUS and p.key_id not in self._key_ids:
+            raise ApiError(401, "This API key has been revoked.", code="invalid_api_key", type="invalid_request_error")
         self._admit(p.key_id, p.requests_per_minute, "requests", now)
 
     def admit_read(self, p: Principal, now: Optional[float] = None) -> None:

@@ -84,7 +84,7 @@ class ConnectionServices:
         self.metrics = telemetry.Metrics()
         if render.local is not None:
             watch_fallbacks(render.local, self.metrics)
-        self.auth = Authenticator(config.auth.resolved())  # refuses to start without keys it requires
+        self.auth = Authenticator(config.auth)  # refuses to start without keys it requires; rereads keys_file
         self.render, self.engine, self.safety, self.store = render, engine, safety, store
         self.usage = UsageMeter()
         self.safety_ledger = SafetyLedger()

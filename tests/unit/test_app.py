@@ -222,3 +222,21 @@ def test_the_old_spellings_still_read_as_serves_options(caplog):
     assert {k: opts["ray_actor_options"][k] for k in ("num_cpus", "num_gpus", "resources", "memory")} == {
         "num_cpus": 0.5, "num_gpus": 1, "resources": {"n": 1}, "memory": 5}
     assert opts["autoscaling_config"]["max_replicas"] == 3 and opts["max_queued_requests"] == 7
+
+
+def test_secrets_written_into_the_config_are_named():
+    """audit-2 N17: Serve shows the deployed config (`serve config`, the dashboard); a secret in it
+    is named at build time with where it belongs instead."""
+    from cluster.app import inline_secrets
+    from cluster.auth import key_sha256
+    from cluster.config import LoopserveConfig
+
+    assert inline_secrets(LoopserveConfig()) == []
+    leaky = LoopserveConfig(
+        sealing={"keys": {"k1": "A" * 43 + "="}},
+        auth={"keys": [{"sha256": key_sha256("sk-x"), "tenant": "t"}]},
+        store={"backend": "postgres", "postgres_dsn": "postgresql://app:hunter2@db:5432/app"})
+    named = inline_secrets(leaky)
+    assert [n.split(" ")[0] for n in named] == ["sealing.keys", "auth.keys", "store.postgres_dsn"]
+    quiet = LoopserveConfig(store={"backend": "postgres", "postgres_dsn": "postgresql://app@db:5432/app"})
+    assert inline_secrets(quiet) == []

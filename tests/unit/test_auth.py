@@ -21,3 +21,33 @@ def test_reads_are_limited_in_a_window_of_their_own():
     with pytest.raises(ApiError):
         auth.admit_request(p, now=101.5)
     auth.admit_read(p, now=160.5)  # the window slides
+
+
+def test_a_key_removed_from_the_keys_file_stops_working_without_a_restart(tmp_path):
+    """audit-2 N17: keys_file was read once, at start; a revoked key kept working until a restart
+    (on open sockets, up to their 60 minutes)."""
+    import yaml
+
+    from cluster.auth import KEYS_FILE_CHECK_S, key_sha256
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": [{"sha256": key_sha256("sk-a"), "tenant": "a"},
+                                             {"sha256": key_sha256("sk-b"), "tenant": "b"}]}))
+    auth = Authenticator(AuthConfig(keys_file=str(keys), require_keys=True))
+    b = auth.authenticate("Bearer sk-b")  # a socket of b's opens
+    auth.admit_request(b)
+    keys.write_text(yaml.safe_dump({"keys": [{"sha256": key_sha256("sk-a"), "tenant": "a"}]}) + "\n# revoked b\n")
+    auth.refresh(now=__import__("time").monotonic() + KEYS_FILE_CHECK_S + 1)
+    with pytest.raises(ApiError) as revoked:
+        auth.authenticate("Bearer sk-b")
+    assert revoked.value.status == 401
+    with pytest.raises(ApiError) as on_open_socket:  # its open socket's next create
+        auth.admit_request(b)
+    assert on_open_socket.value.status == 401 and "revoked" in on_open_socket.value.message
+    assert auth.authenticate("Bearer sk-a").tenant == "a"
+    # A broken or emptied file keeps the keys in force: a server with keys never turns keyless.
+    keys.write_text("keys: []\n")
+    auth.refresh(now=__import__("time").monotonic() + 2 * KEYS_FILE_CHECK_S + 2)
+    assert auth.enabled and auth.authenticate("Bearer sk-a").tenant == "a"
+    with pytest.raises(ApiError):
+        auth.authenticate(None)
