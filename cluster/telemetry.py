@@ -89,13 +89,22 @@ def _exporters(config: TelemetryConfig):
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
+        if config.ca_file:  # TLS, the collector's certificate checked against this CA
+            import grpc
+
+            with open(config.ca_file, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            return (OTLPSpanExporter(endpoint=config.endpoint, insecure=False, credentials=creds),
+                    OTLPMetricExporter(endpoint=config.endpoint, insecure=False, credentials=creds))
         return (OTLPSpanExporter(endpoint=config.endpoint, insecure=config.insecure),
                 OTLPMetricExporter(endpoint=config.endpoint, insecure=config.insecure))
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     base = config.endpoint.rstrip("/")
-    return OTLPSpanExporter(endpoint=base + "/v1/traces"), OTLPMetricExporter(endpoint=base + "/v1/metrics")
+    tls = {"certificate_file": config.ca_file} if config.ca_file else {}
+    return (OTLPSpanExporter(endpoint=base + "/v1/traces", **tls),
+            OTLPMetricExporter(endpoint=base + "/v1/metrics", **tls))
 
 
 def flush(timeout_ms: int = 5000) -> None:

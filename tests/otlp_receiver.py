@@ -118,7 +118,9 @@ class OtlpHttpReceiver(_Collected):
 
 
 class OtlpGrpcReceiver(_Collected):
-    def __init__(self) -> None:
+    """`tls`: (key PEM, certificate PEM) to serve over TLS (the url is then https://localhost:port)."""
+
+    def __init__(self, tls: "tuple[bytes, bytes] | None" = None) -> None:
         super().__init__()
         from concurrent import futures
 
@@ -135,8 +137,12 @@ class OtlpGrpcReceiver(_Collected):
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        self.url = f"http://127.0.0.1:{port}"
+        if tls is None:
+            port = self.server.add_insecure_port("127.0.0.1:0")
+            self.url = f"http://127.0.0.1:{port}"
+        else:
+            port = self.server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([tls]))
+            self.url = f"https://localhost:{port}"
 
     def __enter__(self) -> "OtlpGrpcReceiver":
         self.server.start()

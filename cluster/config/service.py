@@ -186,7 +186,10 @@ class TelemetryConfig(StrictModel):
     endpoint: str = "http://127.0.0.1:4317"
     """The collector's OTLP endpoint."""
     insecure: bool = True
-    """gRPC without TLS (a collector beside the cluster)."""
+    """gRPC without TLS (a collector beside the cluster). Ignored when `ca_file` is set."""
+    ca_file: Optional[str] = None
+    """PEM of the CA that signed the collector's certificate: export over TLS, the collector verified (grpc and
+    http; an `https://` endpoint)."""
     service_name: str = "loopserve"
     """`service.name` of the exported resource."""
     sample_ratio: float = Field(1.0, ge=0.0, le=1.0)

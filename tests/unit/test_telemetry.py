@@ -183,3 +183,60 @@ def test_a_clients_sampled_flag_does_not_override_the_servers_ratio(monkeypatch)
     assert otel_trace.get_current_span(telemetry.extract_headers(header)).get_span_context().trace_flags.sampled
     monkeypatch.setattr(telemetry, "_client_sampling", (0.0, True))  # clients you run yourselves
     assert otel_trace.get_current_span(telemetry.extract_headers(header)).get_span_context().trace_flags.sampled
+
+
+def test_otlp_over_tls_verifies_the_collector(tmp_path):
+    """First audit #15: the RayService exported traces in plaintext. With `ca_file`, export is TLS
+    and the collector's certificate is checked: one signed by another CA gets nothing."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from tests.otlp_receiver import OtlpGrpcReceiver
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def ca(name):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now)
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        return key, cert
+
+    ca_key, ca_cert = ca("collector ca")
+    _, other_ca = ca("another ca")
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = lambda c: c.public_bytes(serialization.Encoding.PEM)  # noqa: E731
+    (tmp_path / "ca.pem").write_bytes(pem(ca_cert))
+    (tmp_path / "other.pem").write_bytes(pem(other_ca))
+    tls = (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()), pem(cert))
+
+    def export(receiver, ca_file):
+        span_exporter, metric_exporter = telemetry._exporters(
+            TelemetryConfig(enabled=True, protocol="grpc", endpoint=receiver.url, ca_file=ca_file))
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(span_exporter, export_timeout_millis=3000))
+        with provider.get_tracer("t").start_as_current_span("response.create"):
+            pass
+        provider.force_flush(5000)
+        provider.shutdown()
+        metric_exporter.shutdown()
+
+    with OtlpGrpcReceiver(tls=tls) as receiver:
+        export(receiver, str(tmp_path / "other.pem"))  # the collector's certificate is not trusted: nothing sent
+        assert not receiver.wait_for(lambda r: r.spans, timeout=1)
+        export(receiver, str(tmp_path / "ca.pem"))
+        assert receiver.wait_for(lambda r: len(r.spans) == 1, timeout=10)
