@@ -35,6 +35,10 @@ class WebSocketConfig(StrictModel):
     """Bytes of errors and failed steers/injects (which return their input) the server may send one socket a
     minute (a token bucket); past it the socket is closed (1008 `too_many_errors`). Holds whether the ingress
     applies back-pressure or not (Serve's Python proxy does not)."""
+    max_replica_held_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024)
+    """Steering input and injected tool outputs held on all sockets of one connection replica together (each
+    socket: 4 MiB and 16 MiB); past it a steer fails (`too_many_pending_steers`) and an inject is refused
+    (`inject_limit_reached`)."""
     max_replica_queued_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)
     """The same, summed over every socket of one connection replica: past it a create is refused at once (429),
     whatever socket it came on."""

@@ -23,7 +23,7 @@ from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import TurnRequest, cache_salt
-from cluster.core.websocket.protocol import ReplicaQueue
+from cluster.core.websocket.protocol import ReplicaHeld, ReplicaQueue
 from cluster.core.websocket.session import WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
@@ -62,6 +62,9 @@ class TurnsService:
         self.sockets: set[Socket] = set()
         self.draining = False
         self.queued = ReplicaQueue(config.websocket.max_replica_queued_bytes)  # every socket's waiting creates
+        # Every socket's steering input and injected outputs (first audit #5: they were bounded per socket only).
+        self.held = ReplicaHeld(config.websocket.max_replica_held_bytes,
+                                sample=lambda: sum(s.session.protocol.inflight.held_bytes() for s in self.sockets))
 
     # -- HTTP ------------------------------------------------------------------------
     async def create(self, body: object, principal: Principal, headers: Mapping[str, str],
@@ -161,6 +164,7 @@ class TurnsService:
             betas=frozenset(b.strip() for b in headers.get("openai-beta", "").split(",") if b.strip()),
             settle=self.settle,
             replica_queue=self.queued,
+            replica_held=self.held,
         )
         socket = Socket(session, principal)
         self.metrics.socket_opened()

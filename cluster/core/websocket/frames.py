@@ -3,7 +3,7 @@ bytes every socket of a replica may have waiting together."""
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Callable, Optional, Union
 
 from cluster.protocol.errors import ApiError
 
@@ -37,3 +37,31 @@ def frame_too_large(size: int, limit: int) -> ApiError:
     # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
     return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
                     code="websocket_message_too_large")
+
+
+class ReplicaHeld:
+    """Steering input and injected tool outputs held on every socket of one replica, against one
+    bound. Their lifetimes end in many places (committed, failed, taken in, the socket gone), so
+    the total is summed over the replica's sockets (`sample`) at most every `refresh_s`; what is
+    taken in between is added at once, so the bound holds between samples too."""
+
+    def __init__(self, limit: int, sample: Optional[Callable[[], int]] = None, refresh_s: float = 0.1,
+                 clock: Optional[Callable[[], float]] = None) -> None:
+        import time
+
+        self.limit, self.sample, self.refresh_s = limit, sample, refresh_s
+        self.clock = clock or time.monotonic
+        self.held = 0
+        self._at = float("-inf")
+
+    def room(self) -> int:
+        now = self.clock()
+        if self.sample is not None and now - self._at >= self.refresh_s:
+            self.held, self._at = self.sample(), now
+        return max(0, self.limit - self.held)
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self.room():
+            return False
+        self.held += nbytes
+        return True

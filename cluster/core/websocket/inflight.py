@@ -19,6 +19,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import Stop
 from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
+from cluster.core.websocket.frames import ReplicaHeld
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
 
@@ -50,7 +51,9 @@ class WsCreate:
 
 
 class InFlight:
-    def __init__(self) -> None:
+    def __init__(self, replica_held: Optional[ReplicaHeld] = None) -> None:
+        # Every socket's steering and injected bytes of this replica (none: this socket's bounds only).
+        self.replica_held = replica_held if replica_held is not None else ReplicaHeld(1 << 62)
         self.active: dict[str, WsCreate] = {}  # running response id -> its create
         self._lane_of: OrderedDict[str, str] = OrderedDict()  # recent response id -> the lane that made it
         # Responses that stopped for tool output with accepted steers: id -> (steers, lane, stubs).
@@ -138,6 +141,9 @@ class InFlight:
             elif self.steer_bytes() + steer.nbytes > steering.MAX_STEER_BYTES:
                 refusal = ("too_many_pending_steers", f"Steering inputs on this connection would hold more than "
                                                       f"{steering.MAX_STEER_BYTES} bytes; wait for them to apply.")
+            elif not self.replica_held.take(steer.nbytes):
+                refusal = ("too_many_pending_steers", "This server holds too much steering input and injected "
+                                                      "output across its connections; retry shortly.")
             else:
                 steers.append(steer)
                 if create is None:  # it already stopped for tool output
@@ -153,6 +159,13 @@ class InFlight:
         else:
             refusal = ("response_not_found", f"No response with id '{target}' is active on this connection.")
         return [steering.failed(*refusal, previous_response_id=target, input=steer.input)]
+
+    def injected_bytes(self) -> int:
+        return sum(c.inbox.nbytes for c in self.active.values() if c.inbox is not None)
+
+    def held_bytes(self) -> int:
+        """Steering input and injected outputs this connection holds (the replica sums them)."""
+        return self.steer_bytes() + self.injected_bytes()
 
     def steer_bytes(self) -> int:
         """Bytes of steering input held on this connection: running responses' and pending parents'."""
@@ -198,8 +211,10 @@ class InFlight:
             if create.inbox is None:
                 raise ApiError(400, "response.inject applies to responses created with multi_agent.enabled.",
                                param="response_id", code="invalid_value")
-            held = sum(c.inbox.nbytes for c in self.active.values() if c.inbox is not None)
-            create.inbox.offer(items, room=agent.MAX_INJECTED_BYTES - held)
+            held = self.injected_bytes()
+            before = create.inbox.nbytes
+            create.inbox.offer(items, room=min(agent.MAX_INJECTED_BYTES - held, self.replica_held.room()))
+            self.replica_held.take(create.inbox.nbytes - before)
         except ApiError as err:
             ev = err.ws_event()
             if create.stream_id:

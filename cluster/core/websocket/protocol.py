@@ -41,7 +41,7 @@ from cluster.core.websocket.actions import (  # noqa: F401 - re-exported
     SendError,
     SendEvent,
 )
-from cluster.core.websocket.frames import ReplicaQueue, frame_bytes, frame_too_large  # noqa: F401 - re-exported
+from cluster.core.websocket.frames import ReplicaHeld, ReplicaQueue, frame_bytes, frame_too_large  # noqa: F401
 from cluster.core.websocket.inflight import InFlight, WsCreate
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
@@ -88,7 +88,8 @@ class Lane:
 class WebSocketProtocol:
     def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
                  cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None,
-                 replica_queue: Optional[ReplicaQueue] = None, admit: Optional[Callable[[], None]] = None) -> None:
+                 replica_queue: Optional[ReplicaQueue] = None, admit: Optional[Callable[[], None]] = None,
+                 replica_held: Optional[ReplicaHeld] = None) -> None:
         self.config = config
         self.model_name = model_name
         self.sampling = sampling or {}  # the model's sampling defaults (a queued response reports them)
@@ -96,7 +97,7 @@ class WebSocketProtocol:
         self.cache = cache  # the connection's responses (steers and injects read their state)
         self.state = State.OPEN
         self.end: Optional[End] = None
-        self.inflight = InFlight()
+        self.inflight = InFlight(replica_held)
         self.lanes: dict[str, Lane] = {}  # "" = the default lane
         self.queued_bytes = 0  # creates waiting on their lanes (parsed) and errors waiting to be sent
         self.replica_queue = replica_queue if replica_queue is not None else ReplicaQueue(1 << 62)

@@ -30,6 +30,7 @@ from cluster.core.websocket.protocol import (
     Close,
     DeferredError,
     Enqueued,
+    ReplicaHeld,
     ReplicaQueue,
     RunLane,
     SendError,
@@ -66,6 +67,7 @@ class WebSocketSession:
         betas: frozenset[str] = frozenset(),
         settle: Optional[Callable[[list[str]], Awaitable[bool]]] = None,
         replica_queue: Optional[ReplicaQueue] = None,
+        replica_held: Optional[ReplicaHeld] = None,
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -74,7 +76,7 @@ class WebSocketSession:
         self.protocol = WebSocketProtocol(config, model_name=driver.model_name,
                                           max_input_items=driver.settings.max_input_items, cache=cache,
                                           now=time.monotonic(), sampling=driver.settings.sampling_defaults,
-                                          replica_queue=replica_queue, admit=admit)
+                                          replica_queue=replica_queue, admit=admit, replica_held=replica_held)
         self._send = send
         self._close = close
         self._lookup = lookup
