@@ -28,6 +28,43 @@ Every key is optional; an unknown key is an error at start. Generated from the s
 """
 
 
+# Bounds that are numbers in the code, not config keys: (constant, value, what it bounds). The
+# value is written here (this module sits below the ones that define them); tests/unit/config/
+# test_docs.py checks each against its constant.
+FIXED_BOUNDS: list[tuple[str, int, str]] = [
+    ("cluster.protocol.request_bounds.MAX_JSON_DEPTH", 64, "levels of JSON nesting in a body or frame (400 `invalid_value`)"),
+    ("cluster.protocol.request_bounds.MAX_JSON_CONTAINERS", 200_000,
+     "JSON objects and arrays a body or frame opens, counted before parsing (400 `json_too_complex`)"),
+    ("cluster.protocol.request_bounds.MAX_ECHO_CHARS", 1_048_576,
+     "characters of JSON in fields a response echoes without rendering (400 `string_above_max_length`)"),
+    ("cluster.protocol.requests.MAX_NAME_CHARS", 256, "characters of a name or id a client picks"),
+    ("cluster.core.turn.controls.MAX_SCHEMA_BYTES", 65_536, "bytes of one structured-output or tool schema"),
+    ("cluster.core.turn.controls.MAX_PATTERN_CHARS", 1_000, "characters of one `pattern` in a schema"),
+    ("cluster.core.turn.controls.MAX_PATTERN_EXPANSION", 2_000, "elements a `pattern` unrolls to"),
+    ("cluster.core.turn.controls.MAX_FORCED_TOOLS", 128, "functions a forced tool call chooses among"),
+    ("cluster.core.turn.controls.MAX_FORCED_SCHEMA_BYTES", 262_144, "bytes of a forced call's parameters together"),
+    ("cluster.core.websocket.protocol.MAX_ACTIVE", 16, "responses running at once on one socket"),
+    ("cluster.core.websocket.protocol.MAX_LANES", 32, "named lanes (`stream_id`) on one socket"),
+    ("cluster.core.websocket.protocol.ADMIT_BEFORE_PARSE_BYTES", 65_536,
+     "a frame larger than this counts against its key's rate limit before it is parsed"),
+    ("cluster.core.websocket.steering.MAX_STEER_BYTES", 4_194_304, "bytes of steering input one socket holds"),
+    ("cluster.core.websocket.steering.MAX_STEERS_PER_RESPONSE", 8, "steers queued for one response"),
+    ("cluster.core.websocket.agent.MAX_INJECTED_BYTES", 16_777_216, "bytes of injected tool output one socket holds"),
+    ("cluster.engines.channel.MAX_STREAMS", 256, "requests in flight on one engine replica's direct channel"),
+    ("cluster.engines.channel.MAX_CONNECTIONS", 1_024, "authenticated connections to one engine channel"),
+    ("cluster.engines.channel.MAX_PENDING_HELLO", 64, "channel connections that have not said HELLO yet"),
+    ("cluster.engines.channel.MAX_PENDING_PER_PEER", 8, "of those, from one peer address"),
+    ("cluster.serving.connection.HEALTH_TTL_S", 1, "seconds one `/health` readiness check serves every caller"),
+    ("cluster.auth.KEYS_FILE_CHECK_S", 5, "seconds between looks at `auth.keys_file` for a change"),
+]
+
+
+def fixed_bounds() -> str:
+    rows = [f"| `{name}` | {value:,} | {what} |" for name, value, what in FIXED_BOUNDS]
+    return "\n## Fixed bounds\n\nNumbers in the code, not config keys.\n\n| constant | value | what it bounds |\n|---|---|---|\n" \
+        + "\n".join(rows) + "\n"
+
+
 def models_in(annotation: Any) -> list[type[BaseModel]]:
     found = []
     for arg in (annotation, *typing.get_args(annotation)):
@@ -83,7 +120,7 @@ def render() -> str:
             out.append(f"| `{name}` | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
             for nested in models_in(field.annotation):
                 queue.append((f"{path}.{name}" if path else name, nested))
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n" + fixed_bounds()
 
 
 def undescribed() -> list[str]:
