@@ -70,18 +70,11 @@ def replicas() -> dict[str, tuple[int, str]]:
     return out
 
 
-def peak_rss(pid: int) -> int:
+def rss(pid: int, field: str = "VmHWM") -> int:
+    """A process's resident memory from /proc: its peak (VmHWM) or now (VmRSS)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def current_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -119,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = local.deploy(base, "adversarial", "/", args)
         before = replicas()
-        idle = {aid: current_rss(pid) for aid, (pid, _) in before.items()}
+        idle = {aid: rss(pid, "VmRSS") for aid, (pid, _) in before.items()}
         asyncio.run(honest(url, 2, 2))  # warm: models loaded, first renders done
         alone = asyncio.run(honest(url, ns.sessions, ns.turns))
         print(f"honest alone: {len(alone)} turns, p99 {p99(alone):.2f} s")
@@ -140,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for aid, (pid, deployment) in before.items():
             alive = aid in after and after[aid][0] == pid
-            peak = peak_rss(pid) if alive else 0
+            peak = rss(pid) if alive else 0
             grew = peak - idle.get(aid, 0)
             rows.append({"replica": deployment, "pid": pid, "restarted": not alive, "idle_rss_mib": idle[aid] // MiB,
                          "peak_rss_mib": peak // MiB, "grew_mib": grew // MiB,

@@ -105,15 +105,21 @@ async def test_rewriting_a_response_keeps_one_copy_of_its_items(store):
     assert await store.get_item("msg_1", "t") is None
 
 
-async def test_a_version_3_sqlite_store_is_migrated(tmp_path):
-    path = str(tmp_path / "old.db")
+def old_sqlite(path: str, version: int, later_columns: str) -> sqlite3.Connection:
+    """A SQLite store as schema `version` left it (its responses table's later columns given)."""
     db = sqlite3.connect(path)
     db.execute("CREATE TABLE loopserve_schema (version INTEGER NOT NULL)")
-    db.execute("INSERT INTO loopserve_schema VALUES (3)")
-    db.execute("""CREATE TABLE responses (
+    db.execute(f"INSERT INTO loopserve_schema VALUES ({version})")
+    db.execute(f"""CREATE TABLE responses (
         id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT, created_at REAL NOT NULL,
         model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
-        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT)""")
+        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, {later_columns})""")
+    return db
+
+
+async def test_a_version_3_sqlite_store_is_migrated(tmp_path):
+    path = str(tmp_path / "old.db")
+    db = old_sqlite(path, 3, "blocked TEXT")
     db.execute("""CREATE TABLE response_items (tenant TEXT NOT NULL, item_id TEXT NOT NULL,
         response_id TEXT NOT NULL, item TEXT NOT NULL, PRIMARY KEY (tenant, item_id))""")
     db.execute("INSERT INTO response_items VALUES ('t', 'msg_old', 'resp_old', '{\"type\": \"message\"}')")
@@ -173,13 +179,7 @@ async def test_a_chain_reads_its_ancestors_input_and_output_only_from_the_neares
 
 async def test_rows_stored_before_the_compacted_column_are_backfilled(tmp_path):
     path = str(tmp_path / "v5.db")
-    db = sqlite3.connect(path)
-    db.execute("CREATE TABLE loopserve_schema (version INTEGER NOT NULL)")
-    db.execute("INSERT INTO loopserve_schema VALUES (5)")
-    db.execute("""CREATE TABLE responses (
-        id TEXT PRIMARY KEY, tenant TEXT NOT NULL, previous_response_id TEXT, created_at REAL NOT NULL,
-        model TEXT NOT NULL, input_items TEXT NOT NULL, output TEXT NOT NULL, response TEXT NOT NULL,
-        instructions TEXT, tools TEXT NOT NULL, affinity_key TEXT, blocked TEXT, engine_replica TEXT)""")
+    db = old_sqlite(path, 5, "blocked TEXT, engine_replica TEXT")
     old = [linked("r1", None, inputs=[msg("m1", "x")]),
            linked("r2", "r1", output=[COMPACTION, msg("m2", 'they wrote "type": "compaction"')]),
            linked("r3", "r2", output=[msg("m3", '"type": "compaction"')])]
