@@ -33,12 +33,15 @@ def app_args(store_path: str) -> dict[str, Any]:
     from cluster.auth import key_sha256
 
     return {
-        "model": {"name": MODEL, "builtin": MODEL, "max_model_len": 8192,
+        "model": {"name": MODEL, "builtin": MODEL, "max_model_len": 32768,
                   "images": {"max_per_context": 8, "max_image_bytes": 8 * MiB}},
         "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 400, "prefill_tokens_per_second": 20000}},
         "store": {"backend": "sqlite", "sqlite_path": store_path},
         "auth": {"keys": [{"sha256": key_sha256(HONEST_KEY), "tenant": "honest"},
-                          {"sha256": key_sha256(HOSTILE_KEY), "tenant": "hostile"}]},
+                          # A tenant whose plan allows a lot: what reaches the server is what the bounds
+                          # below the rate limits must hold (a rate-limited attacker mostly gets 429s).
+                          {"sha256": key_sha256(HOSTILE_KEY), "tenant": "hostile", "max_connections": 10_000,
+                           "requests_per_minute": 1_000_000, "reads_per_minute": 1_000_000}]},
         "connection": {"ray_actor_options": {"num_cpus": 0.25}, "max_ongoing_requests": 400},
         "render": {"ray_actor_options": {"num_cpus": 0.25}},
         "engine_deployment": {"ray_actor_options": {"num_cpus": 0.25}},
@@ -59,14 +62,18 @@ def ceilings(args: dict[str, Any]) -> dict[str, int]:
 
 
 def replicas() -> dict[str, tuple[int, str]]:
-    """Live Serve replica actors: actor id -> (pid, deployment)."""
-    from ray.util.state import list_actors
-
+    """Live Serve replica processes on this machine: key -> (pid, deployment), from their process
+    titles (`ray::ServeReplica:<app>:<deployment>`); a restarted replica is a new pid."""
     out = {}
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        name = a.class_name or ""
-        if name.startswith("ServeReplica:"):
-            out[a.actor_id] = (a.pid, name.split(":")[-1])
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::ServeReplica:"):
+            out[f"{title}#{entry.name}"] = (int(entry.name), title.split(":")[-1].strip())
     return out
 
 
@@ -79,10 +86,10 @@ def rss(pid: int, field: str = "VmHWM") -> int:
     return 0
 
 
-async def honest(base: str, sessions: int, turns: int) -> list[float]:
+async def honest(base: str, sessions: int, turns: int, tool_s: float) -> list[float]:
     from cluster.bench.agent_loop import Loop
 
-    loops = [Loop(base, "websocket", turns, 2000, tool_delay_s=0.2, model=MODEL, api_key=HONEST_KEY)
+    loops = [Loop(base, "websocket", turns, 600, tool_delay_s=tool_s, model=MODEL, api_key=HONEST_KEY)
              for _ in range(sessions)]
     results = await asyncio.gather(*(loop.run() for loop in loops))
     return [t.wall_s for turns_ in results for t in turns_]
@@ -97,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.adversarial", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=8, help="honest agent sessions")
-    ap.add_argument("--turns", type=int, default=10, help="turns of each honest session")
+    ap.add_argument("--turns", type=int, default=20, help="turns of each honest session")
+    ap.add_argument("--tool-s", type=float, default=2.0, help="an honest session's tool time between turns")
     ap.add_argument("--per-kind", type=int, default=16, help="hostile clients of each kind (4 kinds)")
     ap.add_argument("--warm-s", type=float, default=10.0, help="hostile clients start this long before the honest ones")
     ap.add_argument("--out", default="bench_out/adversarial")
@@ -113,18 +121,21 @@ def main(argv: list[str] | None = None) -> int:
         url = local.deploy(base, "adversarial", "/", args)
         before = replicas()
         idle = {aid: rss(pid, "VmRSS") for aid, (pid, _) in before.items()}
-        asyncio.run(honest(url, 2, 2))  # warm: models loaded, first renders done
-        alone = asyncio.run(honest(url, ns.sessions, ns.turns))
+        asyncio.run(honest(url, 2, 2, 0.0))  # warm: models loaded, first renders done
+        alone = asyncio.run(honest(url, ns.sessions, ns.turns, ns.tool_s))
         print(f"honest alone: {len(alone)} turns, p99 {p99(alone):.2f} s")
-        queue: Any = multiprocessing.get_context("spawn").Queue()
-        attack_s = ns.warm_s + 3 * max(alone) * ns.turns + 60  # outlasts the honest run under attack
-        child = multiprocessing.get_context("spawn").Process(
-            target=run_hostile, args=(url, HOSTILE_KEY, MODEL, ns.per_kind, attack_s, queue), daemon=True)
+        ctx = multiprocessing.get_context("spawn")
+        queue: Any = ctx.Queue()
+        done = ctx.Event()
+        attack_s = ns.warm_s + 3 * (max(alone) + ns.tool_s) * ns.turns + 60  # outlasts the honest run under attack
+        child = ctx.Process(target=run_hostile, args=(url, HOSTILE_KEY, MODEL, ns.per_kind, attack_s, done, queue),
+                            daemon=True)
         child.start()
         time.sleep(ns.warm_s)
         t0 = time.perf_counter()
-        attacked = asyncio.run(honest(url, ns.sessions, ns.turns))
+        attacked = asyncio.run(honest(url, ns.sessions, ns.turns, ns.tool_s))
         honest_s = time.perf_counter() - t0
+        done.set()
         print(f"honest under attack: {len(attacked)} turns in {honest_s:.0f} s, p99 {p99(attacked):.2f} s")
         seen = queue.get(timeout=attack_s + 180)
         child.join(30)

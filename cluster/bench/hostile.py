@@ -148,11 +148,13 @@ class Hostile:
                             self.seen["GET " + type(exc).__name__] += 1
 
 
-async def _run(base: str, key: str, model: str, per_kind: int, seconds: float) -> dict[str, dict[str, int]]:
+async def _run(base: str, key: str, model: str, per_kind: int, seconds: float, done: Any) -> dict[str, dict[str, int]]:
     stop = asyncio.Event()
     clients = {kind: [Hostile(base, key, model) for _ in range(per_kind)] for kind in KINDS}
     tasks = [asyncio.create_task(getattr(c, kind)(stop)) for kind, cs in clients.items() for c in cs]
-    await asyncio.sleep(seconds)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not done.is_set():  # until the honest sessions are done
+        await asyncio.sleep(0.5)
     stop.set()
     await asyncio.wait(tasks, timeout=60)
     for t in tasks:
@@ -160,6 +162,7 @@ async def _run(base: str, key: str, model: str, per_kind: int, seconds: float) -
     return {kind: dict(sum((c.seen for c in cs), Counter())) for kind, cs in clients.items()}
 
 
-def run_hostile(base: str, key: str, model: str, per_kind: int, seconds: float, out: Any) -> None:
-    """In a child process: every kind `per_kind` times over, for `seconds`; what they saw goes to `out`."""
-    out.put(asyncio.run(_run(base, key, model, per_kind, seconds)))
+def run_hostile(base: str, key: str, model: str, per_kind: int, seconds: float, done: Any, out: Any) -> None:
+    """In a child process: every kind `per_kind` times over, for `seconds` at most or until `done`
+    (a multiprocessing Event) is set; what they saw goes to `out`."""
+    out.put(asyncio.run(_run(base, key, model, per_kind, seconds, done)))

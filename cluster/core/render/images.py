@@ -86,6 +86,9 @@ def decode_image(part: dict[str, Any], param: str, max_bytes: int, max_pixels: O
     if max_pixels is not None:
         try:
             width, height = image_size(data, IMAGE_TYPES[mime])
+        except ImageTooLarge:
+            raise ApiError(400, f"The image has more than {max_pixels} pixels; scale it down.",
+                           param=f"{param}.image_url", code="image_too_large") from None
         except ImageRefused as exc:
             raise ApiError(400, f"The image is not a readable {mime} file ({exc}).", param=f"{param}.image_url",
                            code="invalid_image_format") from None
@@ -99,15 +102,23 @@ class ImageRefused(ValueError):
     """A file Pillow will not open as the format it was declared as (or any served format)."""
 
 
+class ImageTooLarge(ImageRefused):
+    """A header declaring more pixels than Pillow itself will open."""
+
+
 def image_size(data: bytes, fmt: Optional[str] = None) -> tuple[int, int]:
     """Width and height from the file's header (Pillow opens lazily: no pixel is decoded)."""
     from PIL import Image
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # The size is checked by the caller, from the header: Pillow's own bomb warning is moot here
+            # (nothing is decoded), and its error (past 2x its limit) is a size too.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data), formats=[fmt] if fmt else list(IMAGE_TYPES.values())) as img:
                 return img.size
+    except Image.DecompressionBombError:
+        raise ImageTooLarge() from None  # past twice Pillow's limit: past any bound a caller sets
     except Exception as exc:  # noqa: BLE001 - whatever a plugin raises on a malformed header
         raise ImageRefused(type(exc).__name__) from None
 

@@ -33,6 +33,7 @@ from cluster.core.turn.context import (
 from cluster.core.turn.controls import check_output_controls
 from cluster.core.turn.turn import Rendered, TurnTiming
 from cluster.protocol.errors import ApiError
+from cluster.protocol.request_bounds import RENDERED_TOOL_TYPES
 from cluster.protocol.requests import ResponsesRequest
 from cluster.protocol.sealing import Sealer
 
@@ -190,7 +191,10 @@ class TurnPreparer:
         floor = min_prompt_tokens(kept_items(new_items, req.truncation), chars) + len(req.instructions or "") // chars
         if floor > limit:
             raise context_too_long(limit, floor, at_least=True)
-        tools = text_chars(req.tools) if req.tools else 0
+        # Only what a template writes: tools the model is not offered (web_search, ...) are bounded as
+        # echo at parse time (request_bounds.MAX_ECHO_CHARS), not by the context.
+        rendered = [t for t in req.tools or [] if t.get("type") in RENDERED_TOOL_TYPES]
+        tools = text_chars(rendered) if rendered else 0
         if tools > limit * chars:
             raise ApiError(400, f"Invalid 'tools': the tool definitions hold {tools} characters; this model's context of "
                                 f"{limit} tokens holds at most {limit * chars}.", param="tools",

@@ -173,6 +173,11 @@ def test_an_image_past_the_pixel_bound_is_refused_from_its_header():
     assert (err.value.code, err.value.param) == ("image_too_large", "input[0].content[0].image_url")
     assert "5000x5000" in err.value.message
     assert decode_image(part, "input[0].content[0]", max_bytes=1 << 20, max_pixels=5000 * 5000) == small_file
+    # Past Pillow's own limit (179 MP: 13000x13000, ~21 KB of file): the same answer, not a format error.
+    huge = {"type": "input_image", "image_url": data_url(bomb(13_000, 13_000))}
+    with pytest.raises(ApiError) as err:
+        decode_image(huge, "input[0].content[0]", max_bytes=1 << 20, max_pixels=4096 * 4096)
+    assert err.value.code == "image_too_large"
 
 
 @pytest.mark.parametrize("declared,content", [

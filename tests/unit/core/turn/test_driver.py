@@ -121,6 +121,9 @@ async def test_instructions_and_tools_that_cannot_fit_are_refused_before_anythin
     assert e.value.code == "context_length_exceeded" and e.value.param == "tools"
     assert stack.render_jobs == []  # neither reached the renderer or the tokenizer
     assert terminal(await run(stack, SessionCache(), {"input": "hi", "instructions": "be brief"}))["status"] == "completed"
+    # A tool the model is not offered is never rendered: bounded as echo (1 MiB), not by the context.
+    echoed = [{"type": "web_search", "x": "A" * 900_000}]
+    assert terminal(await run(stack, SessionCache(), {"input": "hi", "tools": echoed}))["status"] == "completed"
 
 
 async def test_wrong_model_is_model_not_found(stack):
