@@ -29,8 +29,14 @@ MODEL = "loopserve-tiny-vision"
 MiB = 1024 * 1024
 
 
-def app_args(store_path: str) -> dict[str, Any]:
+def app_args(store_path: str, hostile_limited: bool) -> dict[str, Any]:
     from cluster.auth import key_sha256
+
+    # Limited: the hostile key has the defaults (600 creates, 3,000 reads a minute), the designed
+    # defence of the replicas' CPU. Unlimited: a tenant whose plan allows a lot, so what reaches
+    # the server is what the bounds below the rate limits must hold.
+    hostile = {} if hostile_limited else {"max_connections": 10_000, "requests_per_minute": 1_000_000,
+                                          "reads_per_minute": 1_000_000}
 
     return {
         "model": {"name": MODEL, "builtin": MODEL, "max_model_len": 32768,
@@ -38,10 +44,7 @@ def app_args(store_path: str) -> dict[str, Any]:
         "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 400, "prefill_tokens_per_second": 20000}},
         "store": {"backend": "sqlite", "sqlite_path": store_path},
         "auth": {"keys": [{"sha256": key_sha256(HONEST_KEY), "tenant": "honest"},
-                          # A tenant whose plan allows a lot: what reaches the server is what the bounds
-                          # below the rate limits must hold (a rate-limited attacker mostly gets 429s).
-                          {"sha256": key_sha256(HOSTILE_KEY), "tenant": "hostile", "max_connections": 10_000,
-                           "requests_per_minute": 1_000_000, "reads_per_minute": 1_000_000}]},
+                          {"sha256": key_sha256(HOSTILE_KEY), "tenant": "hostile", **hostile}]},
         "connection": {"ray_actor_options": {"num_cpus": 0.25}, "max_ongoing_requests": 400},
         "render": {"ray_actor_options": {"num_cpus": 0.25}},
         "engine_deployment": {"ray_actor_options": {"num_cpus": 0.25}},
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-s", type=float, default=2.0, help="an honest session's tool time between turns")
     ap.add_argument("--per-kind", type=int, default=16, help="hostile clients of each kind (4 kinds)")
     ap.add_argument("--warm-s", type=float, default=10.0, help="hostile clients start this long before the honest ones")
+    ap.add_argument("--unlimited", action="store_true",
+                    help="the hostile key without rate limits (memory and restarts; CPU is then shared freely)")
     ap.add_argument("--out", default="bench_out/adversarial")
     ns = ap.parse_args(argv)
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    args = app_args(str(out / "store.sqlite3"))
+    args = app_args(str(out / "store.sqlite3"), hostile_limited=not ns.unlimited)
     base = local.start_local_serve(ingress="haproxy")
     try:
         url = local.deploy(base, "adversarial", "/", args)
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                          "peak_rss_mib": peak // MiB, "grew_mib": grew // MiB,
                          "ceiling_grow_mib": limits.get(deployment, 0) // MiB,
                          "under_ceiling": alive and grew <= limits.get(deployment, 0)})
-        result = {"honest_p99_alone_s": round(p99(alone), 3), "honest_p99_attacked_s": round(p99(attacked), 3),
+        result = {"hostile_key": "unlimited" if ns.unlimited else "default limits", "honest_p99_alone_s": round(p99(alone), 3), "honest_p99_attacked_s": round(p99(attacked), 3),
                   "ratio": round(p99(attacked) / max(1e-9, p99(alone)), 2), "honest_turns": len(attacked),
                   "replicas": rows, "restarts": sum(r["restarted"] for r in rows) + max(0, len(after) - len(before)),
                   "hostile": seen}

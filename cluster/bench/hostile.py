@@ -132,8 +132,12 @@ class Hostile:
             for i in range(10):
                 body = {"model": self.model, "input": f"turn {i}", "store": True, "tools": [tool],
                         "max_output_tokens": 8, **({"previous_response_id": prev} if prev else {})}
-                r = await client.post(self.base + "/v1/responses", json=body, headers=self.headers)
-                self.seen[_outcome(r.status_code, r.json())] += 1
+                try:
+                    r = await client.post(self.base + "/v1/responses", json=body, headers=self.headers)
+                except Exception as exc:  # noqa: BLE001
+                    self.seen["POST " + type(exc).__name__] += 1
+                    break
+                self.seen["POST " + _outcome(r.status_code, r.json())] += 1
                 if r.status_code != 200:
                     break
                 prev = r.json()["id"]

@@ -234,7 +234,9 @@ class WebSocketProtocol:
 
     def _queued_event(self, create: WsCreate) -> Optional[Event]:
         try:
-            req = parse_request(create.body, max_input_items=self.max_input_items)
+            # The announcement needs the request's settings, not its input: validating 10,000 items
+            # here would be paid again when the lane starts it (its input's errors come then).
+            req = parse_request({**create.body, "input": None}, max_input_items=self.max_input_items)
         except ApiError:
             return None  # its error is sent when its turn comes, in lane order
         # Only the id is kept: the parsed request would hold the body twice while it waits (the

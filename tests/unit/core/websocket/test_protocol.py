@@ -97,6 +97,22 @@ def test_past_max_active_lanes_a_create_waits_and_is_announced():
     assert admit_create(late.create.body, transport="websocket", admit=None, max_input_items=None).stream_id == "late"
 
 
+def test_announcing_a_waiting_create_does_not_validate_its_input(monkeypatch):
+    """audit-2 N3: 64 waiting creates of 10,000 items each were validated on arrival to announce
+    them, then again when they started (~3 s of the replica's loop); the announcement needs the
+    settings only."""
+    from cluster.core.websocket import protocol as protocol_module
+
+    seen = []
+    real = protocol_module.parse_request
+    monkeypatch.setattr(protocol_module, "parse_request",
+                        lambda body, **kw: seen.append(len(body.get("input") or [])) or real(body, **kw))
+    p = protocol(max_queued_bytes=64 * 1024 * 1024)
+    p.receive(create("in flight"), now=1.0)
+    waiting = enqueued(p.receive(create([{"role": "user", "content": "a"}] * 10_000, max_output_tokens=9), now=1.0))
+    assert waiting.announce["response"]["max_output_tokens"] == 9 and seen == [0]
+
+
 def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
     p = protocol(max_queued_creates=3, max_queued_bytes=10_000)
     for _ in range(3):
