@@ -58,6 +58,14 @@ def _outcome(status: int, body: Any) -> str:
     return f"{status} {code}" if code else str(status)
 
 
+def _json(r: Any) -> Any:
+    """The response's JSON, or None (HAProxy's own error pages are HTML)."""
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
 class Hostile:
     def __init__(self, base: str, key: str, model: str) -> None:
         self.base, self.model = base.rstrip("/"), model
@@ -68,8 +76,7 @@ class Hostile:
         try:
             r = await client.post(self.base + path, content=content, timeout=120,
                                   headers={**self.headers, "content-type": "application/json"})
-            self.seen[_outcome(r.status_code, r.json() if r.headers.get("content-type", "").startswith(
-                "application/json") else None)] += 1
+            self.seen[_outcome(r.status_code, _json(r))] += 1
         except Exception as exc:  # noqa: BLE001 - counted: a reset or a timeout is an outcome too
             self.seen[type(exc).__name__] += 1
 
@@ -137,17 +144,18 @@ class Hostile:
                 except Exception as exc:  # noqa: BLE001
                     self.seen["POST " + type(exc).__name__] += 1
                     break
-                self.seen["POST " + _outcome(r.status_code, r.json())] += 1
-                if r.status_code != 200:
+                body = _json(r)
+                self.seen["POST " + _outcome(r.status_code, body)] += 1
+                if r.status_code != 200 or not isinstance(body, dict):
                     break
-                prev = r.json()["id"]
+                prev = body["id"]
                 ids.append(prev)
             while not stop.is_set():
                 for rid in ids or ["resp_missing"]:
                     for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items", "/health"):
                         try:
                             r = await client.get(self.base + path, headers=self.headers)
-                            self.seen["GET " + _outcome(r.status_code, r.json())] += 1
+                            self.seen["GET " + _outcome(r.status_code, _json(r))] += 1
                         except Exception as exc:  # noqa: BLE001
                             self.seen["GET " + type(exc).__name__] += 1
 
