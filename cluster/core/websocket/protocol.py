@@ -41,8 +41,7 @@ from cluster.core.websocket.actions import (  # noqa: F401 - re-exported
     SendError,
     SendEvent,
 )
-from cluster.core.websocket.frames import ReplicaHeld, ReplicaQueue, frame_bytes, frame_too_large  # noqa: F401
-from cluster.core.websocket.inflight import InFlight, WsCreate
+from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate  # noqa: F401 - ReplicaHeld re-exported
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
 from cluster.protocol.request_bounds import json_containers_error
@@ -83,6 +82,37 @@ class Lane:
     @property
     def has_creates(self) -> bool:
         return self.current is not None or any(isinstance(item, WsCreate) for item in self.pending)
+
+
+class ReplicaQueue:
+    """Bytes of creates waiting on every socket's lanes of one replica (shared by its sockets'
+    protocols): a socket's own bound times the sockets a replica takes is no bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held = max(0, self.held - nbytes)
+
+
+def frame_bytes(data: Union[str, bytes]) -> int:
+    """A frame's size in bytes as it came over the wire (UTF-8 for text frames)."""
+    if isinstance(data, bytes):
+        return len(data)
+    return len(data) if data.isascii() else len(data.encode())
+
+
+def frame_too_large(size: int, limit: int) -> ApiError:
+    # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
+    return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
+                    code="websocket_message_too_large")
 
 
 class WebSocketProtocol:
