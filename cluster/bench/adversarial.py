@@ -18,11 +18,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
+import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from cluster.bench.hostile import run_hostile
+from cluster.bench.hostile import KINDS, run_hostile
+from cluster.bench.processes import CpuMeter, replicas, rss
 
 HONEST_KEY, HOSTILE_KEY = "sk-adversarial-honest", "sk-adversarial-hostile"
 MODEL = "loopserve-tiny-vision"
@@ -64,38 +67,43 @@ def ceilings(args: dict[str, Any]) -> dict[str, int]:
     return {"ConnectionActor": 2 * conn, "EngineReplica": 2 * 256 * MiB, "RenderActor": 2 * 256 * MiB}
 
 
-def replicas() -> dict[str, tuple[int, str]]:
-    """Live Serve replica processes on this machine: key -> (pid, deployment), from their process
-    titles (`ray::ServeReplica:<app>:<deployment>`); a restarted replica is a new pid."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if title.startswith("ray::ServeReplica:"):
-            out[f"{title}#{entry.name}"] = (int(entry.name), title.split(":")[-1].strip())
-    return out
-
-
-def rss(pid: int, field: str = "VmHWM") -> int:
-    """A process's resident memory from /proc: its peak (VmHWM) or now (VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-async def honest(base: str, sessions: int, turns: int, tool_s: float) -> list[float]:
+async def honest(base: str, sessions: int, turns: int, tool_s: float, slow: Optional[list] = None) -> list[float]:
+    """The honest sessions' turn times; turns over a second go to `slow` with the server's split."""
     from cluster.bench.agent_loop import Loop
 
     loops = [Loop(base, "websocket", turns, 600, tool_delay_s=tool_s, model=MODEL, api_key=HONEST_KEY)
              for _ in range(sessions)]
     results = await asyncio.gather(*(loop.run() for loop in loops))
+    if slow is not None:
+        slow.extend({"session": i, "turn": t.turn, "wall_s": round(t.wall_s, 3), "first_event_s": round(t.first_event_s, 3),
+                     "split_s": {k: round(v, 3) for k, v in t.split().items()}}
+                    for i, turns_ in enumerate(results) for t in turns_ if t.wall_s > 1.0)
     return [t.wall_s for turns_ in results for t in turns_]
+
+
+def cpu_quota(pid: int, cpus: float) -> None:
+    """Hold a process to `cpus` CPUs with a cgroup's CFS quota (v2, else v1's cpu controller)."""
+    period = 100_000
+    v2, v1 = Path("/sys/fs/cgroup/loopserve-hostile"), Path("/sys/fs/cgroup/cpu/loopserve-hostile")
+    try:
+        if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            v2.mkdir(exist_ok=True)
+            (v2 / "cpu.max").write_text(f"{int(cpus * period)} {period}")
+            (v2 / "cgroup.procs").write_text(str(pid))
+        else:
+            v1.mkdir(exist_ok=True)
+            (v1 / "cpu.cfs_period_us").write_text(str(period))
+            (v1 / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+            (v1 / "cgroup.procs").write_text(str(pid))
+    except OSError as exc:
+        raise SystemExit(f"--hostile-cpu needs a writable cgroup cpu controller (root): {exc}") from exc
+
+
+def profile(out: Path, live: dict[str, tuple[int, str]]) -> subprocess.Popen:
+    """py-spy recording the connection replica until interrupted, as raw (collapsed) stacks."""
+    pid = next(pid for pid, deployment in live.values() if deployment == "ConnectionActor")
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "50",
+                             "--output", str(out / "connection.pyspy.txt")], stdout=subprocess.DEVNULL)
 
 
 def p99(values: list[float]) -> float:
@@ -109,12 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=8, help="honest agent sessions")
     ap.add_argument("--turns", type=int, default=20, help="turns of each honest session")
     ap.add_argument("--tool-s", type=float, default=2.0, help="an honest session's tool time between turns")
-    ap.add_argument("--per-kind", type=int, default=16, help="hostile clients of each kind (4 kinds)")
+    ap.add_argument("--per-kind", type=int, default=16, help="hostile clients of each kind")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"which kinds of hostile client run (of {','.join(KINDS)})")
+    ap.add_argument("--hostile-cpu", type=float, default=0.0,
+                    help="hold the hostile process to this many CPUs (a cgroup quota; needs root): an attacker "
+                         "elsewhere on the network costs the server nothing of its own CPU, one on a 2-core "
+                         "test machine does")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy the connection replica through the attacked phase (raw stacks in --out)")
     ap.add_argument("--warm-s", type=float, default=10.0, help="hostile clients start this long before the honest ones")
     ap.add_argument("--unlimited", action="store_true",
                     help="the hostile key without rate limits (memory and restarts; CPU is then shared freely)")
     ap.add_argument("--out", default="bench_out/adversarial")
     ns = ap.parse_args(argv)
+    kinds = [k for k in ns.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        ap.error(f"--kinds takes some of {','.join(KINDS)}")
 
     from cluster.bench import local
 
@@ -127,21 +145,35 @@ def main(argv: list[str] | None = None) -> int:
         before = replicas()
         idle = {aid: rss(pid, "VmRSS") for aid, (pid, _) in before.items()}
         asyncio.run(honest(url, 2, 2, 0.0))  # warm: models loaded, first renders done
+        clients = {os.getpid(): "honest client"}
+        meter = CpuMeter(lambda: clients)
+        meter.start()
         alone = asyncio.run(honest(url, ns.sessions, ns.turns, ns.tool_s))
-        print(f"honest alone: {len(alone)} turns, p99 {p99(alone):.2f} s")
+        cpu_alone = meter.stop()
+        print(f"honest alone: {len(alone)} turns, p99 {p99(alone):.2f} s, CPU s {cpu_alone}")
         ctx = multiprocessing.get_context("spawn")
         queue: Any = ctx.Queue()
         done = ctx.Event()
         attack_s = ns.warm_s + 3 * (max(alone) + ns.tool_s) * ns.turns + 60  # outlasts the honest run under attack
-        child = ctx.Process(target=run_hostile, args=(url, HOSTILE_KEY, MODEL, ns.per_kind, attack_s, done, queue),
-                            daemon=True)
+        child = ctx.Process(target=run_hostile, daemon=True,
+                            args=(url, HOSTILE_KEY, MODEL, {k: ns.per_kind for k in kinds}, attack_s, done, queue))
         child.start()
+        clients[child.pid] = "hostile clients"
+        if ns.hostile_cpu:
+            cpu_quota(child.pid, ns.hostile_cpu)
         time.sleep(ns.warm_s)
+        spy = profile(out, before) if ns.profile else None
+        meter.start()
         t0 = time.perf_counter()
-        attacked = asyncio.run(honest(url, ns.sessions, ns.turns, ns.tool_s))
+        slow: list[dict[str, Any]] = []
+        attacked = asyncio.run(honest(url, ns.sessions, ns.turns, ns.tool_s, slow))
         honest_s = time.perf_counter() - t0
+        cpu_attacked = meter.stop()
         done.set()
-        print(f"honest under attack: {len(attacked)} turns in {honest_s:.0f} s, p99 {p99(attacked):.2f} s")
+        if spy:
+            spy.send_signal(2)  # py-spy writes its file on SIGINT
+            spy.wait(60)
+        print(f"honest under attack: {len(attacked)} turns in {honest_s:.0f} s, p99 {p99(attacked):.2f} s, CPU s {cpu_attacked}")
         seen = queue.get(timeout=attack_s + 180)
         child.join(30)
         after = replicas()
@@ -155,8 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                          "peak_rss_mib": peak // MiB, "grew_mib": grew // MiB,
                          "ceiling_grow_mib": limits.get(deployment, 0) // MiB,
                          "under_ceiling": alive and grew <= limits.get(deployment, 0)})
-        result = {"hostile_key": "unlimited" if ns.unlimited else "default limits", "honest_p99_alone_s": round(p99(alone), 3), "honest_p99_attacked_s": round(p99(attacked), 3),
+        result = {"hostile_key": "unlimited" if ns.unlimited else "default limits", "kinds": kinds,
+                  "hostile_cpu": ns.hostile_cpu or "unbounded",
+                  "honest_p99_alone_s": round(p99(alone), 3), "honest_p99_attacked_s": round(p99(attacked), 3),
                   "ratio": round(p99(attacked) / max(1e-9, p99(alone)), 2), "honest_turns": len(attacked),
+                  "honest_p50_alone_s": round(sorted(alone)[len(alone) // 2], 3),
+                  "honest_p50_attacked_s": round(sorted(attacked)[len(attacked) // 2], 3),
+                  "cpu_s_alone": cpu_alone, "cpu_s_attacked": cpu_attacked, "attacked_phase_s": round(honest_s, 1),
+                  "slow_turns_attacked": slow,
                   "replicas": rows, "restarts": sum(r["restarted"] for r in rows) + max(0, len(after) - len(before)),
                   "hostile": seen}
         (out / "adversarial.json").write_text(json.dumps(result, indent=1))

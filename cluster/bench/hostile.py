@@ -54,7 +54,7 @@ def _image_message(urls: list[str]) -> dict[str, Any]:
 
 
 def _outcome(status: int, body: Any) -> str:
-    code = body.get("error", {}).get("code") if isinstance(body, dict) else None
+    code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None  # "error": null on success
     return f"{status} {code}" if code else str(status)
 
 
@@ -160,21 +160,23 @@ class Hostile:
                             self.seen["GET " + type(exc).__name__] += 1
 
 
-async def _run(base: str, key: str, model: str, per_kind: int, seconds: float, done: Any) -> dict[str, dict[str, int]]:
+async def _run(base: str, key: str, model: str, kinds: dict[str, int], seconds: float, done: Any) -> dict[str, dict[str, int]]:
     stop = asyncio.Event()
-    clients = {kind: [Hostile(base, key, model) for _ in range(per_kind)] for kind in KINDS}
+    clients = {kind: [Hostile(base, key, model) for _ in range(n)] for kind, n in kinds.items()}
     tasks = [asyncio.create_task(getattr(c, kind)(stop)) for kind, cs in clients.items() for c in cs]
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not done.is_set():  # until the honest sessions are done
         await asyncio.sleep(0.5)
     stop.set()
     await asyncio.wait(tasks, timeout=60)
-    for t in tasks:
+    for c, t in zip((c for cs in clients.values() for c in cs), tasks):
+        if t.done() and not t.cancelled() and t.exception() is not None:  # a client's own bug is reported, not lost
+            c.seen["client crashed: " + repr(t.exception())[:120]] += 1
         t.cancel()
     return {kind: dict(sum((c.seen for c in cs), Counter())) for kind, cs in clients.items()}
 
 
-def run_hostile(base: str, key: str, model: str, per_kind: int, seconds: float, done: Any, out: Any) -> None:
-    """In a child process: every kind `per_kind` times over, for `seconds` at most or until `done`
-    (a multiprocessing Event) is set; what they saw goes to `out`."""
-    out.put(asyncio.run(_run(base, key, model, per_kind, seconds, done)))
+def run_hostile(base: str, key: str, model: str, kinds: dict[str, int], seconds: float, done: Any, out: Any) -> None:
+    """In a child process: `kinds` maps each kind of client to how many run, for `seconds` at most
+    or until `done` (a multiprocessing Event) is set; what they saw goes to `out`."""
+    out.put(asyncio.run(_run(base, key, model, kinds, seconds, done)))

@@ -35,30 +35,49 @@ def json_containers_error(raw: Any, max_containers: int = MAX_JSON_CONTAINERS) -
 
 def json_depth_error(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Optional[ApiError]:
     """A 400 naming the top-level field that nests deeper than `max_depth` (iterative)."""
-    return json_shape(value, max_depth)[0]
+    return json_shape(value, max_depth=max_depth)[0]
 
 
-def json_shape(value: Any, max_depth: int = MAX_JSON_DEPTH) -> tuple[Optional[ApiError], int]:
-    """`json_depth_error`, and the bytes the parsed value holds in CPython, estimated in the same
-    walk: a 30-byte item `{"role":"user","content":"a"}` is a dict and two strings, ~300 bytes,
-    so what waits parsed is counted as what it holds, not as the frame it came in."""
-    held = 0
-    stack: list[tuple[Any, int, Optional[str]]] = [(value, 0, None)]
-    while stack:
-        v, depth, top = stack.pop()
-        if depth > max_depth:
-            return ApiError(400, f"The JSON is nested too deeply: at most {max_depth} levels of objects and "
-                                 "arrays are allowed.", param=top, code="invalid_value"), held
-        if isinstance(v, dict):
-            held += 100 + 50 * len(v)  # the table and its keys (json.loads shares a key's string)
-            stack.extend((child, depth + 1, top if top is not None else str(key)) for key, child in v.items())
-        elif isinstance(v, list):
-            held += 56 + 8 * len(v)
-            stack.extend((child, depth + 1, top) for child in v)
-        elif isinstance(v, str):
-            held += 50 + (len(v) if v.isascii() else 4 * len(v))
-        else:
-            held += 32
+_CONTAINERS = (dict, list)
+
+
+def _levels_and_container_bytes(value: Any, max_levels: int) -> tuple[int, int]:
+    """How many levels of containers `value` is (counted up to `max_levels` + 1) and what its dicts and lists hold in
+    CPython. Level by level over containers only, leaves never visited: ~5x faster than a walk
+    of every value (3 ms for 10,000 items instead of 16), and it runs on every frame and body."""
+    level, levels, held = [value] if type(value) in _CONTAINERS else [], 0, 0
+    while level:
+        levels += 1
+        if levels > max_levels:
+            break
+        below: list[Any] = []
+        for c in level:
+            if type(c) is dict:
+                held += 100 + 50 * len(c)  # the table and its keys (json.loads shares a key's string)
+                below += [v for v in c.values() if type(v) in _CONTAINERS]
+            else:
+                held += 56 + 8 * len(c)
+                below += [v for v in c if type(v) in _CONTAINERS]
+        level = below
+    return levels, held
+
+
+def json_shape(value: Any, raw: Any = None, max_depth: int = MAX_JSON_DEPTH) -> tuple[Optional[ApiError], int]:
+    """`json_depth_error`, and an upper bound of the bytes the parsed value holds in CPython: a
+    30-byte item `{"role":"user","content":"a"}` is a dict and two strings, ~300 bytes, so what
+    waits parsed is counted as what it holds, not as the frame it came in. The leaves are
+    weighed from `raw`, the text they were parsed from, counted in C: 50 bytes a string, 1 a
+    character (4 when any is not ASCII), 32 a number (one at most per comma, and the last); without
+    `raw` only the containers are weighed."""
+    levels, held = _levels_and_container_bytes(value, max_depth + 1)  # the body itself is depth 0
+    if levels > max_depth + 1:
+        top = next((str(k) for k, v in value.items() if _levels_and_container_bytes(v, max_depth)[0] > max_depth),
+                   None) if isinstance(value, dict) else None
+        return ApiError(400, f"The JSON is nested too deeply: at most {max_depth} levels of objects and "
+                             "arrays are allowed.", param=top, code="invalid_value"), held
+    if raw is not None:
+        quote, comma = (b'"', b",") if isinstance(raw, (bytes, bytearray)) else ('"', ",")
+        held += 50 * (raw.count(quote) // 2) + 32 * (raw.count(comma) + 1) + len(raw) * (1 if raw.isascii() else 4)
     return None, held
 
 

@@ -276,11 +276,12 @@ def session_header(headers: Any) -> Optional[str]:
     return value or None
 
 
-def parse_request(body: Any, *, max_input_items: Optional[int] = None) -> ResponsesRequest:
-    """Validate a decoded JSON body; every failure is a 400 `ApiError`."""
+def parse_request(body: Any, *, max_input_items: Optional[int] = None, depth_checked: bool = False) -> ResponsesRequest:
+    """Validate a decoded JSON body; every failure is a 400 `ApiError`. `depth_checked`: the
+    caller bounded its nesting already (a WebSocket frame is, as it is parsed)."""
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.")
-    too_deep = json_depth_error(body)
+    too_deep = None if depth_checked else json_depth_error(body)
     if too_deep is not None:
         raise too_deep
     items = body.get("input")
@@ -336,11 +337,11 @@ def multi_agent_enabled(body: dict[str, Any]) -> bool:
 
 def admit_create(body: dict[str, Any], *, transport: Literal["http", "websocket"],
                  admit: Optional[Callable[[], None]], max_input_items: Optional[int],
-                 betas: frozenset[str] = frozenset()) -> ResponsesRequest:
+                 betas: frozenset[str] = frozenset(), depth_checked: bool = False) -> ResponsesRequest:
     """The request, or the ApiError that refuses it."""
     if admit is not None:
         admit()  # the key's rate limit: every create counts, valid or not
-    req = parse_request(body, max_input_items=max_input_items)
+    req = parse_request(body, max_input_items=max_input_items, depth_checked=depth_checked)
     multi_agent = multi_agent_enabled(body)
     if transport == "http":
         if multi_agent:  # nothing could inject the outputs a multi-agent response would wait for

@@ -82,7 +82,7 @@ async def test_oversized_frames_are_never_queued_and_queued_bytes_are_bounded(to
     first_terminal = next(i for i, e in enumerate(sent) if e["type"] == "response.completed")
     assert sent.index(too_large[0]) > first_terminal
     assert session.protocol.queued_bytes == 0
-    small = json.dumps({"type": "response.create", "input": "y" * 700})
+    small = json.dumps({"type": "response.create", "input": "y" * 500})
     for _ in range(8):
         await session.on_frame(small)  # each holds ~1 KB parsed: 4 fit in 4 KiB, the rest are refused
     assert session.protocol.queued_bytes <= 4096

@@ -199,7 +199,7 @@ class WebSocketProtocol:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             return self._defer(ApiError(400, "Each message must be a JSON object with a 'type'.", param="type",
                                         code="missing_required_parameter"))
-        too_deep, held = json_shape(event)  # steers and injects too, before anything holds them
+        too_deep, held = json_shape(event, data)  # steers and injects too, before anything holds them
         if too_deep is not None:
             return self._defer(too_deep)
         # Counted as what the parsed event holds (~10x a frame of small items), not the frame.
