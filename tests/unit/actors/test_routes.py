@@ -1,0 +1,51 @@
+"""The WebSocket route's reader: frames a client has already sent are taken one a socket per
+pass of the event loop, so a burst on one socket does not hold every other socket's turn."""
+
+import asyncio
+from types import SimpleNamespace
+
+from actors.routes import websocket
+
+
+class BufferedSocket:
+    """A WebSocket whose frames have all arrived: `receive` returns without a suspension, as
+    uvicorn's does while its queue holds messages."""
+
+    headers: dict = {}
+
+    def __init__(self, texts: list[str]) -> None:
+        self.messages = [{"type": "websocket.receive", "text": t} for t in texts] + [{"type": "websocket.disconnect"}]
+
+    async def accept(self, headers=None) -> None:
+        pass
+
+    async def receive(self) -> dict:
+        return self.messages.pop(0)
+
+
+def services(handled: list[str]) -> SimpleNamespace:
+    class Session:
+        closed = False
+
+        async def on_frame(self, data: str) -> None:
+            handled.append(data)
+
+    async def open_socket(p, headers, send, close):
+        return SimpleNamespace(session=Session())
+
+    async def close_socket(socket):
+        pass
+
+    turns = SimpleNamespace(admit_socket=lambda headers: "principal", open_socket=open_socket,
+                            close_socket=close_socket, abandon_socket=lambda p: None)
+    return SimpleNamespace(turns=turns, config=SimpleNamespace(websocket=SimpleNamespace(max_frame_bytes=1024)))
+
+
+async def test_a_socket_with_a_burst_of_frames_takes_turns_with_the_others():
+    handled: list[str] = []
+    conn = services(handled)
+    burst = BufferedSocket([f"hostile {i}" for i in range(64)])
+    honest = BufferedSocket(["honest"])
+    await asyncio.gather(websocket(burst, conn), websocket(honest, conn))
+    assert len(handled) == 65
+    assert handled.index("honest") <= 2  # not behind the 64 frames that were there first
