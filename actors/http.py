@@ -31,15 +31,34 @@ def new_app() -> FastAPI:
     return app
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    headers = None
+BODY_READ = "loopserve.body_read"  # set in the request's scope once `json_body` starts reading
+LINGER_BYTES = 64 * 1024  # an unread body past this is not read to be thrown away
+
+
+def error_response(err: ApiError, request: Optional[Request] = None) -> JSONResponse:
+    """The API's error shape. A request refused before its body was read (a 401, 413 or 429 on a
+    POST) whose body is large, or of unknown length, gets `Connection: close`: otherwise the server
+    reads the rest of it (13.6 MB, again and again for a client over its rate limit) only to
+    discard it, on the event loop every client shares."""
+    headers = {}
     if err.retry_after_s is not None:
-        headers = {"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
-    return JSONResponse(err.http_body(), status_code=err.status, headers=headers)
+        headers["retry-after"] = str(max(1, math.ceil(err.retry_after_s)))
+    if request is not None and _unread_body_is_large(request):
+        headers["connection"] = "close"
+    return JSONResponse(err.http_body(), status_code=err.status, headers=headers or None)
 
 
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc)
+def _unread_body_is_large(request: Request) -> bool:
+    if request.method != "POST" or request.scope.get(BODY_READ):
+        return False
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return "chunked" in request.headers.get("transfer-encoding", "").lower()
+    return not declared.isdigit() or int(declared) > LINGER_BYTES
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc, request)
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -80,10 +99,12 @@ async def json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
+    request.scope[BODY_READ] = True
     body = bytearray()
     async for chunk in request.stream():  # chunked bodies are bounded too
         body += chunk
         if len(body) > limit:
+            request.scope[BODY_READ] = False  # the rest is not read either
             raise _too_large(len(body), limit)
     too_complex = json_containers_error(body)  # before the parse, which holds the event loop
     if too_complex is not None:

@@ -176,7 +176,7 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
         body = await json_body(request, conn.config.limits.max_request_bytes)
         turn = await conn.turns.create(body, p, request.headers, received_at)
     except ApiError as err:
-        return error_response(err)
+        return error_response(err, request)
     if isinstance(turn, StreamedTurn):
         return StreamingResponse(_sse_stream(turn), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
