@@ -96,6 +96,7 @@ class ConnectionServices:
         settings = turn_settings(config)
         if render.local is not None:
             settings.max_token_chars = render.local.max_token_chars
+            settings.min_user_message_tokens = render.local.min_user_message_tokens
         self.driver = TurnDriver(settings, render=render, engine=engine, safety=safety,
                                  post_work=self.post_work, metrics=self.metrics,
                                  items=store.get_item if store is not None else None, sealer=cluster_sealer(config))

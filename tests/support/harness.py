@@ -53,7 +53,8 @@ class InProcessStack:
         self.fail_engine = False
         settings = TurnSettings(model_name="loopserve-tiny", default_max_tokens=64, max_model_len=max_model_len,
                                 verify_renders=verify, output_chunk_chars=chunk_chars,
-                                max_token_chars=self.renderer.max_token_chars)  # as the connection sets it
+                                max_token_chars=self.renderer.max_token_chars,  # as the connection sets them
+                                min_user_message_tokens=self.renderer.min_user_message_tokens)
         self.sealer = Sealer({"test": b"k" * 32}, "test")
         self.driver = TurnDriver(settings, render=self.render, engine=self.engine_port, safety=safety,
                                  post_work=post_work, tracer=tracer, metrics=metrics, sealer=self.sealer)

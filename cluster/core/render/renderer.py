@@ -112,6 +112,8 @@ class IncrementalRenderer:
         self.images: Optional[ImageTokens] = None
         # The most characters one token stands for (`tokenizer.py`; None: no floor before tokenizing).
         self.max_token_chars: Optional[int] = None
+        # Tokens a user message adds beyond its text, at least (`tokenizer.py`; 0: no such floor).
+        self.min_user_message_tokens = 0
 
     def stats(self) -> dict[str, Any]:
         report = self.probe_report

@@ -12,6 +12,12 @@ messages and the output of tool calls, each part stripped (templates may trim). 
 floor is over the model's context is refused without tokenizing it: tokenizing holds the GIL
 (~0.65 s per MB here), so a client sending multi-megabyte inputs would otherwise stall the
 replica's event loop (and its health checks) only to learn the same answer.
+
+A user message costs at least `min_user_message_tokens` on top of its text: the role markers
+its template writes around it, measured once from the template (one more user message, empty
+and not, after another). 10,000 one-character messages are 300 KB and ~50,000 tokens: refused
+here, not after a render of all of them. A template that writes nothing for some message
+measures 0, and the floor is its text alone.
 """
 
 from __future__ import annotations
@@ -101,6 +107,7 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
         renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()), decode=decode,
                                        eos=tokenizer.eos_token, template_source=template)
         renderer.max_token_chars = max_token_chars(tokenizer)
+        renderer.min_user_message_tokens = min_user_message_tokens(apply, encode)
     if probe:
         # Once per process for a tokenizer and template: every renderer of them gets the same proof.
         key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), renderer.template_source,
@@ -181,6 +188,20 @@ def max_token_chars(tokenizer) -> Optional[int]:
     return longest * (_COMPOSING_FACTOR if backend.normalizer is not None else 1)
 
 
+def min_user_message_tokens(apply: Callable[..., str], encode: Callable[[str], Any]) -> int:
+    """The fewest tokens one more user message adds to a prompt beyond its text, measured on the
+    template: after a user message, with empty and with short content (0 when unknown)."""
+    added = []
+    for text in ("", "x", "hello world", " \n{x"):
+        one = [{"role": "user", "content": text}]
+        try:
+            more = len(encode(apply(one * 2, None, False))) - len(encode(apply(one, None, False)))
+        except Exception:  # noqa: BLE001 - a template that refuses two user messages in a row
+            return 0
+        added.append(more - len(encode(text)))
+    return max(0, min(added))
+
+
 def _text_chars(value: Any) -> int:
     if isinstance(value, str):
         return len(value.strip())
@@ -214,11 +235,12 @@ def kept_items(new_items: Sequence[dict[str, Any]], truncation: Optional[str]) -
     return new_items
 
 
-def min_prompt_tokens(items: Sequence[dict[str, Any]], max_chars: Optional[int]) -> int:
+def min_prompt_tokens(items: Sequence[dict[str, Any]], max_chars: Optional[int], per_user_message: int = 0) -> int:
     """A floor on the tokens `items` add to a prompt (0 when the tokenizer gives no bound)."""
     if not max_chars:
         return 0
-    return verbatim_chars(items) // max_chars
+    users = sum(1 for item in items if item.get("type", "message") == "message" and item.get("role") == "user")
+    return verbatim_chars(items) // max_chars + per_user_message * max(0, users - 1)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -78,6 +78,7 @@ class TurnSettings:
     # The most characters one token of the model stands for (`render/tokenizer.py`): inputs that cannot
     # fit the context are refused before the tokenizer runs. None: no such floor.
     max_token_chars: Optional[int] = None
+    min_user_message_tokens: int = 0  # the template's markers around each user message, at least
 
     @property
     def context_limit(self) -> int:
@@ -188,7 +189,8 @@ class TurnPreparer:
         chars, limit = self.settings.max_token_chars, self.settings.context_limit
         if not chars:
             return
-        floor = min_prompt_tokens(kept_items(new_items, req.truncation), chars) + len(req.instructions or "") // chars
+        floor = min_prompt_tokens(kept_items(new_items, req.truncation), chars, self.settings.min_user_message_tokens) \
+            + len(req.instructions or "") // chars
         if floor > limit:
             raise context_too_long(limit, floor, at_least=True)
         # Only what a template writes: tools the model is not offered (web_search, ...) are bounded as

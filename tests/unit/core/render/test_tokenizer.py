@@ -66,3 +66,34 @@ async def test_an_input_that_cannot_fit_is_refused_before_it_is_rendered(tokeniz
     with pytest.raises(ApiError) as e:
         await stack.run({"previous_response_id": ok["id"], "input": [user(big)]}, cache)
     assert "at least" in e.value.message and len(stack.render_jobs) == 2
+
+
+def test_each_user_message_costs_its_templates_markers_at_least(tokenizer):
+    """The floor counts the markers a template writes around each user message (measured from the
+    template), and never exceeds the real prompt: random conversations of many user messages."""
+    from cluster.core.render.tokenizer import renderer_for
+
+    renderer = renderer_for(tokenizer)
+    per_message = renderer.min_user_message_tokens
+    assert per_message >= 3  # ChatML: <|im_start|>, user, newline, <|im_end|>, newline
+    longest = max_token_chars(tokenizer)
+    rng = random.Random(11)
+    vocab = list(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False))
+    for _ in range(30):
+        texts = ["".join(rng.choice([*vocab[:2000], "", " ", "\n", "x"]) for _ in range(rng.randint(0, 6)))
+                 for _ in range(rng.randint(1, 40))]
+        messages = [{"role": "user", "content": t} for t in texts]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        tokens = len(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+        assert min_prompt_tokens([user(t) for t in texts], longest, per_message) <= tokens, texts
+
+
+async def test_ten_thousand_one_character_messages_are_refused_before_a_render(tokenizer):
+    """300 KB of input that is ~50,000 tokens of role markers: refused before it is rendered (a render
+    of all of it costs the render replica's CPU for every such request a key's rate limit admits)."""
+    stack = InProcessStack(tokenizer, max_model_len=32768)
+    with pytest.raises(ApiError) as e:
+        await stack.run({"input": [user("a")] * 10_000}, SessionCache())
+    assert e.value.code == "context_length_exceeded" and "at least" in e.value.message
+    assert stack.render_jobs == []
+    assert (await stack.run({"input": [user("a")] * 100}, SessionCache()))  # a conversation that fits runs
