@@ -60,7 +60,7 @@ def kind_of(title: str) -> Optional[str]:
     """What a process is, for grouping its CPU: a Serve replica by deployment, HAProxy, Ray's own
     processes; None for a process that is not part of the run."""
     if title.startswith("ray::ServeReplica:"):
-        return title.split(":")[-1].strip()
+        return title.split(":")[-1].split(".")[0].strip()  # "EngineReplica.handle_request..." while it runs one
     base = os.path.basename(title.split(" ")[0])
     if base == "haproxy":
         return "haproxy"
@@ -97,5 +97,5 @@ class CpuMeter:
         spent: dict[str, float] = defaultdict(float)
         for pid, (kind, now) in self._snapshot().items():
             before = self._start.get(pid)
-            spent[kind] += now - (before[1] if before and before[0] == kind else 0.0)
+            spent[kind] += now - (before[1] if before else 0.0)  # a title can change (a replica's names its method)
         return {k: round(v, 2) for k, v in sorted(spent.items())}

@@ -9,6 +9,7 @@ connection's FIFO); the session (session.py) owns the tasks, lanes and the socke
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -23,6 +24,15 @@ from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
 
 MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)
+
+
+def create_body(event: dict[str, Any]) -> dict[str, Any]:
+    """A `response.create` event's request body (the nested form some clients send,
+    `{"type", "response": {...}}`, tolerated)."""
+    body = {k: v for k, v in event.items() if k != "type"}
+    if isinstance(body.get("response"), dict) and "input" not in body:
+        body = {**body.pop("response"), **body}
+    return body
 
 
 @dataclass
@@ -43,10 +53,21 @@ class WsCreate:
     done: asyncio.Event = field(default_factory=asyncio.Event)  # it ran (a fork on another lane waits for it)
     steerable: bool = False
     inbox: Optional[AgentInbox] = None  # a multi-agent response: its injected tool outputs
+    # A large create that waits is held as the frame it came in (one string), its body without its
+    # input: parsed, 10,000 small items are ~4 MB in ~30,000 objects, and every full collection of
+    # Python's GC walks each of them while it waits (a replica's queue of them stalled every
+    # socket's turn for seconds). Parsed again when its lane starts it.
+    frame: Optional[Any] = None
 
     @property
     def lane(self) -> str:
         return self.stream_id or ""
+
+    def start_body(self) -> dict[str, Any]:
+        """The whole body, as the lane starts the create (a held frame is parsed again here)."""
+        if self.frame is not None:
+            self.body, self.frame = create_body(json.loads(self.frame)), None
+        return self.body
 
 
 class ReplicaHeld:

@@ -41,7 +41,7 @@ from cluster.core.websocket.actions import (  # noqa: F401 - re-exported
     SendError,
     SendEvent,
 )
-from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate  # noqa: F401 - ReplicaHeld re-exported
+from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate, create_body  # noqa: F401 - ReplicaHeld re-exported
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
 from cluster.protocol.request_bounds import json_containers_error
@@ -53,6 +53,8 @@ MAX_LANES = 32  # named lanes (stream_id) at once on one connection
 # A frame this large counts against its key's rate limit before it is parsed (parsing holds the
 # event loop ~25 ms a MB); a create counted so is not counted again when it starts.
 ADMIT_BEFORE_PARSE_BYTES = 64 * 1024
+# A create that waits and holds more than this parsed waits as its frame (WsCreate.frame).
+HOLD_AS_FRAME_BYTES = 256 * 1024
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
 
 
@@ -203,9 +205,10 @@ class WebSocketProtocol:
         if too_deep is not None:
             return self._defer(too_deep)
         # Counted as what the parsed event holds (~10x a frame of small items), not the frame.
-        return self._event(event, held, received_at, admitted)
+        return self._event(event, held, received_at, admitted, data)
 
-    def _event(self, event: Event, nbytes: int, received_at: Optional[float], admitted: bool = False) -> list[Action]:
+    def _event(self, event: Event, nbytes: int, received_at: Optional[float], admitted: bool = False,
+               frame: Union[str, bytes, None] = None) -> list[Action]:
         kind = event["type"]
         if kind in IGNORED_TYPES:
             return []
@@ -225,14 +228,10 @@ class WebSocketProtocol:
             return self._defer(ApiError(
                 400, f"Invalid event type '{kind}'. Supported: 'response.create', 'response.steer', "
                      "'response.interrupt', 'response.inject'.", param="type", code="invalid_value"))
-        body = {k: v for k, v in event.items() if k != "type"}
-        if isinstance(body.get("response"), dict) and "input" not in body:
-            # Tolerate the nested form some clients send: {"type", "response": {...}}.
-            body = {**body.pop("response"), **body}
-        return self._enqueue(body, nbytes, received_at, admitted)
+        return self._enqueue(create_body(event), nbytes, received_at, admitted, frame)
 
     def _enqueue(self, body: dict[str, Any], nbytes: int, received_at: Optional[float],
-                 admitted: bool = False) -> list[Action]:
+                 admitted: bool = False, frame: Union[str, bytes, None] = None) -> list[Action]:
         stream_id = body.get("stream_id")
         if stream_id is not None and not (isinstance(stream_id, str) and _STREAM_ID.match(stream_id)):
             return self._defer(ApiError(400, "stream_id must be 1-256 characters of [A-Za-z0-9_.-].",
@@ -246,6 +245,9 @@ class WebSocketProtocol:
         # Each lane with creates holds (or waits for) one of the MAX_ACTIVE slots.
         waits = (existing is not None and existing.has_creates) or \
             sum(1 for other in self.lanes.values() if other.has_creates) >= MAX_ACTIVE
+        as_frame = waits and frame is not None and nbytes > HOLD_AS_FRAME_BYTES
+        if as_frame:
+            nbytes = 2 * frame_bytes(frame)  # the frame, and the ids kept beside it (a part of it)
         if waits and self.queued_bytes + nbytes > self.config.max_queued_bytes:
             return [SendError(ApiError(
                 429, f"This request holds {nbytes} bytes parsed; with what waits on this connection that is over "
@@ -256,11 +258,15 @@ class WebSocketProtocol:
                 429, "This server has too many requests waiting on its connections; retry shortly.",
                 code="rate_limit_exceeded", retry_after_s=1.0), stream_id)]
         create = WsCreate(body, received_at, stream_id, nbytes=nbytes, admitted=admitted)
+        announce = self._queued_event(create) if waits else None
+        if as_frame:  # only what the waiting needs stays parsed: the parent it continues
+            create.body = {k: body[k] for k in ("previous_response_id",) if k in body}
+            create.frame = frame
         lane = self._lane(key)
         lane.pending.append(create)
         self.queued_bytes += nbytes
         self.waiting_creates += 1
-        return [Enqueued(create, self._queued_event(create) if waits else None), RunLane(key)]
+        return [Enqueued(create, announce), RunLane(key)]
 
     def _queued_event(self, create: WsCreate) -> Optional[Event]:
         try:

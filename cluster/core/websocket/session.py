@@ -224,7 +224,7 @@ class WebSocketSession:
             create.done.set()
 
     async def _run_create(self, create: WsCreate) -> Optional[WsCreate]:
-        body, received_at = create.body, create.received_at
+        body, received_at = create.start_body(), create.received_at
         parent = body.get("previous_response_id")
         if not create.commits:
             create.commits = self.protocol.inflight.queued_steers_for(body)

@@ -131,22 +131,32 @@ def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
     assert errors(r.receive(raw_create("\U0001F600" * 100), now=1.0)) == ["rate_limit_exceeded"]
 
 
-def test_a_waiting_create_is_counted_as_what_it_holds_parsed():
-    """10,000 one-character messages are a 300 KB frame that holds several MB once parsed (audit-2 N3)."""
+def test_a_large_waiting_create_is_held_as_its_frame_and_counted_as_what_it_holds():
+    """10,000 one-character messages are a 300 KB frame that holds ~3 MB in ~30,000 objects once
+    parsed (audit-2 N3); held parsed while it waits, every full collection of Python's GC walks
+    them (seconds of stall for a queue of them). It waits as the frame, is counted at least as
+    what it holds, and is whole again when its lane starts it."""
+    import gc
     import tracemalloc
 
     frame = create([{"role": "user", "content": "a"} for _ in range(10_000)])
     tracemalloc.start()
-    held = json.loads(frame)
+    parsed = json.loads(frame)
     parsed_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    del held
+    del parsed
     p = protocol(max_queued_bytes=64 * 1024 * 1024)
     p.receive(create("in flight"), now=1.0)
+    tracked = len(gc.get_objects())
+    tracemalloc.start()
     waiting = enqueued(p.receive(frame, now=1.0))
-    assert waiting.announce is not None
-    assert waiting.create.nbytes >= parsed_bytes > 5 * len(frame)
-    q = protocol(max_queued_bytes=2 * len(frame))  # the frame fits; what it holds does not
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert waiting.announce is not None and waiting.announce["response"]["status"] == "queued"
+    assert len(gc.get_objects()) - tracked < 200  # no parsed items for the GC to walk
+    assert held < parsed_bytes / 4 and waiting.create.nbytes >= held
+    assert len(waiting.create.start_body()["input"]) == 10_000
+    q = protocol(max_queued_bytes=len(frame))  # the frame alone fits; it is counted with its ids
     q.receive(create("in flight"), now=1.0)
     assert errors(q.receive(frame, now=1.0)) == ["rate_limit_exceeded"] and q.waiting_creates == 1
 
