@@ -16,6 +16,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.drain import DrainWatch
+from actors.limits import LimitReporter
+from actors.loop_watch import LoopWatch
 from actors.routes import build_app
 from cluster import telemetry
 from cluster.config import LoopserveConfig
@@ -31,15 +33,26 @@ class ConnectionActor:
         engine: DeploymentHandle,
         config: LoopserveConfig,
         safety: Optional[DeploymentHandle] = None,
+        limits: Optional[DeploymentHandle] = None,  # the RateLimitLedger: keys' limits held app-wide
     ) -> None:
         telemetry.setup(config.telemetry, "connection")
         self.services = await ConnectionServices.build(config, render=render, engine=engine, safety=safety)
         self.drain_watch = DrainWatch(self.services.drain)
         self.drain_watch.start()
+        self.loop_watch = LoopWatch(self.services.loop_health)
+        self.loop_watch.start()
+        self.limit_reports: Optional[LimitReporter] = None
+        if limits is not None:
+            self.limit_reports = LimitReporter(self.services.auth, limits)
+            await self.limit_reports.report_once()  # the first request counts what the others hold
+            self.limit_reports.start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_app(self.services)
 
     async def __del__(self) -> None:
         self.drain_watch.stop()
+        self.loop_watch.stop()
+        if self.limit_reports is not None:
+            self.limit_reports.stop()
         await self.services.close()

@@ -133,7 +133,7 @@ def with_sealing_key(config: LoopserveConfig) -> LoopserveConfig:
 
 def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Application:
     """Validate the config and bind ConnectionActor -> RenderActor (unless `render_in_connection`), EngineReplica
-    (+ SafetyActor, GuardEngine when safety runs out of line)."""
+    (+ SafetyActor, GuardEngine when safety runs out of line; + RateLimitLedger when keys' limits are shared)."""
     from actors.connection import ConnectionActor
     from actors.engine import EngineReplica
     from actors.render import RenderActor
@@ -164,8 +164,13 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
                                            routing={"policy": "least_loaded"}, safety={"enabled": False})
             guard = EngineReplica.options(name="GuardEngine", **engine_options(guard_config)).bind(guard_config)
         safety = SafetyActor.options(**_options(config.safety.deployment, fast_path=fast)).bind(config, guard)
+    ledger = None
+    if config.shares_limits:
+        from actors.limits import RateLimitLedger
+
+        ledger = RateLimitLedger.bind()
     conn_opts = connection_options(config)
-    return ConnectionActor.options(**conn_opts).bind(render, engine, config, safety)
+    return ConnectionActor.options(**conn_opts).bind(render, engine, config, safety, ledger)
 
 
 class DeployFailed(RuntimeError):

@@ -1,4 +1,5 @@
-"""API keys, tenants and per-key limits (in-process; per connection replica)."""
+"""API keys, tenants and per-key limits: admitted here, on this replica's counts plus what the
+other connection replicas hold (`cluster/serving/rate_limits.py`, when the app shares limits)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 
 from cluster.config import ApiKey, AuthConfig
 from cluster.protocol.errors import ApiError
+from cluster.serving.rate_limits import LimitReports
 
 log = logging.getLogger("loopserve.auth")
 
@@ -45,6 +47,7 @@ class Authenticator:
         self._load(config.resolved())  # raises KeysMissing at start, never on a reload
         self._windows: dict[str, deque[float]] = {}
         self._connections: dict[str, int] = {}
+        self.shared = LimitReports()  # what other replicas hold (empty when limits are not shared)
 
     def _load(self, resolved: AuthConfig) -> None:
         self._keys: list[tuple[bytes, ApiKey]] = [(bytes.fromhex(k.sha256), k) for k in resolved.keys]
@@ -123,8 +126,8 @@ class Authenticator:
         window = self._windows.setdefault(window_key, deque())
         while window and window[0] <= now - 60.0:
             window.popleft()
-        if len(window) >= limit:
-            retry = max(0.0, 60.0 - (now - window[0]))
+        if len(window) + self.shared.count(window_key) >= limit:
+            retry = max(0.0, 60.0 - (now - window[0])) if window else 1.0  # the rest were admitted elsewhere
             raise ApiError(429, f"Rate limit reached: {limit} {what} per minute. "
                                 f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded",
                            retry_after_s=retry)
@@ -132,13 +135,33 @@ class Authenticator:
 
     def open_connection(self, p: Principal) -> None:
         n = self._connections.get(p.key_id, 0)
-        if n >= p.max_connections:
+        if n + self.shared.count(p.key_id + "/sockets") >= p.max_connections:
             raise ApiError(429, f"Too many concurrent connections for this key (limit {p.max_connections}).",
                            code="rate_limit_exceeded", type="rate_limit_exceeded")
         self._connections[p.key_id] = n + 1
 
     def close_connection(self, p: Principal) -> None:
         self._connections[p.key_id] = max(0, self._connections.get(p.key_id, 1) - 1)
+
+    def held(self, now: Optional[float] = None) -> dict[str, int]:
+        """What this replica holds per window (admissions in the last minute, open sockets): its
+        report to the ledger. Empty windows are dropped here, so the tables stay as small as the
+        keys in use."""
+        now = time.monotonic() if now is None else now
+        out = {}
+        for key, window in list(self._windows.items()):
+            while window and window[0] <= now - 60.0:
+                window.popleft()
+            if window:
+                out[key] = len(window)
+            else:
+                del self._windows[key]
+        for key_id, n in list(self._connections.items()):
+            if n:
+                out[key_id + "/sockets"] = n
+            else:
+                del self._connections[key_id]
+        return out
 
 
 def _bearer_digest(authorization: Optional[str]) -> bytes:

@@ -20,6 +20,7 @@ import os
 import random
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from opentelemetry import metrics, propagate, trace
@@ -282,3 +283,20 @@ class Metrics:
 
 __all__ = ["setup", "flush", "tracer", "inject", "extract", "extract_headers", "context_of", "hash_key", "ns_at", "span_between",
            "Metrics", "SpanKind", "StatusCode"]
+
+
+@dataclass
+class LoopHealth:
+    """How long this process's event loop was held (its timer fired late) and how long Python's
+    full garbage collections took: a replica's sockets all wait while either runs, so these explain
+    a stall every client saw at once. Updated by `actors/loop_watch.py`."""
+
+    lag_max_s: float = 0.0
+    lags_over_100ms: int = 0
+    lag_over_100ms_s: float = 0.0
+    gc_full: int = 0
+    gc_full_s: float = 0.0
+    gc_full_max_s: float = 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}

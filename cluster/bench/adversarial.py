@@ -163,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             cpu_quota(child.pid, ns.hostile_cpu)
         time.sleep(ns.warm_s)
         spy = profile(out, before) if ns.profile else None
+        loop_before = local.stats(url)["loop"]
         meter.start()
         t0 = time.perf_counter()
         slow: list[dict[str, Any]] = []
         attacked = asyncio.run(honest(url, ns.sessions, ns.turns, ns.tool_s, slow))
         honest_s = time.perf_counter() - t0
         cpu_attacked = meter.stop()
+        loop_after = local.stats(url)["loop"]
         done.set()
         if spy:
             spy.send_signal(2)  # py-spy writes its file on SIGINT
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                   "honest_p50_attacked_s": round(sorted(attacked)[len(attacked) // 2], 3),
                   "cpu_s_alone": cpu_alone, "cpu_s_attacked": cpu_attacked, "attacked_phase_s": round(honest_s, 1),
                   "slow_turns_attacked": slow,
+                  "connection_loop_attacked": {k: (round(v - loop_before[k], 3) if not k.endswith("max_s") else v)
+                                               for k, v in loop_after.items()},
                   "replicas": rows, "restarts": sum(r["restarted"] for r in rows) + max(0, len(after) - len(before)),
                   "hostile": seen}
         (out / "adversarial.json").write_text(json.dumps(result, indent=1))

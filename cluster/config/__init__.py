@@ -88,3 +88,14 @@ class LoopserveConfig(StrictModel):
             raise ValueError("render_in_connection needs inline_delta_render: the connection replica's tokenizer "
                              "is what renders")
         return self
+
+    @property
+    def shares_limits(self) -> bool:
+        """`limits.shared_across_replicas`, resolved: None means whenever the connection deployment
+        can run more than one replica."""
+        if self.limits.shared_across_replicas is not None:
+            return self.limits.shared_across_replicas
+        conn = self.connection
+        if conn.autoscaling_config is not None:
+            return int(conn.autoscaling_config.get("max_replicas", 4)) > 1  # loopserve's default is 4
+        return conn.num_replicas == "auto" or (conn.num_replicas or 1) > 1

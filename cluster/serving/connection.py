@@ -82,6 +82,7 @@ class ConnectionServices:
                  safety: Optional[SafetyClient], store: Optional[ResponseStore]) -> None:
         self.config = config
         self.metrics = telemetry.Metrics()
+        self.loop_health = telemetry.LoopHealth()
         if render.local is not None:
             watch_fallbacks(render.local, self.metrics)
         self.auth = Authenticator(config.auth)  # refuses to start without keys it requires; rereads keys_file
@@ -207,6 +208,7 @@ class ConnectionServices:
             "engine_calls": self.engine.counters(),  # this replica's: direct channel vs Serve handle
             "open_sockets": m.open_sockets,
             "tasks": len(asyncio.all_tasks()),
+            "loop": self.loop_health.snapshot(),
             "background": len(self.responses.background),
             "rss_bytes": rss_bytes,
             "ws_cache_bytes": self.memory.nbytes,

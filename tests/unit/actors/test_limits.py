@@ -1,0 +1,48 @@
+"""The connection replica's reporting timer against the ledger deployment's own class (its
+handle faked: a named stand-in for Serve's DeploymentHandle that awaits the real method)."""
+
+import asyncio
+
+from actors.limits import LimitReporter, RateLimitLedger
+from cluster.auth import Authenticator, Principal
+from cluster.config import AuthConfig
+
+KEY = Principal("t", "key1", max_connections=3, requests_per_minute=4, reads_per_minute=100)
+
+
+class FakeLedgerHandle:
+    """Stands in for the DeploymentHandle of one RateLimitLedger replica (no Ray here)."""
+
+    def __init__(self) -> None:
+        self.ledger = RateLimitLedger.func_or_class()
+        self.down = False
+
+        class Method:
+            def remote(_, *args):
+                if self.down:
+                    raise ConnectionError("replica gone")
+                return self.ledger.report(*args)
+
+        self.report = Method()
+
+
+async def test_two_replicas_share_a_keys_limit_through_the_ledger():
+    handle = FakeLedgerHandle()
+    a, b = Authenticator(AuthConfig()), Authenticator(AuthConfig())
+    ra, rb = LimitReporter(a, handle, period_s=0.01), LimitReporter(b, handle, period_s=0.01)
+    for _ in range(3):
+        a.admit_request(KEY)
+    await ra.report_once()
+    await rb.report_once()
+    b.admit_request(KEY)
+    try:
+        b.admit_request(KEY)
+        raise AssertionError("the key's fifth create in a minute was admitted")
+    except Exception as err:
+        assert getattr(err, "status", None) == 429
+    handle.down = True
+    await rb.report_once()  # the ledger gone: the last counts still hold
+    assert b.shared.count("key1") == 3
+    rb.start()
+    await asyncio.sleep(0.05)
+    rb.stop()
