@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from opentelemetry import metrics, propagate, trace
@@ -297,6 +297,7 @@ class LoopHealth:
     gc_full: int = 0
     gc_full_s: float = 0.0
     gc_full_max_s: float = 0.0
+    stalls: list[str] = field(default_factory=list)  # the loop thread's stack in the last stalls over 1 s
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, Any]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}

@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                   "honest_p50_attacked_s": round(sorted(attacked)[len(attacked) // 2], 3),
                   "cpu_s_alone": cpu_alone, "cpu_s_attacked": cpu_attacked, "attacked_phase_s": round(honest_s, 1),
                   "slow_turns_attacked": slow,
-                  "connection_loop_attacked": {k: (round(v - loop_before[k], 3) if not k.endswith("max_s") else v)
+                  "connection_loop_attacked": {k: (round(v - loop_before[k], 3) if isinstance(v, (int, float))
+                                                   and not k.endswith("max_s") else v)
                                                for k, v in loop_after.items()},
                   "replicas": rows, "restarts": sum(r["restarted"] for r in rows) + max(0, len(after) - len(before)),
                   "hostile": seen}
