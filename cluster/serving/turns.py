@@ -24,7 +24,7 @@ from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import TurnRequest, cache_salt
 from cluster.core.websocket.protocol import ReplicaHeld, ReplicaQueue
-from cluster.core.websocket.session import WebSocketSession
+from cluster.core.websocket.session import TenantGate, WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import admit_create, session_header
@@ -65,6 +65,7 @@ class TurnsService:
         # Every socket's steering input and injected outputs (first audit #5: they were bounded per socket only).
         self.held = ReplicaHeld(config.websocket.max_replica_held_bytes,
                                 sample=lambda: sum(s.session.protocol.inflight.held_bytes() for s in self.sockets))
+        self.heavy = TenantGate()  # large WebSocket creates start one at a time per tenant
 
     # -- HTTP ------------------------------------------------------------------------
     async def create(self, body: object, principal: Principal, headers: Mapping[str, str],
@@ -165,6 +166,7 @@ class TurnsService:
             settle=self.settle,
             replica_queue=self.queued,
             replica_held=self.held,
+            heavy=self.heavy,
         )
         socket = Socket(session, principal)
         self.metrics.socket_opened()

@@ -68,6 +68,7 @@ class WebSocketSession:
         settle: Optional[Callable[[list[str]], Awaitable[bool]]] = None,
         replica_queue: Optional[ReplicaQueue] = None,
         replica_held: Optional[ReplicaHeld] = None,
+        heavy: Optional["TenantGate"] = None,
     ) -> None:
         self.driver = driver
         self.cache = cache
@@ -95,6 +96,7 @@ class WebSocketSession:
         self._timer: Optional[asyncio.Task] = None
         self._lane_tasks: dict[str, asyncio.Task] = {}
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
+        self._heavy = heavy  # the replica's one-large-create-start-at-a-time-per-tenant gate
         self.responses = 0
         # A response of this socket was stored (`store: true`): another connection may continue it,
         # so closing this one must not free the session's engine KV.
@@ -211,6 +213,9 @@ class WebSocketSession:
                     await self._send_error(server_error(), stream_id=item.stream_id)
                 finally:
                     self.protocol.turn_ended(key, time.monotonic())
+                # A create refused at once (an error, no engine call) never suspends: without this a
+                # lane with a queue of them holds the event loop until it is empty (5 s, measured).
+                await asyncio.sleep(0)
         finally:
             if self._lane_tasks.get(key) is asyncio.current_task():
                 del self._lane_tasks[key]
@@ -231,6 +236,11 @@ class WebSocketSession:
             if create.commits:  # steering input queued for the parent goes first
                 body = steering.with_queued_input(body, create.commits)
         progress = TurnProgress()
+        # Validating and resolving a large input holds the event loop (~50 ms for 10,000 items): one
+        # tenant starts one such create at a time on this replica, so others wait behind one of
+        # its blocks, not behind one per socket it holds.
+        release = await self._heavy.enter(self._owner or "") \
+            if self._heavy is not None and create.nbytes > HEAVY_CREATE_BYTES else None
         try:
             req = admit_create(body, transport="websocket", admit=None if create.admitted else self._admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
@@ -260,6 +270,8 @@ class WebSocketSession:
                 keep_parent=self.protocol.inflight.from_other_lane(parent, stream_id),
                 agent=create.inbox,
             )):
+                if release is not None:  # its input is resolved and rendered: the heavy part is over
+                    release = release()
                 step = progress.observe(ev)
                 if step is Milestone.CREATED:
                     self.protocol.inflight.started(create, progress.response_id)
@@ -279,6 +291,8 @@ class WebSocketSession:
             else:
                 await self._send_error(err, stream_id=stream_id)
         finally:
+            if release is not None:
+                release()
             self.protocol.inflight.ended(progress.response_id)
         if not create.steers:
             return None
@@ -298,3 +312,38 @@ class WebSocketSession:
         if stream_id:
             ev["stream_id"] = stream_id
         await self._send_quietly(ev)
+
+
+HEAVY_CREATE_BYTES = 1 << 20  # a create holding more than this parsed starts through the tenant's gate
+
+
+class TenantGate:
+    """Per tenant, one holder at a time, first come first served, across every socket of a
+    replica. `enter` returns the release (it returns None, so `release = release()` clears it)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}  # holding or waiting: the lock goes with the last of them
+
+    async def enter(self, tenant: str) -> Callable[[], None]:
+        lock = self._locks.setdefault(tenant, asyncio.Lock())
+        self._users[tenant] = self._users.get(tenant, 0) + 1
+        try:
+            await lock.acquire()
+        except BaseException:
+            self._leave(tenant)
+            raise
+
+        def release() -> None:
+            lock.release()
+            self._leave(tenant)
+
+        return release
+
+    def _leave(self, tenant: str) -> None:
+        self._users[tenant] -= 1
+        if not self._users[tenant]:
+            del self._users[tenant], self._locks[tenant]
+
+    def __len__(self) -> int:
+        return len(self._locks)

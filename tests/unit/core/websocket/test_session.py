@@ -418,3 +418,53 @@ async def test_interrupting_a_response_announced_as_queued_ends_it_when_its_turn
     assert ends[rid]["response"]["output"] == []
     assert [e["type"] for e in ends.values()].count("response.completed") == 1  # the first ran as usual
     await p.session.shutdown()
+
+
+async def test_large_creates_start_one_at_a_time_per_tenant_and_other_tenants_do_not_wait():
+    """A tenant's large creates (over HEAVY_CREATE_BYTES parsed) take turns through the replica's
+    gate across all its sockets; another tenant's create is not behind them."""
+    from cluster.core.websocket.session import TenantGate
+
+    gate = TenantGate()
+    order: list[str] = []
+
+    async def heavy(tenant: str, name: str, hold: float) -> None:
+        release = await gate.enter(tenant)
+        order.append(f"{name} in")
+        await asyncio.sleep(hold)
+        order.append(f"{name} out")
+        release()
+
+    await asyncio.gather(heavy("hostile", "h1", 0.05), heavy("hostile", "h2", 0.05), heavy("honest", "o1", 0.01))
+    assert order.index("h2 in") > order.index("h1 out")  # the tenant's second waited for its first
+    assert order.index("o1 in") < order.index("h1 out")  # the other tenant did not wait
+    assert len(gate) == 0  # nothing kept for tenants with no create in flight
+    waiter = asyncio.ensure_future(gate.enter("t"))
+    release = await waiter
+    cancelled = asyncio.ensure_future(gate.enter("t"))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    release()
+    await asyncio.sleep(0)
+    assert len(gate) == 0  # a waiter cancelled while waiting leaves nothing behind
+
+
+async def test_a_lane_of_creates_refused_at_once_lets_the_event_loop_go_between_them(stack):
+    """Creates that fail before any engine call never suspend; a lane running a queue of them must
+    still give the loop back between them (other sockets' turns waited 5 s behind one, measured)."""
+    p = Peer(stack)
+    for _ in range(20):
+        await p.frame({"type": "response.create", "input": "hi", "background": True})  # each refused at once
+    ticks: list[int] = []
+
+    async def other_socket():
+        while len(ticks) < 50:
+            ticks.append(sum(1 for e in p.sent if e["type"] == "error"))
+            await asyncio.sleep(0)
+
+    other = asyncio.ensure_future(other_socket())
+    await p.idle()
+    other.cancel()
+    assert sum(1 for e in p.sent if e["type"] == "error") == 20
+    assert len(set(ticks[:20])) >= 10  # the other task ran between the lane's refusals, not after all of them
+    await p.session.shutdown()
