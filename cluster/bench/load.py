@@ -123,6 +123,12 @@ async def run_load(url: str, sessions: int, turns: int, pause: tuple[float, floa
         await asyncio.sleep(0.2)
     opened_s = time.perf_counter() - t0
     idle = await asyncio.to_thread(stats)
+    import os
+
+    from cluster.bench.processes import CpuMeter
+
+    meter = CpuMeter(lambda: {os.getpid(): "bench client"})  # this machine's processes: a local run's servers too
+    meter.start()
     t1 = time.perf_counter()
     go.set()
     overheads: list[float] = []
@@ -139,7 +145,9 @@ async def run_load(url: str, sessions: int, turns: int, pause: tuple[float, floa
     sampler = asyncio.create_task(sample())
     await asyncio.gather(*tasks)
     run_s = time.perf_counter() - t1
+    cpu = meter.stop()
     sampler.cancel()
+    loop_end, loop_idle = (await asyncio.to_thread(stats)).get("loop") or {}, idle.get("loop") or {}
     problems: Counter[str] = Counter()
     for r in results:
         problems.update(r.problems)
@@ -164,6 +172,11 @@ async def run_load(url: str, sessions: int, turns: int, pause: tuple[float, floa
         "turns_per_s": sum(r.turns for r in results) / run_s if run_s else 0.0,
         "overhead_p50_ms": pct(50), "overhead_p99_ms": pct(99), "overhead_samples": len(overheads),
         "turn_latency_p50_ms": client_pct(50), "turn_latency_p99_ms": client_pct(99),
+        # CPU each kind of process spent per completed turn (process CPU time over the run / turns)
+        "cpu_ms_per_turn": {k: round(v * 1000 / max(1, sum(r.turns for r in results)), 2) for k, v in cpu.items()},
+        # how long the connection replica's event loop was held during the run, and its full GCs
+        "loop": {k: (round(v - loop_idle.get(k, 0), 3) if not k.endswith("max_s") else v)
+                 for k, v in loop_end.items() if isinstance(v, (int, float))},
         "idle_sockets": idle.get("open_sockets"),
         "rss_per_idle_session_bytes": (rss1 - rss0) / sessions if rss0 and rss1 else None,
         "cache_bytes_per_idle_session": idle.get("ws_cache_bytes", 0) / sessions,
@@ -175,6 +188,8 @@ def print_load(r: dict[str, Any]) -> None:
           f"completed in {r['run_s']:.1f} s ({r['turns_per_s']:.1f} turns/s; sockets opened in {r['open_s']:.1f} s)")
     print(f"problems (lost, duplicated, leaked, errors): {r['problems'] or 'none'}")
     print(f"client-observed turn latency: p50 {r['turn_latency_p50_ms']:.0f} ms, p99 {r['turn_latency_p99_ms']:.0f} ms")
+    print("CPU per turn (ms): " + ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_turn"].items()))
+    print(f"connection replica's event loop during the run: {r['loop']}")
     print(f"server overhead under load: p50 {r['overhead_p50_ms']:.1f} ms, p99 {r['overhead_p99_ms']:.1f} ms "
           f"({r['overhead_samples']} turns sampled)")
     if r["rss_per_idle_session_bytes"] is not None:

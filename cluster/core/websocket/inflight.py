@@ -58,6 +58,7 @@ class WsCreate:
     # Python's GC walks each of them while it waits (a replica's queue of them stalled every
     # socket's turn for seconds). Parsed again when its lane starts it.
     frame: Optional[Any] = None
+    large: bool = False  # its frame was over ADMIT_BEFORE_PARSE_BYTES: it starts through its tenant's gate
 
     @property
     def lane(self) -> str:

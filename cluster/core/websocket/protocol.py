@@ -257,7 +257,8 @@ class WebSocketProtocol:
             return [SendError(ApiError(
                 429, "This server has too many requests waiting on its connections; retry shortly.",
                 code="rate_limit_exceeded", retry_after_s=1.0), stream_id)]
-        create = WsCreate(body, received_at, stream_id, nbytes=nbytes, admitted=admitted)
+        create = WsCreate(body, received_at, stream_id, nbytes=nbytes, admitted=admitted,
+                          large=frame is not None and frame_bytes(frame) > ADMIT_BEFORE_PARSE_BYTES)
         announce = self._queued_event(create) if waits else None
         if as_frame:  # only what the waiting needs stays parsed: the parent it continues
             create.body = {k: body[k] for k in ("previous_response_id",) if k in body}

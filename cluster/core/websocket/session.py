@@ -239,8 +239,7 @@ class WebSocketSession:
         # Validating and resolving a large input holds the event loop (~50 ms for 10,000 items): one
         # tenant starts one such create at a time on this replica, so others wait behind one of
         # its blocks, not behind one per socket it holds.
-        release = await self._heavy.enter(self._owner or "") \
-            if self._heavy is not None and create.nbytes > HEAVY_CREATE_BYTES else None
+        release = await self._heavy.enter(self._owner or "") if self._heavy is not None and create.large else None
         try:
             req = admit_create(body, transport="websocket", admit=None if create.admitted else self._admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
@@ -312,9 +311,6 @@ class WebSocketSession:
         if stream_id:
             ev["stream_id"] = stream_id
         await self._send_quietly(ev)
-
-
-HEAVY_CREATE_BYTES = 1 << 20  # a create holding more than this parsed starts through the tenant's gate
 
 
 class TenantGate:

@@ -421,7 +421,7 @@ async def test_interrupting_a_response_announced_as_queued_ends_it_when_its_turn
 
 
 async def test_large_creates_start_one_at_a_time_per_tenant_and_other_tenants_do_not_wait():
-    """A tenant's large creates (over HEAVY_CREATE_BYTES parsed) take turns through the replica's
+    """A tenant's large creates (frames over 64 KiB) take turns through the replica's
     gate across all its sockets; another tenant's create is not behind them."""
     from cluster.core.websocket.session import TenantGate
 
