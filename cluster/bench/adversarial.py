@@ -100,9 +100,11 @@ def cpu_quota(pid: int, cpus: float) -> None:
 
 
 def profile(out: Path, live: dict[str, tuple[int, str]]) -> subprocess.Popen:
-    """py-spy recording the connection replica until interrupted, as raw (collapsed) stacks."""
+    """py-spy recording the connection replica until interrupted, as raw (collapsed) stacks of the
+    thread holding the GIL."""
     pid = next(pid for pid, deployment in live.values() if deployment == "ConnectionActor")
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "50",
+    # --gil: only the thread holding the GIL is sampled (what runs, not what waits); --threads: which one
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "50", "--gil", "--threads",
                              "--output", str(out / "connection.pyspy.txt")], stdout=subprocess.DEVNULL)
 
 
