@@ -337,10 +337,14 @@ def multi_agent_enabled(body: dict[str, Any]) -> bool:
 
 def admit_create(body: dict[str, Any], *, transport: Literal["http", "websocket"],
                  admit: Optional[Callable[[], None]], max_input_items: Optional[int],
-                 betas: frozenset[str] = frozenset(), depth_checked: bool = False) -> ResponsesRequest:
-    """The request, or the ApiError that refuses it."""
+                 betas: frozenset[str] = frozenset(), depth_checked: bool = False,
+                 floor: Optional[Callable[[Any], None]] = None) -> ResponsesRequest:
+    """The request, or the ApiError that refuses it. `floor`: a check of the body as it came (the
+    context's token floor), run before the validation it can spare."""
     if admit is not None:
         admit()  # the key's rate limit: every create counts, valid or not
+    if floor is not None:
+        floor(body)
     req = parse_request(body, max_input_items=max_input_items, depth_checked=depth_checked)
     multi_agent = multi_agent_enabled(body)
     if transport == "http":

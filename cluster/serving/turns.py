@@ -74,7 +74,8 @@ class TurnsService:
         Raises `ApiError` for a request refused before the turn started, or a turn that failed."""
         limits = self.config.limits
         # The key's rate limit was applied before the body was read (routes.py).
-        req = admit_create(body, transport="http", admit=None, max_input_items=limits.max_input_items)
+        req = admit_create(body, transport="http", admit=None, max_input_items=limits.max_input_items,
+                           floor=self.driver.preparer.check_body_floor)
         parsed_at = time.perf_counter()
         session_key = ids.session_key(session_header(headers) or req.prompt_cache_key or req.previous_response_id,
                                       principal.tenant)

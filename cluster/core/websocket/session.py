@@ -243,7 +243,8 @@ class WebSocketSession:
         try:
             req = admit_create(body, transport="websocket", admit=None if create.admitted else self._admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
-                               depth_checked=True)  # the protocol bounded every frame's nesting as it parsed it
+                               depth_checked=True,  # the protocol bounded every frame's nesting as it parsed it
+                               floor=self.driver.preparer.check_body_floor)
             create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
             if multi_agent_enabled(body):
                 create.inbox = AgentInbox(self.config.agent_wait_seconds)

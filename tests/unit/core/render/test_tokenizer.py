@@ -97,3 +97,25 @@ async def test_ten_thousand_one_character_messages_are_refused_before_a_render(t
     assert e.value.code == "context_length_exceeded" and "at least" in e.value.message
     assert stack.render_jobs == []
     assert (await stack.run({"input": [user("a")] * 100}, SessionCache()))  # a conversation that fits runs
+
+
+def test_the_floor_refuses_such_a_body_before_it_is_validated(tokenizer, monkeypatch):
+    """Validating and copying 10,000 items costs the event loop ~70 ms; the floor on the body as it
+    came costs ~1 ms and gives the same answer, so a key's rate limit no longer admits a core's worth
+    of them a second."""
+    from cluster.protocol.requests import ResponsesRequest, admit_create
+
+    stack = InProcessStack(tokenizer, max_model_len=32768)
+    validated = []
+    real = ResponsesRequest.model_validate
+    monkeypatch.setattr(ResponsesRequest, "model_validate",
+                        classmethod(lambda cls, body: validated.append(1) or real(body)))
+    for transport in ("http", "websocket"):
+        with pytest.raises(ApiError) as e:
+            admit_create({"input": [user("a")] * 10_000}, transport=transport, admit=None, max_input_items=10_000,
+                         floor=stack.driver.preparer.check_body_floor)
+        assert e.value.code == "context_length_exceeded" and "at least" in e.value.message
+    assert validated == []
+    ok = admit_create({"input": [user("a")] * 100, "instructions": "be brief"}, transport="http", admit=None,
+                      max_input_items=10_000, floor=stack.driver.preparer.check_body_floor)
+    assert len(ok.input) == 100 and validated == [1]
