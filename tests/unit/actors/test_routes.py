@@ -49,3 +49,25 @@ async def test_a_socket_with_a_burst_of_frames_takes_turns_with_the_others():
     await asyncio.gather(websocket(burst, conn), websocket(honest, conn))
     assert len(handled) == 65
     assert handled.index("honest") <= 2  # not behind the 64 frames that were there first
+
+
+def test_a_request_reaches_the_replicas_services_without_a_thread_hop(monkeypatch):
+    """FastAPI runs a plain-`def` dependency in its thread pool: a thread hop on every request
+    and WebSocket of the replica (11% of its event loop under load, measured)."""
+    import fastapi.dependencies.utils as deps
+    from fastapi.testclient import TestClient
+
+    from actors.routes import build_app
+
+    hops = []
+    real = deps.run_in_threadpool
+
+    async def counting(func, *args, **kwargs):
+        hops.append(getattr(func, "__name__", func))
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(deps, "run_in_threadpool", counting)
+    conn = SimpleNamespace(principal=lambda headers: "principal", config=SimpleNamespace(model=SimpleNamespace(name="m")))
+    r = TestClient(build_app(conn)).get("/v1/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+    assert hops == []
