@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import sys
 import threading
 import time
@@ -16,7 +17,8 @@ from cluster.telemetry import LoopHealth
 
 log = logging.getLogger("loopserve.loop")
 TICK_S = 0.05
-WARN_S = 1.0  # a stall this long is logged: every socket of the replica waited through it
+# A stall this long is logged with its stack: every socket of the replica waited through it.
+WARN_S = float(os.environ.get("LOOPSERVE_LOOP_STALL_S", "1.0"))
 
 
 class LoopWatch:

@@ -48,7 +48,9 @@ def app_args(store_path: str, hostile_limited: bool) -> dict[str, Any]:
         "store": {"backend": "sqlite", "sqlite_path": store_path},
         "auth": {"keys": [{"sha256": key_sha256(HONEST_KEY), "tenant": "honest"},
                           {"sha256": key_sha256(HOSTILE_KEY), "tenant": "hostile", **hostile}]},
-        "connection": {"ray_actor_options": {"num_cpus": 0.25}, "max_ongoing_requests": 400},
+        # The loop watch keeps the stack of every stall over 0.25 s (1 s by default): where the tail goes.
+        "connection": {"ray_actor_options": {"num_cpus": 0.25, "runtime_env": {"env_vars": {"LOOPSERVE_LOOP_STALL_S": "0.25"}}},
+                       "max_ongoing_requests": 400},
         "render": {"ray_actor_options": {"num_cpus": 0.25}},
         "engine_deployment": {"ray_actor_options": {"num_cpus": 0.25}},
     }
