@@ -121,9 +121,8 @@ class WebSocketProtocol:
     def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
                  cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None,
                  replica_queue: Optional[ReplicaQueue] = None, admit: Optional[Callable[[], None]] = None,
-                 replica_held: Optional[ReplicaHeld] = None, floor: Optional[Callable[[Any], None]] = None) -> None:
+                 replica_held: Optional[ReplicaHeld] = None) -> None:
         self.config = config
-        self.floor = floor  # the context's token floor: a large create over it is refused on arrival
         self.model_name = model_name
         self.sampling = sampling or {}  # the model's sampling defaults (a queued response reports them)
         self.max_input_items = max_input_items
@@ -229,13 +228,7 @@ class WebSocketProtocol:
             return self._defer(ApiError(
                 400, f"Invalid event type '{kind}'. Supported: 'response.create', 'response.steer', "
                      "'response.interrupt', 'response.inject'.", param="type", code="invalid_value"))
-        body = create_body(event)
-        try:
-            if self.floor is not None and frame is not None and frame_bytes(frame) > ADMIT_BEFORE_PARSE_BYTES:
-                self.floor(body)
-        except ApiError as err:
-            return self._defer(err, body["stream_id"] if isinstance(body.get("stream_id"), str) else None)
-        return self._enqueue(body, nbytes, received_at, admitted, frame)
+        return self._enqueue(create_body(event), nbytes, received_at, admitted, frame)
 
     def _enqueue(self, body: dict[str, Any], nbytes: int, received_at: Optional[float],
                  admitted: bool = False, frame: Union[str, bytes, None] = None) -> list[Action]:

@@ -77,8 +77,7 @@ class WebSocketSession:
         self.protocol = WebSocketProtocol(config, model_name=driver.model_name,
                                           max_input_items=driver.settings.max_input_items, cache=cache,
                                           now=time.monotonic(), sampling=driver.settings.sampling_defaults,
-                                          replica_queue=replica_queue, admit=admit, replica_held=replica_held,
-                                          floor=driver.preparer.check_body_floor)
+                                          replica_queue=replica_queue, admit=admit, replica_held=replica_held)
         self._send = send
         self._close = close
         self._lookup = lookup

@@ -312,21 +312,3 @@ def test_when_the_client_leaves_nothing_waits():
     p.client_left()
     assert p.state is State.CLOSED and p.next_on_lane("") is None
     assert (p.queued_bytes, p.waiting_creates, p.deferred_errors) == (0, 0, 0)
-
-
-def test_a_large_create_over_the_context_floor_is_refused_on_arrival_not_queued():
-    """Refused before it waits on its lane: nothing held, no second parse when its turn comes."""
-    from cluster.protocol.errors import ApiError
-
-    def floor(body):
-        if len(body.get("input") or []) > 1000:
-            raise ApiError(400, "at least 50000 tokens", code="context_length_exceeded")
-
-    p = protocol(max_queued_bytes=64 * 1024 * 1024)
-    p.floor = floor
-    p.receive(create("in flight"), now=1.0)
-    actions = p.receive(create([{"role": "user", "content": "a"} for _ in range(10_000)]), now=1.0)
-    assert not [a for a in actions if isinstance(a, Enqueued)]
-    assert p.waiting_creates == 1 and p.deferred_errors == 1  # the one in flight; the large one only its error
-    small_but_over = create([{"role": "user", "content": "a"} for _ in range(1001)])  # under 64 KiB: checked later
-    assert [a for a in p.receive(small_but_over, now=1.0) if isinstance(a, Enqueued)]
