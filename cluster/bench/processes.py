@@ -64,7 +64,7 @@ def kind_of(title: str) -> Optional[str]:
     base = os.path.basename(title.split(" ")[0])
     if base == "haproxy":
         return "haproxy"
-    if title.startswith("ray::") or base in ("raylet", "gcs_server") or "ray/" in title or "ray/_private" in title:
+    if title.startswith("ray::") or base in ("raylet", "gcs_server") or "ray/" in title:
         return "ray (controller, proxy, daemons)"
     return None
 

@@ -188,14 +188,18 @@ class TurnPreparer:
         role markers alone are over the context is what a client over nothing but its rate limit
         could make a replica do ten times a second. Malformed items count as nothing here; the
         validation that follows refuses them."""
-        chars, limit = self.settings.max_token_chars, self.settings.context_limit
         items = body.get("input") if isinstance(body, dict) else None
-        if not chars or not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        if not self.settings.max_token_chars or not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             return
         instructions = body.get("instructions")
         truncation = body.get("truncation") if isinstance(body.get("truncation"), str) else None
+        self._check_input_floor(items, truncation, instructions if isinstance(instructions, str) else None)
+
+    def _check_input_floor(self, items: list[dict[str, Any]], truncation: Optional[str],
+                           instructions: Optional[str]) -> None:
+        chars, limit = self.settings.max_token_chars, self.settings.context_limit
         floor = min_prompt_tokens(kept_items(items, truncation), chars, self.settings.min_user_message_tokens) \
-            + (len(instructions) if isinstance(instructions, str) else 0) // chars
+            + len(instructions or "") // chars
         if floor > limit:
             raise context_too_long(limit, floor, at_least=True)
 
@@ -206,10 +210,7 @@ class TurnPreparer:
         chars, limit = self.settings.max_token_chars, self.settings.context_limit
         if not chars:
             return
-        floor = min_prompt_tokens(kept_items(new_items, req.truncation), chars, self.settings.min_user_message_tokens) \
-            + len(req.instructions or "") // chars
-        if floor > limit:
-            raise context_too_long(limit, floor, at_least=True)
+        self._check_input_floor(new_items, req.truncation, req.instructions)
         # Only what a template writes: tools the model is not offered (web_search, ...) are bounded as
         # echo at parse time (request_bounds.MAX_ECHO_CHARS), not by the context.
         rendered = [t for t in req.tools or [] if t.get("type") in RENDERED_TOOL_TYPES]
