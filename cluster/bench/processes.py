@@ -27,14 +27,24 @@ def _title(pid: str) -> str:
 
 def replicas() -> dict[str, tuple[int, str]]:
     """Live Serve replica processes on this machine: key -> (pid, deployment), from their process
-    titles (`ray::ServeReplica:<app>:<deployment>`); a restarted replica is a new pid."""
+    titles (`ray::ServeReplica:<app>:<deployment>`, `.<method>` appended while Ray runs a call of
+    it: not a new replica); a restarted replica is a new pid."""
     out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             title = _title(entry.name)
-            if title.startswith("ray::ServeReplica:"):
-                out[f"{title}#{entry.name}"] = (int(entry.name), title.split(":")[-1].strip())
+            named = replica_of(title)
+            if named is not None:
+                out[f"{named[0]}:{named[1]}#{entry.name}"] = (int(entry.name), named[1])
     return out
+
+
+def replica_of(title: str) -> Optional[tuple[str, str]]:
+    """(app, deployment) of a Serve replica's process title, or None for any other process."""
+    if not title.startswith("ray::ServeReplica:"):
+        return None
+    app, deployment = title.split(":")[-2:]
+    return app, deployment.strip().split(".")[0]
 
 
 def rss(pid: int, field: str = "VmHWM") -> int:

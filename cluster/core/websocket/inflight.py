@@ -9,7 +9,6 @@ connection's FIFO); the session (session.py) owns the tasks, lanes and the socke
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import Stop
 from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
+from cluster.core.websocket.frames import load_event
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
 
@@ -65,9 +65,11 @@ class WsCreate:
         return self.stream_id or ""
 
     def start_body(self) -> dict[str, Any]:
-        """The whole body, as the lane starts the create (a held frame is parsed again here)."""
+        """The whole body, as the lane starts the create: a held frame is parsed here (its input
+        for the first time, when only its other fields were read on arrival), or an ApiError."""
         if self.frame is not None:
-            self.body, self.frame = create_body(json.loads(self.frame)), None
+            frame, self.frame = self.frame, None
+            self.body = create_body(load_event(frame, counted=True)[0])  # counted on arrival
         return self.body
 
 

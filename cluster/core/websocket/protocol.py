@@ -23,7 +23,6 @@ What the rules are:
 from __future__ import annotations
 
 import enum
-import json
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,7 +44,8 @@ from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate, cre
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
 from cluster.protocol.request_bounds import json_containers_error
-from cluster.protocol.requests import json_shape, parse_request
+from cluster.core.websocket.frames import load_event, peek_create
+from cluster.protocol.requests import parse_request
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
 MAX_ACTIVE = 16  # responses running at once on one connection
@@ -193,17 +193,14 @@ class WebSocketProtocol:
         too_complex = json_containers_error(data)
         if too_complex is not None:
             return self._defer(too_complex)
+        if size > ADMIT_BEFORE_PARSE_BYTES:
+            body = peek_create(data)
+            if body is not None and self._waits(body.get("stream_id")):
+                return self._enqueue(body, 0, received_at, admitted, data, peeked=True)  # parsed when its lane starts it
         try:
-            event = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            return self._defer(ApiError(400, f"The message is not valid JSON: {reason}.", code="invalid_json"))
-        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-            return self._defer(ApiError(400, "Each message must be a JSON object with a 'type'.", param="type",
-                                        code="missing_required_parameter"))
-        too_deep, held = json_shape(event, data)  # steers and injects too, before anything holds them
-        if too_deep is not None:
-            return self._defer(too_deep)
+            event, held = load_event(data, counted=True)  # steers and injects too are bounded before anything holds them
+        except ApiError as err:
+            return self._defer(err)
         # Counted as what the parsed event holds (~10x a frame of small items), not the frame.
         return self._event(event, held, received_at, admitted, data)
 
@@ -231,7 +228,7 @@ class WebSocketProtocol:
         return self._enqueue(create_body(event), nbytes, received_at, admitted, frame)
 
     def _enqueue(self, body: dict[str, Any], nbytes: int, received_at: Optional[float],
-                 admitted: bool = False, frame: Union[str, bytes, None] = None) -> list[Action]:
+                 admitted: bool = False, frame: Union[str, bytes, None] = None, peeked: bool = False) -> list[Action]:
         stream_id = body.get("stream_id")
         if stream_id is not None and not (isinstance(stream_id, str) and _STREAM_ID.match(stream_id)):
             return self._defer(ApiError(400, "stream_id must be 1-256 characters of [A-Za-z0-9_.-].",
@@ -241,11 +238,8 @@ class WebSocketProtocol:
             return self._defer(ApiError(
                 400, f"This connection already has {MAX_LANES} active stream_id lanes; wait for one to finish.",
                 param="stream_id", code="websocket_stream_limit_reached"), stream_id=stream_id)
-        existing = self.lanes.get(key)
-        # Each lane with creates holds (or waits for) one of the MAX_ACTIVE slots.
-        waits = (existing is not None and existing.has_creates) or \
-            sum(1 for other in self.lanes.values() if other.has_creates) >= MAX_ACTIVE
-        as_frame = waits and frame is not None and nbytes > HOLD_AS_FRAME_BYTES
+        waits = self._waits(key)
+        as_frame = waits and frame is not None and (peeked or nbytes > HOLD_AS_FRAME_BYTES)
         if as_frame:
             nbytes = 2 * frame_bytes(frame)  # the frame, and the ids kept beside it (a part of it)
         if waits and self.queued_bytes + nbytes > self.config.max_queued_bytes:
@@ -268,6 +262,13 @@ class WebSocketProtocol:
         self.queued_bytes += nbytes
         self.waiting_creates += 1
         return [Enqueued(create, announce), RunLane(key)]
+
+    def _waits(self, stream_id: Any) -> bool:
+        """Whether a create on this lane would wait: each lane with creates holds (or waits for)
+        one of the MAX_ACTIVE slots."""
+        existing = self.lanes.get(stream_id or "") if isinstance(stream_id, (str, type(None))) else None
+        return (existing is not None and existing.has_creates) or \
+            sum(1 for other in self.lanes.values() if other.has_creates) >= MAX_ACTIVE
 
     def _queued_event(self, create: WsCreate) -> Optional[Event]:
         try:

@@ -229,7 +229,12 @@ class WebSocketSession:
             create.done.set()
 
     async def _run_create(self, create: WsCreate) -> Optional[WsCreate]:
-        body, received_at = create.start_body(), create.received_at
+        received_at = create.received_at
+        try:
+            body = create.start_body()
+        except ApiError as err:  # a held frame that does not parse: its error, in its lane's order
+            await self._send_error(err, create.stream_id)
+            return None
         parent = body.get("previous_response_id")
         if not create.commits:
             create.commits = self.protocol.inflight.queued_steers_for(body)

@@ -21,6 +21,7 @@ from cluster.core.websocket.protocol import (
     State,
     WebSocketProtocol,
 )
+from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import admit_create
 
 
@@ -312,3 +313,45 @@ def test_when_the_client_leaves_nothing_waits():
     p.client_left()
     assert p.state is State.CLOSED and p.next_on_lane("") is None
     assert (p.queued_bytes, p.waiting_creates, p.deferred_errors) == (0, 0, 0)
+
+
+def test_a_large_create_that_waits_is_parsed_once_when_its_lane_starts_it(monkeypatch):
+    """A 300 KB frame of 10,000 items parsed on arrival only to be dropped and parsed again at its
+    start held the loop twice; only its fields other than `input` are read on arrival."""
+    frame = create([{"role": "user", "content": "a"} for _ in range(10_000)], previous_response_id="resp_1")
+    parsed = []
+    loads = json.loads
+
+    def counting(data, *a, **k):
+        if len(data) >= len(frame):
+            parsed.append(len(data))
+        return loads(data, *a, **k)
+
+    monkeypatch.setattr(json, "loads", counting)
+    p = protocol(max_queued_bytes=64 * 1024 * 1024)
+    p.receive(create("in flight"), now=1.0)
+    waiting = enqueued(p.receive(frame, now=1.0))
+    assert parsed == [] and waiting.create.admitted is False and waiting.create.frame is not None
+    assert waiting.announce["response"]["previous_response_id"] == "resp_1"
+    assert waiting.create.nbytes >= 2 * len(frame)
+    p.next_on_lane("")
+    assert p.next_on_lane("") is waiting.create
+    assert len(waiting.create.start_body()["input"]) == 10_000 and parsed == [len(frame)]
+
+
+def test_a_waiting_create_whose_input_nests_too_deeply_is_refused_when_it_starts():
+    deep: object = "a"
+    for _ in range(80):
+        deep = [deep]
+    frame = create([{"role": "user", "content": "x" * 70_000}, deep])
+    p = protocol()
+    p.receive(create("in flight"), now=1.0)
+    waiting = enqueued(p.receive(frame, now=1.0)).create
+    p.next_on_lane("")
+    assert p.next_on_lane("") is waiting
+    try:
+        waiting.start_body()
+    except ApiError as err:
+        assert err.code == "invalid_value" and "nested too deeply" in err.message
+    else:
+        raise AssertionError("a too-deep input was started")

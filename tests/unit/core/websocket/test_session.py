@@ -468,3 +468,23 @@ async def test_a_lane_of_creates_refused_at_once_lets_the_event_loop_go_between_
     assert sum(1 for e in p.sent if e["type"] == "error") == 20
     assert len(set(ticks[:20])) >= 10  # the other task ran between the lane's refusals, not after all of them
     await p.session.shutdown()
+
+
+async def test_a_held_create_refused_when_it_starts_gets_its_error_and_the_lane_goes_on(tokenizer):
+    """A large create that waits is read whole only when its lane starts it: its input's errors
+    come then, in its place, and the creates behind it still run."""
+    stack = InProcessStack(tokenizer, tokens_per_second=400)
+    p = Peer(stack)
+    deep: object = "a"
+    for _ in range(80):
+        deep = [deep]
+    await p.frame({"type": "response.create", "input": "first"})
+    await p.frame({"type": "response.create", "input": [{"role": "user", "content": "x" * 70_000}, deep]})
+    await p.frame({"type": "response.create", "input": "third"})
+    await p.idle()
+    assert [e["type"] for e in p.sent if e["type"] in ("error", "response.completed")] == [
+        "response.completed", "error", "response.completed"]
+    [error] = [e for e in p.sent if e["type"] == "error"]
+    assert error["error"]["code"] == "invalid_value" and error["status"] == 400
+    assert p.closed is None
+    await p.session.shutdown()
