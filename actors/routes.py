@@ -138,9 +138,10 @@ async def compact(request: Request, conn: "ConnectionServices" = Conn) -> dict[s
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(request: Request, response_id: str, after: Optional[str] = None, limit: int = 20,
-                      order: str = "desc", conn: "ConnectionServices" = Conn) -> dict[str, Any]:
+                      order: str = "desc", conn: "ConnectionServices" = Conn) -> JSONResponse:
     p = conn.read_principal(request.headers)
-    return await conn.responses.input_items(response_id, p.tenant, after=after, limit=limit, order=order)
+    return conn.read(p, JSONResponse(await conn.responses.input_items(response_id, p.tenant, after=after,
+                                                                      limit=limit, order=order)))
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -158,15 +159,16 @@ async def retrieve(request: Request, response_id: str, stream: bool = False, sta
                    conn: "ConnectionServices" = Conn):
     p = conn.read_principal(request.headers)
     if stream:
-        events = await conn.responses.replay(response_id, p.tenant, starting_after)
+        chunks = [sse(ev) for ev in await conn.responses.replay(response_id, p.tenant, starting_after)]
+        conn.auth.charge_read(p, sum(map(len, chunks)))
 
         async def replay():
-            for ev in events:
-                yield sse(ev)
+            for chunk in chunks:
+                yield chunk
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(replay(), media_type="text/event-stream")
-    return JSONResponse(await conn.responses.retrieve(response_id, p.tenant))
+    return conn.read(p, JSONResponse(await conn.responses.retrieve(response_id, p.tenant)))
 
 
 @router.post("/v1/responses")

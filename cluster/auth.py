@@ -26,9 +26,30 @@ class Principal:
     max_connections: int
     requests_per_minute: int
     reads_per_minute: int = 1_000_000_000
+    read_bytes_per_minute: int = 1 << 62
 
 
 ANONYMOUS = Principal("default", "anonymous", 1_000_000, 1_000_000_000)
+
+
+class ByteWindow:
+    """Bytes in a sliding minute, summed as they come and go (no walk per admission)."""
+
+    def __init__(self) -> None:
+        self._sent: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def add(self, nbytes: int, now: float) -> None:
+        self._sent.append((now, nbytes))
+        self._total += nbytes
+
+    def total(self, now: float) -> int:
+        while self._sent and self._sent[0][0] <= now - 60.0:
+            self._total -= self._sent.popleft()[1]
+        return self._total
+
+    def retry_after(self, now: float) -> float:
+        return max(0.0, 60.0 - (now - self._sent[0][0])) if self._sent else 1.0
 
 
 KEYS_FILE_CHECK_S = 5.0  # how often `auth.keys_file` is looked at for a change
@@ -46,6 +67,7 @@ class Authenticator:
         self._checked_at = time.monotonic()
         self._load(config.resolved())  # raises KeysMissing at start, never on a reload
         self._windows: dict[str, deque[float]] = {}
+        self._byte_windows: dict[str, ByteWindow] = {}  # what a key's reads sent
         self._connections: dict[str, int] = {}
         self.shared = LimitReports()  # what other replicas hold (empty when limits are not shared)
 
@@ -98,7 +120,7 @@ class Authenticator:
         if match is None:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key", type="invalid_request_error")
         return Principal(match.tenant, match.sha256[:12], match.max_connections, match.requests_per_minute,
-                         match.reads_per_minute)
+                         match.reads_per_minute, match.read_bytes_per_minute)
 
     def authenticate_admin(self, authorization: Optional[str]) -> None:
         """Operational routes: an admin key, or 403 when the server has none configured."""
@@ -118,8 +140,23 @@ class Authenticator:
         self._admit(p.key_id, p.requests_per_minute, "requests", now)
 
     def admit_read(self, p: Principal, now: Optional[float] = None) -> None:
-        """A read, delete or cancel: a window of its own, so polling does not eat the create budget."""
+        """A read, delete or cancel: a window of its own, so polling does not eat the create budget;
+        refused too while the key's reads of the last minute sent `read_bytes_per_minute`."""
+        now = time.monotonic() if now is None else now
+        window_key = p.key_id + "/read_bytes"
+        sent = self._byte_windows.get(window_key) or ByteWindow()
+        if sent.total(now) + self.shared.count(window_key) >= p.read_bytes_per_minute:
+            retry = sent.retry_after(now)  # 1 s when the bytes were read on other replicas
+            raise ApiError(429, f"Rate limit reached: {p.read_bytes_per_minute} bytes read per minute. "
+                                f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded",
+                           retry_after_s=retry)
         self._admit(p.key_id + "/read", p.reads_per_minute, "reads", now)
+
+    def charge_read(self, p: Principal, nbytes: int, now: Optional[float] = None) -> None:
+        """What an admitted read sent, against the key's `read_bytes_per_minute`."""
+        if p is not ANONYMOUS:
+            now = time.monotonic() if now is None else now
+            self._byte_windows.setdefault(p.key_id + "/read_bytes", ByteWindow()).add(nbytes, now)
 
     def _admit(self, window_key: str, limit: int, what: str, now: Optional[float]) -> None:
         now = time.monotonic() if now is None else now
@@ -156,6 +193,12 @@ class Authenticator:
                 out[key] = len(window)
             else:
                 del self._windows[key]
+        for key, sent in list(self._byte_windows.items()):
+            total = sent.total(now)
+            if total:
+                out[key] = total
+            else:
+                del self._byte_windows[key]
         for key_id, n in list(self._connections.items()):
             if n:
                 out[key_id + "/sockets"] = n

@@ -24,6 +24,12 @@ class ApiKey(StrictModel):
     reads_per_minute: int = Field(3000, ge=1)
     """Reads and deletes the tenant may make per minute (GET a response or its input items, DELETE,
     cancel): a read of a response no longer in memory loads its chain from the store."""
+    read_bytes_per_minute: int = Field(256 * 1024 * 1024, ge=1024)
+    """Bytes of responses and input items the tenant may read per minute (GET, with or without
+    `stream`): a read costs the server by what it sends (a response echoing 900 KB of tools is
+    ~3 ms of JSON and a copy per GET), so a count alone lets one key hold the event loop with
+    large reads. Charged when a read is answered; past it, reads get 429 until the minute frees
+    room (one read may overshoot by its own size)."""
 
 
 class AuthConfig(StrictModel):

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import statistics
 import time
-from typing import Any, Awaitable, Callable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol, TypeVar
 
 from ray.serve.handle import DeploymentHandle
 
@@ -73,6 +73,12 @@ class SharedCheck:
             self._last = asyncio.ensure_future(self.check())
         await asyncio.shield(self._last)
 
+
+class _Answer(Protocol):
+    body: bytes
+
+
+R = TypeVar("R", bound=_Answer)  # a response with its body rendered (JSONResponse)
 log = logging.getLogger("loopserve.connection")
 DRAIN_SETTLE_S = 2.0  # how long a draining socket waits for its responses' store writes
 
@@ -176,6 +182,11 @@ class ConnectionServices:
         p = self.principal(headers)
         self.auth.admit_read(p)
         return p
+
+    def read(self, p: Principal, response: R) -> R:
+        """An answered read, its body charged to the key's `read_bytes_per_minute`."""
+        self.auth.charge_read(p, len(response.body))
+        return response
 
     def frame_too_large(self, size: int) -> ApiError:
         return frame_too_large(size, self.config.websocket.max_frame_bytes)

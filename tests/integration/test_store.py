@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from cluster.bench.local import stats as server_stats
-from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, LONG_ONE, delete_in_background, deploy_app, pg_app_args
+from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, KEY_READER, LONG_ONE, delete_in_background, deploy_app, pg_app_args
 from tests.support.ws import TERMINAL as RESPONSE_ENDS
 from tests.support.ws import ws_url
 
@@ -173,6 +173,21 @@ async def test_per_key_limits_answer_429(pg_url):
         except NotFoundError:
             reads.append(404)
     assert reads == [404] * 4 + [429] * 2
+
+
+async def test_reads_are_weighed_by_the_bytes_they_send(pg_url):
+    """A count of reads let one key hold a replica's event loop with GETs of large responses
+    (~3 ms of JSON and a copy each for 900 KB): reads are also limited by what they send."""
+    reader = sdk(pg_url, KEY_READER)
+    stored = reader.responses.create(model="loopserve-tiny", input="x", metadata={"pad": "p" * 500},
+                                     instructions="i" * 1500)
+    assert len(reader.responses.retrieve(stored.id).model_dump_json()) > 2048  # the first read sends it all
+    with pytest.raises(RateLimitError) as refused:
+        reader.responses.retrieve(stored.id)
+    assert refused.value.body["code"] == "rate_limit_exceeded" and "2048 bytes read per minute" in refused.value.message
+    with pytest.raises(RateLimitError):
+        reader.responses.input_items.list(stored.id)
+    reader.responses.create(model="loopserve-tiny", input="y")  # creates have their own budget
 
 
 async def test_conversation_survives_a_restart_of_every_actor(serve_instance):

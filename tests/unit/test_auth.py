@@ -51,3 +51,27 @@ def test_a_key_removed_from_the_keys_file_stops_working_without_a_restart(tmp_pa
     assert auth.enabled and auth.authenticate("Bearer sk-a").tenant == "a"
     with pytest.raises(ApiError):
         auth.authenticate(None)
+
+
+def test_reads_are_also_limited_by_the_bytes_they_sent():
+    from cluster.serving.rate_limits import LimitReports
+
+    auth = Authenticator(AuthConfig())
+    p = Principal("t", "key1", max_connections=4, requests_per_minute=2, reads_per_minute=100,
+                  read_bytes_per_minute=10_000)
+    auth.admit_read(p, now=100.0)
+    auth.charge_read(p, 6_000, now=100.0)
+    auth.admit_read(p, now=101.0)  # under the budget: one read may overshoot by its own size
+    auth.charge_read(p, 6_000, now=101.0)
+    with pytest.raises(ApiError) as err:
+        auth.admit_read(p, now=102.0)
+    assert (err.value.status, err.value.code) == (429, "rate_limit_exceeded")
+    assert "10000 bytes read per minute" in str(err.value) and err.value.retry_after_s == pytest.approx(58.0)
+    assert auth.held(now=102.0)["key1/read_bytes"] == 12_000  # what the other replicas are told
+    auth.admit_read(p, now=160.5)  # the first read left the window
+    # What other replicas' reads sent counts here too (limits shared across replicas).
+    other = Authenticator(AuthConfig())
+    other.shared = LimitReports()
+    other.shared.heard({"key1/read_bytes": 10_000}, now=100.0)
+    with pytest.raises(ApiError):
+        other.admit_read(p, now=101.0)

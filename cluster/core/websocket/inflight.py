@@ -19,7 +19,7 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import Stop
 from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
-from cluster.core.websocket.frames import load_event
+from cluster.protocol.request_bounds import load_event
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
 

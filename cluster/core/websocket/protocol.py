@@ -43,8 +43,7 @@ from cluster.core.websocket.actions import (  # noqa: F401 - re-exported
 from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate, create_body  # noqa: F401 - ReplicaHeld re-exported
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
-from cluster.protocol.request_bounds import json_containers_error
-from cluster.core.websocket.frames import load_event, peek_create
+from cluster.protocol.request_bounds import json_containers_error, load_event, peek_create
 from cluster.protocol.requests import parse_request
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
