@@ -17,7 +17,7 @@ class Peer:
     """A client on a WebSocketSession. `sent` holds what it received except `response.queued`
     announcements (kept in `queued`: they precede their response, whatever else interleaves)."""
 
-    def __init__(self, stack, betas=frozenset(), settle=None, **cfg):
+    def __init__(self, stack, betas=frozenset(), settle=None, heavy=None, **cfg):
         self.sent = []
         self.queued = []
         self.all = []
@@ -25,7 +25,7 @@ class Peer:
         self.stack = stack
         self.session = WebSocketSession(
             stack.driver, SessionCache(), session_key="conn", config=WebSocketConfig(**cfg),
-            send=self.send, close=self.close, betas=frozenset(betas), settle=settle,
+            send=self.send, close=self.close, betas=frozenset(betas), settle=settle, heavy=heavy,
         )
         self.session.start()
 

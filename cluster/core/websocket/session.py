@@ -230,22 +230,20 @@ class WebSocketSession:
 
     async def _run_create(self, create: WsCreate) -> Optional[WsCreate]:
         received_at = create.received_at
-        try:
-            body = create.start_body()
-        except ApiError as err:  # a held frame that does not parse: its error, in its lane's order
-            await self._send_error(err, create.stream_id)
-            return None
-        parent = body.get("previous_response_id")
-        if not create.commits:
-            create.commits = self.protocol.inflight.queued_steers_for(body)
-            if create.commits:  # steering input queued for the parent goes first
-                body = steering.with_queued_input(body, create.commits)
         progress = TurnProgress()
-        # Validating and resolving a large input holds the event loop (~50 ms for 10,000 items): one
-        # tenant starts one such create at a time on this replica, so others wait behind one of
-        # its blocks, not behind one per socket it holds.
+        # Parsing, validating and resolving a large input holds the event loop (~50 ms for 10,000
+        # items): one tenant starts one such create at a time on this replica, so others wait
+        # behind one of its blocks, not behind one per socket it holds (16 of its sockets whose
+        # lanes came free together parsed their held frames in one pass of the loop: 0.6 s).
         release = await self._heavy.enter(self._owner or "") if self._heavy is not None and create.large else None
+        body: dict[str, Any] = {}
         try:
+            body = create.start_body()  # a held frame is parsed here, its input's errors raised
+            parent = body.get("previous_response_id")
+            if not create.commits:
+                create.commits = self.protocol.inflight.queued_steers_for(body)
+                if create.commits:  # steering input queued for the parent goes first
+                    body = steering.with_queued_input(body, create.commits)
             req = admit_create(body, transport="websocket", admit=None if create.admitted else self._admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
                                depth_checked=True,  # the protocol bounded every frame's nesting as it parsed it
@@ -287,7 +285,7 @@ class WebSocketSession:
                 await self._send(ev)
             self.responses += 1
         except ApiError as err:
-            stream_id = body.get("stream_id") if isinstance(body.get("stream_id"), str) else None
+            stream_id = create.stream_id
             if progress.response_id is None and create.commits:  # the steering input was never committed
                 for steer in create.commits:
                     await self._send_quietly(steering.failed_steer(
