@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -95,10 +95,18 @@ def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
 
-async def json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
+def declared_bytes(request: Request) -> int:
+    """A request's Content-Length (0 when it has none: chunked)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+    return int(declared) if declared is not None and declared.isdigit() else 0
+
+
+async def json_body(request: Request, limit: int = 16 * 1024 * 1024,
+                    charge: Optional[Callable[[int], None]] = None) -> Any:
+    """The parsed body, at most `limit` bytes; `charge` is told its size once read."""
+    declared = declared_bytes(request)
+    if declared > limit:
+        raise _too_large(declared, limit)
     request.scope[BODY_READ] = True
     body = bytearray()
     async for chunk in request.stream():  # chunked bodies are bounded too
@@ -106,6 +114,8 @@ async def json_body(request: Request, limit: int = 16 * 1024 * 1024) -> Any:
         if len(body) > limit:
             request.scope[BODY_READ] = False  # the rest is not read either
             raise _too_large(len(body), limit)
+    if charge is not None:
+        charge(len(body))
     too_complex = json_containers_error(body)  # before the parse, which holds the event loop
     if too_complex is not None:
         raise too_complex

@@ -27,6 +27,7 @@ class Principal:
     requests_per_minute: int
     reads_per_minute: int = 1_000_000_000
     read_bytes_per_minute: int = 1 << 62
+    input_bytes_per_minute: int = 1 << 62
 
 
 ANONYMOUS = Principal("default", "anonymous", 1_000_000, 1_000_000_000)
@@ -120,7 +121,7 @@ class Authenticator:
         if match is None:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key", type="invalid_request_error")
         return Principal(match.tenant, match.sha256[:12], match.max_connections, match.requests_per_minute,
-                         match.reads_per_minute, match.read_bytes_per_minute)
+                         match.reads_per_minute, match.read_bytes_per_minute, match.input_bytes_per_minute)
 
     def authenticate_admin(self, authorization: Optional[str]) -> None:
         """Operational routes: an admin key, or 403 when the server has none configured."""
@@ -131,25 +132,39 @@ class Authenticator:
         if not any([hmac.compare_digest(digest, expected) for expected in self._admin]):  # no early exit
             raise ApiError(401, "Incorrect admin key provided.", code="invalid_api_key", type="invalid_request_error")
 
-    def admit_request(self, p: Principal, now: Optional[float] = None) -> None:
-        """A create (or a request that renders like one): sliding one-minute window per key; 429 past the limit.
-        A key revoked since its socket opened is refused (401)."""
+    def admit_request(self, p: Principal, nbytes: int = 0, now: Optional[float] = None) -> None:
+        """A create (or a request that renders like one) of `nbytes` (its body or frame, as far as
+        known before it is read): sliding one-minute windows per key of creates and of their
+        bytes; 429 past either. A key revoked since its socket opened is refused (401)."""
         self.refresh()
         if self._keys and p is not ANONYMOUS and p.key_id not in self._key_ids:
             raise ApiError(401, "This API key has been revoked.", code="invalid_api_key", type="invalid_request_error")
+        now = time.monotonic() if now is None else now
+        self._check_bytes(p.key_id + "/input_bytes", p.input_bytes_per_minute, nbytes, "input bytes sent", now)
         self._admit(p.key_id, p.requests_per_minute, "requests", now)
+        self.charge_input(p, nbytes, now)
+
+    def charge_input(self, p: Principal, nbytes: int, now: Optional[float] = None) -> None:
+        """Bytes of an admitted create learnt only as its body was read (chunked)."""
+        if p is not ANONYMOUS and nbytes:
+            now = time.monotonic() if now is None else now
+            self._byte_windows.setdefault(p.key_id + "/input_bytes", ByteWindow()).add(nbytes, now)
+
+    def _check_bytes(self, window_key: str, limit: int, nbytes: int, what: str, now: float) -> None:
+        """429 when the window's bytes (here and on other replicas), with `nbytes` more, pass
+        `limit`; a request over the whole limit alone is let through an empty window."""
+        sent = self._byte_windows.get(window_key) or ByteWindow()
+        total = sent.total(now) + self.shared.count(window_key)
+        if total and total + nbytes > limit:
+            retry = sent.retry_after(now)  # 1 s when the bytes were counted on other replicas
+            raise ApiError(429, f"Rate limit reached: {limit} {what} per minute. Try again in {retry:.1f}s.",
+                           code="rate_limit_exceeded", type="rate_limit_exceeded", retry_after_s=retry)
 
     def admit_read(self, p: Principal, now: Optional[float] = None) -> None:
         """A read, delete or cancel: a window of its own, so polling does not eat the create budget;
         refused too while the key's reads of the last minute sent `read_bytes_per_minute`."""
         now = time.monotonic() if now is None else now
-        window_key = p.key_id + "/read_bytes"
-        sent = self._byte_windows.get(window_key) or ByteWindow()
-        if sent.total(now) + self.shared.count(window_key) >= p.read_bytes_per_minute:
-            retry = sent.retry_after(now)  # 1 s when the bytes were read on other replicas
-            raise ApiError(429, f"Rate limit reached: {p.read_bytes_per_minute} bytes read per minute. "
-                                f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded",
-                           retry_after_s=retry)
+        self._check_bytes(p.key_id + "/read_bytes", p.read_bytes_per_minute, 1, "bytes read", now)
         self._admit(p.key_id + "/read", p.reads_per_minute, "reads", now)
 
     def charge_read(self, p: Principal, nbytes: int, now: Optional[float] = None) -> None:

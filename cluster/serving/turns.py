@@ -160,7 +160,7 @@ class TurnsService:
             lookup=self.responses.lookup_for(principal.tenant),
             on_state=self.responses.remember,
             owner=principal.tenant,
-            admit=lambda: self.auth.admit_request(principal),
+            admit=lambda nbytes: self.auth.admit_request(principal, nbytes),
             trace_parent=telemetry.extract_headers(headers),
             timing_metrics=headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
             betas=frozenset(b.strip() for b in headers.get("openai-beta", "").split(",") if b.strip()),

@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from cluster.bench.local import stats as server_stats
-from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, KEY_READER, LONG_ONE, delete_in_background, deploy_app, pg_app_args
+from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, KEY_READER, KEY_WRITER, LONG_ONE, delete_in_background, deploy_app, pg_app_args
 from tests.support.ws import TERMINAL as RESPONSE_ENDS
 from tests.support.ws import ws_url
 
@@ -188,6 +188,20 @@ async def test_reads_are_weighed_by_the_bytes_they_send(pg_url):
     with pytest.raises(RateLimitError):
         reader.responses.input_items.list(stored.id)
     reader.responses.create(model="loopserve-tiny", input="y")  # creates have their own budget
+
+
+async def test_creates_are_weighed_by_the_bytes_they_send(pg_url):
+    """A count of creates let one key fill a replica's event loop with creates of 10,000 items:
+    their bytes count too, before the body is read (HTTP) or the frame parsed (WebSocket)."""
+    writer = sdk(pg_url, KEY_WRITER)
+    writer.responses.create(model="loopserve-tiny", input="x" * 3000, store=False)
+    with pytest.raises(RateLimitError) as refused:
+        writer.responses.create(model="loopserve-tiny", input="y" * 3000, store=False)
+    assert refused.value.body["code"] == "rate_limit_exceeded" and "4096 input bytes sent per minute" in refused.value.message
+    async with connect(ws_url(pg_url), open_timeout=10, additional_headers={"Authorization": f"Bearer {KEY_WRITER}"}) as ws:
+        await ws.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "z" * 3000}))
+        ev = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        assert ev["type"] == "error" and ev["error"]["code"] == "rate_limit_exceeded"
 
 
 async def test_conversation_survives_a_restart_of_every_actor(serve_instance):

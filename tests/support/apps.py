@@ -83,6 +83,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 GUARD_UNSAFE, GUARD_GARBLED = "hateful-marker-7731", "garbled-marker-4419"
 KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a-0001", "sk-tenant-b-0002", "sk-limited-0003"
 KEY_READER = "sk-reader-0004"  # reads 2 KiB a minute
+KEY_WRITER = "sk-writer-0005"  # sends 4 KiB of creates a minute
 PG_DATABASE = "loopserve_test"
 ALLOWED_ORIGIN = "https://app.example"
 
@@ -122,6 +123,7 @@ def pg_app_args() -> dict:
             {"sha256": key_sha256(KEY_LIMITED), "tenant": "tenant-c", "max_connections": 1,
              "requests_per_minute": 3, "reads_per_minute": 4},
             {"sha256": key_sha256(KEY_READER), "tenant": "tenant-d", "read_bytes_per_minute": 2048},
+            {"sha256": key_sha256(KEY_WRITER), "tenant": "tenant-e", "input_bytes_per_minute": 4096},
         ]},
         "connection": {"ray_actor_options": {"num_cpus": 0.05}}, "render": {"ray_actor_options": {"num_cpus": 0.05}}, "engine_deployment": {"ray_actor_options": {"num_cpus": 0.05}},
         "safety": {"deployment": {"ray_actor_options": {"num_cpus": 0.05}}, "policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},

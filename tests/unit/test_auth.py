@@ -75,3 +75,21 @@ def test_reads_are_also_limited_by_the_bytes_they_sent():
     other.shared.heard({"key1/read_bytes": 10_000}, now=100.0)
     with pytest.raises(ApiError):
         other.admit_read(p, now=101.0)
+
+
+def test_creates_are_also_limited_by_the_bytes_they_send():
+    """A count of creates let one key fill a replica's loop with creates of 10,000 items (~25 ms
+    each): their bytes count too, before they are parsed."""
+    auth = Authenticator(AuthConfig())
+    p = Principal("t", "key1", max_connections=4, requests_per_minute=100, input_bytes_per_minute=10_000)
+    auth.admit_request(p, 20_000, now=100.0)  # larger than the whole minute's bytes: let through an empty window
+    with pytest.raises(ApiError) as err:
+        auth.admit_request(p, 10, now=101.0)
+    assert (err.value.status, err.value.code) == (429, "rate_limit_exceeded")
+    assert "10000 input bytes sent per minute" in str(err.value) and err.value.retry_after_s == pytest.approx(59.0)
+    auth.admit_request(p, 6_000, now=160.5)
+    auth.charge_input(p, 3_000, now=161.0)  # a chunked body, charged as read
+    with pytest.raises(ApiError):
+        auth.admit_request(p, 1_001, now=162.0)
+    auth.admit_request(p, 1_000, now=162.0)
+    assert auth.held(now=162.0)["key1/input_bytes"] == 10_000 and auth.held(now=162.0)["key1"] == 2

@@ -59,6 +59,7 @@ class WsCreate:
     # socket's turn for seconds). Parsed again when its lane starts it.
     frame: Optional[Any] = None
     large: bool = False  # its frame was over ADMIT_BEFORE_PARSE_BYTES: it starts through its tenant's gate
+    size: int = 0  # its frame's bytes: what it counts against its key's input bytes
 
     @property
     def lane(self) -> str:

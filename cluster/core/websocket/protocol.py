@@ -119,7 +119,7 @@ def frame_too_large(size: int, limit: int) -> ApiError:
 class WebSocketProtocol:
     def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
                  cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None,
-                 replica_queue: Optional[ReplicaQueue] = None, admit: Optional[Callable[[], None]] = None,
+                 replica_queue: Optional[ReplicaQueue] = None, admit: Optional[Callable[[int], None]] = None,
                  replica_held: Optional[ReplicaHeld] = None) -> None:
         self.config = config
         self.model_name = model_name
@@ -132,7 +132,7 @@ class WebSocketProtocol:
         self.lanes: dict[str, Lane] = {}  # "" = the default lane
         self.queued_bytes = 0  # creates waiting on their lanes (parsed) and errors waiting to be sent
         self.replica_queue = replica_queue if replica_queue is not None else ReplicaQueue(1 << 62)
-        self.admit = admit  # the key's rate limit (raises its 429)
+        self.admit = admit  # the key's rate limits, told the frame's bytes (raises its 429)
         self._answer_bytes = 0  # errors and failure events the frame being handled made
         self._answer_budget, self._answer_at = float(config.max_error_bytes_per_minute), now
         self.waiting_creates = 0
@@ -185,7 +185,7 @@ class WebSocketProtocol:
         admitted = False
         if size > ADMIT_BEFORE_PARSE_BYTES and self.admit is not None:
             try:
-                self.admit()
+                self.admit(size)
             except ApiError as err:
                 return [SendError(err)]  # nothing held: the frame is dropped at once
             admitted = True
@@ -250,8 +250,9 @@ class WebSocketProtocol:
             return [SendError(ApiError(
                 429, "This server has too many requests waiting on its connections; retry shortly.",
                 code="rate_limit_exceeded", retry_after_s=1.0), stream_id)]
+        size = frame_bytes(frame) if frame is not None else 0
         create = WsCreate(body, received_at, stream_id, nbytes=nbytes, admitted=admitted,
-                          large=frame is not None and frame_bytes(frame) > ADMIT_BEFORE_PARSE_BYTES)
+                          large=size > ADMIT_BEFORE_PARSE_BYTES, size=size)
         announce = self._queued_event(create) if waits else None
         if as_frame:  # only what the waiting needs stays parsed: the parent it continues
             create.body = {k: body[k] for k in ("previous_response_id",) if k in body}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from collections import deque
 from typing import Any, Awaitable, Callable, Optional, Union
 
@@ -61,7 +62,7 @@ class WebSocketSession:
         lookup: Optional[Lookup] = None,
         on_state: Optional[Callable[[Any], None]] = None,
         owner: Optional[str] = None,
-        admit: Optional[Callable[[], None]] = None,
+        admit: Optional[Callable[[int], None]] = None,
         trace_parent: Any = None,
         timing_metrics: bool = False,
         betas: frozenset[str] = frozenset(),
@@ -83,7 +84,7 @@ class WebSocketSession:
         self._lookup = lookup
         self._on_state = on_state  # e.g. publish `store: true` responses replica-wide
         self._owner = owner
-        self._admit = admit  # per-key rate limit for each response.create (raises ApiError)
+        self._admit = admit  # per-key rate limits for each response.create, told its bytes (raises ApiError)
         self._trace_parent = trace_parent  # a `traceparent` sent on the upgrade: every turn joins that trace
         # `x-responsesapi-include-timing-metrics` on the upgrade: each turn sends Codex's timing event.
         self._timing_metrics = timing_metrics
@@ -244,7 +245,8 @@ class WebSocketSession:
                 create.commits = self.protocol.inflight.queued_steers_for(body)
                 if create.commits:  # steering input queued for the parent goes first
                     body = steering.with_queued_input(body, create.commits)
-            req = admit_create(body, transport="websocket", admit=None if create.admitted else self._admit,
+            admit = None if create.admitted or self._admit is None else partial(self._admit, create.size)
+            req = admit_create(body, transport="websocket", admit=admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
                                depth_checked=True,  # the protocol bounded every frame's nesting as it parsed it
                                floor=self.driver.preparer.check_body_floor)

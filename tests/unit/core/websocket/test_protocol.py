@@ -179,18 +179,20 @@ def test_a_large_frame_counts_against_the_key_s_limit_before_it_is_parsed():
     """audit-2 N5: a key past its limit costs no parse; a create counted on arrival is not counted again."""
     from cluster.protocol.errors import ApiError as Err
 
-    budget = [2]
+    budget, told = [2], []
 
-    def admit():
+    def admit(nbytes):
         if budget[0] == 0:
             raise Err(429, "Rate limit reached.", code="rate_limit_exceeded")
         budget[0] -= 1
+        told.append(nbytes)
 
     p = WebSocketProtocol(WebSocketConfig(), model_name="m", max_input_items=None, cache=SessionCache(), now=0.0,
                           admit=admit)
     big = create("x" * 100_000)
-    assert enqueued(p.receive(big, now=1.0)).create.admitted
-    assert not enqueued(p.receive(create("small"), now=1.0)).create.admitted  # counted when it starts
+    assert enqueued(p.receive(big, now=1.0)).create.admitted and told == [len(big)]  # its bytes count too
+    small = enqueued(p.receive(create("small"), now=1.0)).create
+    assert not small.admitted and small.size == len(create("small"))  # counted, with its size, when it starts
     p.receive("{" + "x" * 100_000, now=1.0)  # invalid JSON, counted all the same
     over = p.receive("{" + "x" * 100_000, now=1.0)
     assert errors(over) == ["rate_limit_exceeded"] and p.deferred_errors == 1  # not parsed: no invalid_json
