@@ -2,7 +2,7 @@
 
 Serve runs HAProxy as a child of its proxy actor, with a config rendered from Ray's own
 template (`RAY_SERVE_HAPROXY_BINARY_PATH` names the binary it runs). `loopserve serve`, the
-image and the RayService point that variable at this command, which changes two things and
+image and the RayService point that variable at this command, which changes three things and
 then execs the real binary with the same arguments (so Serve's own process checks, which
 read the config path from /proc, still find it):
 
@@ -10,6 +10,12 @@ read the config path from /proc, still find it):
   no authentication. `LOOPSERVE_HAPROXY_STATS=off` removes it; `=public` keeps Ray's bind.
   HAProxy's Prometheus exporter (`:9101`, every address) binds loopback too, unless
   `LOOPSERVE_HAPROXY_METRICS=public`.
+- **WebSocket compression is not negotiated** (the `Sec-WebSocket-Extensions` request header
+  is dropped at the frontend): with permessage-deflate a client's 1 KB on the wire inflated to
+  a 340 KB frame the replica decoded, 64 of them in one read of its socket, before any rate
+  limit could refuse them (a socket's burst held the event loop ~100 ms, 16 of them together
+  1.1 s). `LOOPSERVE_HAPROXY_WS_COMPRESSION=on` keeps Ray's behaviour (clients offering it get
+  it); without compression, a client sends every byte it makes the replica read.
 - **HAProxy dies with the process that started it** (a watcher on Linux pidfds). Otherwise a
   SIGKILL of the server's process group, a crashed node or a container runtime's grace period
   running out re-parents HAProxy to init, and it keeps the ports: the next start fails with
@@ -29,19 +35,25 @@ from typing import Optional
 STATS_ENV = "LOOPSERVE_HAPROXY_STATS"  # loopback (default) | off | public
 METRICS_ENV = "LOOPSERVE_HAPROXY_METRICS"  # loopback (default) | public: a Prometheus scraping pods
 REAL_BINARY_ENV = "LOOPSERVE_HAPROXY_BINARY"  # the real haproxy (default: the one ray[serve] bundles)
+WS_COMPRESSION_ENV = "LOOPSERVE_HAPROXY_WS_COMPRESSION"  # off (default) | on
 
 _STATS_SECTION = re.compile(r"^listen stats\n(?:[ \t]+.*(?:\n|$))*", re.MULTILINE)
 _METRICS_SECTION = re.compile(r"^frontend prometheus\n(?:[ \t]+.*(?:\n|$))*", re.MULTILINE)
 _WILDCARD_BIND = re.compile(r"^([ \t]+bind )(?:\*|0\.0\.0\.0)?:(\d+)", re.MULTILINE)
+_HTTP_FRONTEND_BIND = re.compile(r"^(frontend http_frontend\n([ \t]+)bind [^\n]*\n)", re.MULTILINE)
+NO_WS_COMPRESSION = "http-request del-header sec-websocket-extensions"
 
 
 def secure_config(text: str, stats: str = "loopback") -> str:
-    """Ray's rendered HAProxy config with its stats section bound to loopback, or removed."""
+    """Ray's rendered HAProxy config with its stats section bound to loopback, or removed, and
+    WebSocket compression not negotiated (unless asked for)."""
     def loopback(m: re.Match) -> str:
         return _WILDCARD_BIND.sub(r"\g<1>127.0.0.1:\2", m.group(0))
 
     if os.environ.get(METRICS_ENV, "loopback") != "public":  # HAProxy's Prometheus exporter (9101)
         text = _METRICS_SECTION.sub(loopback, text)
+    if os.environ.get(WS_COMPRESSION_ENV, "off") != "on" and NO_WS_COMPRESSION not in text:
+        text = _HTTP_FRONTEND_BIND.sub(lambda m: f"{m.group(1)}{m.group(2)}{NO_WS_COMPRESSION}\n", text, count=1)
     if stats == "public":
         return text
     if stats == "off":

@@ -22,17 +22,20 @@ import os
 import subprocess
 import tempfile
 import time
+from typing import Optional
 
 from tests.support.ws import TERMINAL, ws_url
 
 
-async def websocket_loop(url: str, turns: int) -> list[str]:
+async def websocket_loop(url: str, turns: int, extensions: Optional[list] = None) -> list[str]:
     from websockets.asyncio.client import connect
 
     statuses = []
     prev = None
-    async with connect(ws_url(url), open_timeout=60, close_timeout=5,
+    async with connect(ws_url(url), open_timeout=60, close_timeout=5,  # offers permessage-deflate
                        additional_headers={"authorization": "Bearer sk-local", "x-session-id": "hap-ws"}) as ws:
+        if extensions is not None:
+            extensions.append(ws.response.headers.get("Sec-WebSocket-Extensions"))
         for n in range(turns):
             body = {"type": "response.create", "model": "loopserve-tiny", "store": False, "input": f"turn {n}"}
             if prev:
@@ -103,7 +106,9 @@ def main(argv=None) -> int:
         base = f"http://127.0.0.1:{port}"
         url = deploy(base, "hap", "/", drain_args(_Path(temp), 0), timeout=300)
         report["haproxy_processes"] = haproxy_processes()
-        report["websocket"] = asyncio.run(websocket_loop(url, 5))
+        extensions: list = []
+        report["websocket"] = asyncio.run(websocket_loop(url, 5, extensions))
+        report["websocket_extensions"] = extensions
         report["http_chain"] = http_chain(url, 8)
 
         async def drain() -> list:

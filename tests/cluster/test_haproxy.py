@@ -24,6 +24,9 @@ def test_websockets_http_stickiness_and_drain_through_haproxy(tmp_path):
     report = json.loads(out.read_text())
     assert report["haproxy_processes"] >= 1  # the ingress really is HAProxy
     assert report["websocket"] == ["completed"] * 5
+    # The client offered permessage-deflate; the ingress does not negotiate it (a client's 1 KB
+    # inflated to 340 KB frames the replica decoded before any limit could refuse them).
+    assert report["websocket_extensions"] == [None]
     # HAProxy hashes x-session-id: all 8 HTTP turns of the session reached the same one of the
     # two connection replicas (the one holding its chain in memory), and so does every later
     # request with that header.

@@ -53,6 +53,16 @@ def test_the_stats_page_binds_loopback_or_goes_away():
     assert "bind :9101" not in secure_config(text, "public")  # the exporter has its own switch
 
 
+def test_websocket_compression_is_not_negotiated_at_the_frontend_unless_asked_for(monkeypatch):
+    text = RAY_STATS.format(http=8000, stats=8404, metrics=9101)
+    safe = secure_config(text)
+    frontend = safe.split("frontend http_frontend\n")[1].split("backend none")[0]
+    assert frontend.splitlines()[1].strip() == "http-request del-header sec-websocket-extensions"
+    assert secure_config(safe) == safe  # a reload rewrites the file again: one rule, not two
+    monkeypatch.setenv("LOOPSERVE_HAPROXY_WS_COMPRESSION", "on")
+    assert "sec-websocket-extensions" not in secure_config(text)
+
+
 def wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
