@@ -30,6 +30,7 @@ from cluster.bench.processes import CpuMeter, replicas, rss
 HONEST_KEY, HOSTILE_KEY = "sk-adversarial-honest", "sk-adversarial-hostile"
 MODEL = "loopserve-tiny-vision"
 MiB = 1024 * 1024
+TRACE = "connection.trace.json"
 
 
 def app_args(store_path: str, hostile_limited: bool) -> dict[str, Any]:
@@ -102,12 +103,11 @@ def cpu_quota(pid: int, cpus: float) -> None:
 
 
 def profile(out: Path, live: dict[str, tuple[int, str]]) -> subprocess.Popen:
-    """py-spy recording the connection replica until interrupted, as raw (collapsed) stacks of the
-    thread holding the GIL."""
+    """py-spy recording the connection replica until interrupted, as a timeline (chrometrace, idle
+    samples included): `loop_trace.busy_runs` names what kept its event loop busy longest."""
     pid = next(pid for pid, deployment in live.values() if deployment == "ConnectionActor")
-    # --gil: only the thread holding the GIL is sampled (what runs, not what waits); --threads: which one
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "50", "--gil", "--threads",
-                             "--output", str(out / "connection.pyspy.txt")], stdout=subprocess.DEVNULL)
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "chrometrace", "--rate", "100",
+                             "--idle", "--threads", "--output", str(out / TRACE)], stdout=subprocess.DEVNULL)
 
 
 def p99(values: list[float]) -> float:
@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                          "elsewhere on the network costs the server nothing of its own CPU, one on a 2-core "
                          "test machine does")
     ap.add_argument("--profile", action="store_true",
-                    help="py-spy the connection replica through the attacked phase (raw stacks in --out)")
+                    help="py-spy the connection replica through the attacked phase (a timeline in --out; "
+                         "its longest busy runs in the report)")
     ap.add_argument("--warm-s", type=float, default=10.0, help="hostile clients start this long before the honest ones")
     ap.add_argument("--unlimited", action="store_true",
                     help="the hostile key without rate limits (memory and restarts; CPU is then shared freely)")
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                                                for k, v in loop_after.items()},
                   "replicas": rows, "restarts": sum(r["restarted"] for r in rows) + max(0, len(after) - len(before)),
                   "hostile": seen}
+        if spy:
+            from cluster.bench.loop_trace import busy_runs
+
+            result["connection_busy_runs"] = busy_runs(out / TRACE, top=4)
         (out / "adversarial.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1))
         ok = result["ratio"] <= 3 and result["restarts"] == 0 and all(r["under_ceiling"] for r in rows)
