@@ -36,11 +36,13 @@ TRACE = "connection.trace.json"
 def app_args(store_path: str, hostile_limited: bool) -> dict[str, Any]:
     from cluster.auth import key_sha256
 
-    # Limited: the hostile key has the defaults (600 creates, 3,000 reads a minute), the designed
+    # Limited: the hostile key has the defaults (600 creates, 3,000 reads a minute, 64 MiB of creates
+    # and 256 MiB of reads a minute), the designed
     # defence of the replicas' CPU. Unlimited: a tenant whose plan allows a lot, so what reaches
     # the server is what the bounds below the rate limits must hold.
     hostile = {} if hostile_limited else {"max_connections": 10_000, "requests_per_minute": 1_000_000,
-                                          "reads_per_minute": 1_000_000}
+                                          "reads_per_minute": 1_000_000, "input_bytes_per_minute": 1 << 50,
+                                          "read_bytes_per_minute": 1 << 50}
 
     return {
         "model": {"name": MODEL, "builtin": MODEL, "max_model_len": 32768,
