@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--backend", choices=["scripted", "vllm"], default="scripted")
     ap.add_argument("--output-bytes", type=int, default=2000)
+    ap.add_argument("--max-tokens", type=int, default=64, help="each turn's max_output_tokens")
     ns = ap.parse_args()
 
     from openai import OpenAI
@@ -53,7 +54,7 @@ def main() -> None:
             for i in range(ns.turns):
                 sent = len(json.dumps(new))
                 t0 = time.perf_counter()
-                ev = turn(previous_response_id=prev.id, input=new, max_output_tokens=64)
+                ev = turn(previous_response_id=prev.id, input=new, max_output_tokens=ns.max_tokens)
                 wall = time.perf_counter() - t0
                 prev = ev.response
                 calls = [o for o in prev.output if o.type == "function_call"]
@@ -66,12 +67,19 @@ def main() -> None:
         stop_cluster()
     turns = [t for t in stats["turns"] if t["prompt_tokens"]][-ns.turns:]
     print(f"backend={ns.backend} turns={ns.turns} tool-output bytes={ns.output_bytes}")
-    print("turn  bytes_sent  ctx_items  prompt_tok  cached_tok  render_ms  resolve_ms  overhead_ms  total_ms  client_ms  full")
+    # The engine's part, split: `dispatch` from the connection's engine call to the replica starting
+    # it, `inner` the replica's own time (its first token after `engine_ttft`), `back` the rest of
+    # the connection's engine time (the stream's items and its end on their way back).
+    print("turn  bytes_sent  ctx_items  prompt_tok  cached_tok  render_ms  resolve_ms  overhead_ms  dispatch_ms  "
+          "engine_ttft_ms  inner_ms  back_ms  total_ms  client_ms  full")
     for (i, sent, inp, cached, wall), t in zip(rows, turns):
         overhead = (t["total"] - t["engine"]) * 1000
+        back = (t["engine"] - t["engine_inner"] - t["engine_dispatch"]) * 1000
         print(f"{i:4d}  {sent:10d}  {t['context_items']:9d}  {inp:10d}  {cached:10d}  {t['render']*1000:9.2f}  "
-              f"{t['resolve']*1000:10.3f}  {overhead:11.2f}  {t['total']*1000:8.1f}  {wall*1000:9.1f}  {t['full_render']}")
-    print("render counters:", stats["render"], "engine:", stats["engine"])
+              f"{t['resolve']*1000:10.3f}  {overhead:11.2f}  {t['engine_dispatch']*1000:11.2f}  "
+              f"{t['engine_first_token']*1000:14.1f}  {t['engine_inner']*1000:8.1f}  {back:7.2f}  "
+              f"{t['total']*1000:8.1f}  {wall*1000:9.1f}  {t['full_render']}")
+    print("render counters:", {k: v for k, v in stats["render"].items() if k != "probe"})
 
 
 if __name__ == "__main__":

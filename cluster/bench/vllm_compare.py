@@ -116,10 +116,12 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
     return times
 
 
-def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy") -> list[float]:
+def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy",
+                  executor: str = "auto") -> list[float]:
     from cluster.bench.runner import _local_cluster
 
-    url = _local_cluster(ingress=ingress, args={"engine": {"backend": "vllm", "vllm": {"block_size": BLOCK, "default_max_tokens": max_tokens}},
+    vllm = {"block_size": BLOCK, "default_max_tokens": max_tokens, "executor": executor}
+    url = _local_cluster(ingress=ingress, args={"engine": {"backend": "vllm", "vllm": vllm},
                           "model": {"name": model, "builtin": model, "max_model_len": MAX_LEN[model]},
                           "store": {"backend": "none"}, "safety": {"enabled": False}})
     try:
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--executors", default="auto",
+                    help="loopserve runs, one per CPU executor named (of auto, mp, uni): `mp,uni` compares them")
     ap.add_argument("--model", choices=sorted(MAX_LEN), default="loopserve-tiny")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
@@ -179,7 +183,9 @@ def main(argv=None) -> int:
     model_dir, max_len = str(ensure_builtin(ns.model)), MAX_LEN[ns.model]
     results: dict[str, list[float]] = {}
     results["floor"] = asyncio.run(floor(model_dir, ns.turns, ns.message_chars, ns.max_tokens, max_len))
-    results["loopserve-ws"] = run_loopserve(ns.model, ns.turns, ns.message_chars, ns.max_tokens, ns.ingress)
+    for executor in ns.executors.split(","):
+        name = "loopserve-ws" if executor == "auto" else f"loopserve-{executor}"
+        results[name] = run_loopserve(ns.model, ns.turns, ns.message_chars, ns.max_tokens, ns.ingress, executor)
     if not ns.skip_peer:
         results["vllm-server"] = run_peer(model_dir, ns.turns, ns.message_chars, ns.max_tokens, max_len)
     base = sum(results["floor"])

@@ -134,6 +134,22 @@ def cpu_engine_env(environ: MutableMapping[str, str], config: VLLMEngineConfig) 
     environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
+def executor_args(config: VLLMEngineConfig, on_cpu: bool, environ: MutableMapping[str, str]) -> dict[str, str]:
+    """vLLM's executor for this engine (`engine.vllm.executor`), and on a CPU the switch it needs."""
+    if config.tensor_parallel_size > 1:
+        return {"distributed_executor_backend": "ray"}  # TP workers as Ray actors in the replica's placement group
+    if not on_cpu:
+        return {}
+    if config.executor in ("uni", "auto"):
+        # The model in the engine core's process: one hop fewer a step. vLLM turns `uni` into `mp`
+        # on CPUs unless its multiprocessing switch is off (the engine core still runs apart).
+        environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return {"distributed_executor_backend": "uni"}
+    # A worker process of its own, as vLLM's server runs on CPUs: the thread binding applies
+    # (the in-process executor ignores it).
+    return {"distributed_executor_backend": "mp"}
+
+
 class VLLMEngine:
     def __init__(self, model: ModelConfig, config: VLLMEngineConfig, **_: object) -> None:
         self.model = model
@@ -183,13 +199,7 @@ class VLLMEngine:
         kwargs.update(offloading_args(cfg, _on_cpu()))
         if cfg.num_gpu_blocks_override:
             kwargs["num_gpu_blocks_override"] = cfg.num_gpu_blocks_override
-        if cfg.tensor_parallel_size > 1:
-            # TP workers as Ray actors in the replica's placement group.
-            kwargs["distributed_executor_backend"] = "ray"
-        elif _on_cpu():
-            # A worker process of its own: the scheduler's step overlaps the model's, and the
-            # thread binding above applies (the in-process executor ignores it).
-            kwargs["distributed_executor_backend"] = "mp"
+        kwargs.update(executor_args(cfg, _on_cpu(), os.environ))
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
         self.pins_off_reason = "" if cfg.session_pins and cfg.enable_prefix_caching else "off in the config"
         if not self.pins_off_reason:

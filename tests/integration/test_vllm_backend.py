@@ -175,17 +175,13 @@ def _processes(comm: str) -> dict[int, dict[str, str]]:
     return found
 
 
-def test_the_engine_processes_run_with_the_threads_vllms_own_server_gives_them(vllm_url):
-    """vLLM's server starts without OMP_NUM_THREADS: its engine core then serves on one torch
-    thread, and its worker gets one OpenMP thread per core it is bound to. An OMP_NUM_THREADS
-    inherited from the Ray actor gave the engine core a second torch pool, whose threads spin on
-    the cores the kernels are bound to."""
+def test_the_engine_core_runs_the_model_itself_without_an_inherited_thread_count(vllm_url):
+    """The default CPU executor is `uni` (engine.vllm.executor): the model runs in the engine
+    core's process, no worker process of its own (one hop fewer a step). The core starts without
+    OMP_NUM_THREADS: one inherited from the Ray actor (1) would leave the kernels one thread."""
     cores = [p for p in _processes("VLLM::EngineCor").values() if p.get("VLLM_CPU_OMP_THREADS_BIND")]
     workers = [p for p in _processes("VLLM::Worker").values() if p.get("VLLM_CPU_OMP_THREADS_BIND")]
-    assert cores and workers, "no vLLM engine core and worker on this machine"
+    assert cores, "no vLLM engine core on this machine"
+    assert workers == [], "a vLLM worker process: the engine ran the `mp` executor"
+    assert all(env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" for env in cores)
     assert all("OMP_NUM_THREADS" not in env for env in cores), [env.get("OMP_NUM_THREADS") for env in cores]
-    for env in workers:
-        bound = env["VLLM_CPU_OMP_THREADS_BIND"]
-        count = sum(int(b) - int(a) + 1 if "-" in part else 1
-                    for part in bound.split(",") for a, _, b in [part.partition("-")])
-        assert env.get("OMP_NUM_THREADS") == str(count), (bound, env.get("OMP_NUM_THREADS"))

@@ -81,3 +81,17 @@ def test_the_offloading_arguments_are_the_installed_vllms_own():
 
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     assert set(offloading_args(VLLMEngineConfig(kv_offloading_gib=1), on_cpu=False)) <= names
+
+
+def test_the_executor_is_the_configs_on_cpus_and_vllms_own_on_gpus():
+    from cluster.config import VLLMEngineConfig
+    from cluster.engines.vllm_engine import executor_args
+
+    env: dict[str, str] = {}
+    assert executor_args(VLLMEngineConfig(executor="mp"), True, env) == {"distributed_executor_backend": "mp"}
+    assert env == {}
+    # vLLM's CPU platform turns `uni` back into `mp` while its multiprocessing switch is on.
+    assert executor_args(VLLMEngineConfig(), True, env) == {"distributed_executor_backend": "uni"}
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert executor_args(VLLMEngineConfig(executor="uni"), False, {}) == {}
+    assert executor_args(VLLMEngineConfig(tensor_parallel_size=2), False, {}) == {"distributed_executor_backend": "ray"}
