@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cluster.app import DeployFailed
 from cluster.cli import ConfigUnusable, load_config, main
+
+
+@pytest.fixture(autouse=True)
+def environ_restored():
+    """`main` sets what Ray's start needs (RAY_AUTH_MODE=token) in this process's environment: a Ray
+    started later in the same test session then disagreed with its own client about token auth."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_a_serve_config_files_first_application_args_are_the_config(tmp_path):
