@@ -33,24 +33,28 @@ class Principal:
 ANONYMOUS = Principal("default", "anonymous", 1_000_000, 1_000_000_000)
 
 
-class ByteWindow:
-    """Bytes in a sliding minute, summed as they come and go (no walk per admission)."""
+class SlidingWindow:
+    """What a key was admitted in a sliding minute, summed as it comes and goes (no walk per
+    admission): requests (each weighs 1) or bytes. One entry per admission."""
 
     def __init__(self) -> None:
-        self._sent: deque[tuple[float, int]] = deque()
+        self._entries: deque[tuple[float, int]] = deque()
         self._total = 0
 
-    def add(self, nbytes: int, now: float) -> None:
-        self._sent.append((now, nbytes))
-        self._total += nbytes
+    def add(self, weight: int, now: float) -> None:
+        self._entries.append((now, weight))
+        self._total += weight
 
     def total(self, now: float) -> int:
-        while self._sent and self._sent[0][0] <= now - 60.0:
-            self._total -= self._sent.popleft()[1]
+        while self._entries and self._entries[0][0] <= now - 60.0:
+            self._total -= self._entries.popleft()[1]
         return self._total
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def retry_after(self, now: float) -> float:
-        return max(0.0, 60.0 - (now - self._sent[0][0])) if self._sent else 1.0
+        return max(0.0, 60.0 - (now - self._entries[0][0])) if self._entries else 1.0
 
 
 KEYS_FILE_CHECK_S = 5.0  # how often `auth.keys_file` is looked at for a change
@@ -67,8 +71,9 @@ class Authenticator:
         self._file_seen: Optional[tuple[int, int]] = self._stamp()
         self._checked_at = time.monotonic()
         self._load(config.resolved())  # raises KeysMissing at start, never on a reload
-        self._windows: dict[str, deque[float]] = {}
-        self._byte_windows: dict[str, ByteWindow] = {}  # what a key's reads sent
+        # Per key: "<key_id>" creates, "/read" reads, "/input_bytes" and "/read_bytes" what its
+        # creates brought and its reads sent.
+        self._windows: dict[str, SlidingWindow] = {}
         self._connections: dict[str, int] = {}
         self.shared = LimitReports()  # what other replicas hold (empty when limits are not shared)
 
@@ -140,23 +145,28 @@ class Authenticator:
         if self._keys and p is not ANONYMOUS and p.key_id not in self._key_ids:
             raise ApiError(401, "This API key has been revoked.", code="invalid_api_key", type="invalid_request_error")
         now = time.monotonic() if now is None else now
-        self._check_bytes(p.key_id + "/input_bytes", p.input_bytes_per_minute, nbytes, "input bytes sent", now)
-        self._admit(p.key_id, p.requests_per_minute, "requests", now)
+        self._check(p.key_id + "/input_bytes", p.input_bytes_per_minute, "input bytes sent", now, adding=nbytes)
+        self._check(p.key_id, p.requests_per_minute, "requests", now)
+        self._add(p.key_id, 1, now)
         self.charge_input(p, nbytes, now)
 
     def charge_input(self, p: Principal, nbytes: int, now: Optional[float] = None) -> None:
         """Bytes of an admitted create learnt only as its body was read (chunked)."""
         if p is not ANONYMOUS and nbytes:
             now = time.monotonic() if now is None else now
-            self._byte_windows.setdefault(p.key_id + "/input_bytes", ByteWindow()).add(nbytes, now)
+            self._add(p.key_id + "/input_bytes", nbytes, now)
 
-    def _check_bytes(self, window_key: str, limit: int, nbytes: int, what: str, now: float) -> None:
-        """429 when the window's bytes (here and on other replicas), with `nbytes` more, pass
-        `limit`; a request over the whole limit alone is let through an empty window."""
-        sent = self._byte_windows.get(window_key) or ByteWindow()
-        total = sent.total(now) + self.shared.count(window_key)
-        if total and total + nbytes > limit:
-            retry = sent.retry_after(now)  # 1 s when the bytes were counted on other replicas
+    def _add(self, window_key: str, weight: int, now: float) -> None:
+        self._windows.setdefault(window_key, SlidingWindow()).add(weight, now)
+
+    def _check(self, window_key: str, limit: int, what: str, now: float, adding: int = 1) -> None:
+        """429 when the window (here and on other replicas), with `adding` more, passes `limit`.
+        `adding` 1 refuses once the budget is spent; a request whose bytes alone pass the whole
+        limit is let through an empty window (it could never pass otherwise)."""
+        window = self._windows.get(window_key) or SlidingWindow()
+        total = window.total(now) + self.shared.count(window_key)
+        if total and total + adding > limit:
+            retry = window.retry_after(now)  # 1 s when the rest were admitted on other replicas
             raise ApiError(429, f"Rate limit reached: {limit} {what} per minute. Try again in {retry:.1f}s.",
                            code="rate_limit_exceeded", type="rate_limit_exceeded", retry_after_s=retry)
 
@@ -164,26 +174,15 @@ class Authenticator:
         """A read, delete or cancel: a window of its own, so polling does not eat the create budget;
         refused too while the key's reads of the last minute sent `read_bytes_per_minute`."""
         now = time.monotonic() if now is None else now
-        self._check_bytes(p.key_id + "/read_bytes", p.read_bytes_per_minute, 1, "bytes read", now)
-        self._admit(p.key_id + "/read", p.reads_per_minute, "reads", now)
+        self._check(p.key_id + "/read_bytes", p.read_bytes_per_minute, "bytes read", now)
+        self._check(p.key_id + "/read", p.reads_per_minute, "reads", now)
+        self._add(p.key_id + "/read", 1, now)
 
     def charge_read(self, p: Principal, nbytes: int, now: Optional[float] = None) -> None:
         """What an admitted read sent, against the key's `read_bytes_per_minute`."""
         if p is not ANONYMOUS:
             now = time.monotonic() if now is None else now
-            self._byte_windows.setdefault(p.key_id + "/read_bytes", ByteWindow()).add(nbytes, now)
-
-    def _admit(self, window_key: str, limit: int, what: str, now: Optional[float]) -> None:
-        now = time.monotonic() if now is None else now
-        window = self._windows.setdefault(window_key, deque())
-        while window and window[0] <= now - 60.0:
-            window.popleft()
-        if len(window) + self.shared.count(window_key) >= limit:
-            retry = max(0.0, 60.0 - (now - window[0])) if window else 1.0  # the rest were admitted elsewhere
-            raise ApiError(429, f"Rate limit reached: {limit} {what} per minute. "
-                                f"Try again in {retry:.1f}s.", code="rate_limit_exceeded", type="rate_limit_exceeded",
-                           retry_after_s=retry)
-        window.append(now)
+            self._add(p.key_id + "/read_bytes", nbytes, now)
 
     def open_connection(self, p: Principal) -> None:
         n = self._connections.get(p.key_id, 0)
@@ -195,6 +194,11 @@ class Authenticator:
     def close_connection(self, p: Principal) -> None:
         self._connections[p.key_id] = max(0, self._connections.get(p.key_id, 1) - 1)
 
+    def entries(self) -> int:
+        """The window entries this replica holds (one per admission of the last minute): its
+        memory for limits, bounded by the keys' per-minute counts."""
+        return sum(len(w) for w in self._windows.values())
+
     def held(self, now: Optional[float] = None) -> dict[str, int]:
         """What this replica holds per window (admissions in the last minute, open sockets): its
         report to the ledger. Empty windows are dropped here, so the tables stay as small as the
@@ -202,18 +206,11 @@ class Authenticator:
         now = time.monotonic() if now is None else now
         out = {}
         for key, window in list(self._windows.items()):
-            while window and window[0] <= now - 60.0:
-                window.popleft()
-            if window:
-                out[key] = len(window)
-            else:
-                del self._windows[key]
-        for key, sent in list(self._byte_windows.items()):
-            total = sent.total(now)
+            total = window.total(now)
             if total:
                 out[key] = total
             else:
-                del self._byte_windows[key]
+                del self._windows[key]
         for key_id, n in list(self._connections.items()):
             if n:
                 out[key_id + "/sockets"] = n

@@ -93,3 +93,27 @@ def test_creates_are_also_limited_by_the_bytes_they_send():
         auth.admit_request(p, 1_001, now=162.0)
     auth.admit_request(p, 1_000, now=162.0)
     assert auth.held(now=162.0)["key1/input_bytes"] == 10_000 and auth.held(now=162.0)["key1"] == 2
+
+
+def test_a_key_held_in_memory_is_one_entry_per_admission_and_gone_a_minute_later():
+    """What a client can make the limits hold: refused requests add nothing, and a quiet key's
+    windows are dropped, so the tables stay as small as the keys in use."""
+    auth = Authenticator(AuthConfig())
+    p = Principal("t", "key1", max_connections=4, requests_per_minute=3, reads_per_minute=2,
+                  input_bytes_per_minute=1 << 20)
+    admitted = 0
+    for i in range(50):
+        now = 100.0 + i / 100
+        try:
+            auth.admit_request(p, 100, now=now)
+            admitted += 2  # the create and its bytes
+        except ApiError:
+            pass
+        try:
+            auth.admit_read(p, now=now)
+            auth.charge_read(p, 10, now=now)
+            admitted += 2  # the read and what it sent
+        except ApiError:
+            pass
+    assert admitted == 3 * 2 + 2 * 2 and auth.entries() == admitted
+    assert auth.held(now=170.0) == {} and auth.entries() == 0
