@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.drain import DrainWatch
 from actors.limits import LimitReporter
+from actors.gc_policy import CollectorThresholds
 from actors.loop_watch import LoopWatch
 from actors.routes import build_app
 from cluster import telemetry
@@ -39,6 +40,8 @@ class ConnectionActor:
         self.services = await ConnectionServices.build(config, render=render, engine=engine, safety=safety)
         self.drain_watch = DrainWatch(self.services.drain)
         self.drain_watch.start()
+        self.collector = CollectorThresholds()
+        self.collector.apply()
         self.loop_watch = LoopWatch(self.services.loop_health)
         self.loop_watch.start()
         self.limit_reports: Optional[LimitReporter] = None
@@ -53,6 +56,7 @@ class ConnectionActor:
     async def __del__(self) -> None:
         self.drain_watch.stop()
         self.loop_watch.stop()
+        self.collector.restore()
         if self.limit_reports is not None:
             self.limit_reports.stop()
         await self.services.close()

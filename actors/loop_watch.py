@@ -17,15 +17,6 @@ from cluster.telemetry import LoopHealth
 
 log = logging.getLogger("loopserve.loop")
 
-# The collector's thresholds on a connection replica (gc.set_threshold). Python's (700, 10, 10)
-# promote every object alive across a few hundred allocations; at 1,000 sessions a turn's
-# in-flight objects were promoted by the thousand, and full collections walking every session's
-# state ran 27 times in a 26 s run, 11.8 s of it (the loop held 0.4-0.6 s each). With these, young
-# collections come every 50,000 allocations, so a turn's objects die before one sees them: 0 full
-# collections, 1.51 ms of CPU a turn instead of 2.49, p99 2.30 s instead of 3.45
-# (`python -m cluster.bench.load --sessions 1000 --turns 10`, 2026-12-04). Serve freezes what the
-# constructor made (RAY_SERVE_FREEZE_GC_ON_STARTUP). `LOOPSERVE_GC_THRESHOLDS=700,10,10` restores Python's.
-GC_THRESHOLDS = tuple(int(x) for x in os.environ.get("LOOPSERVE_GC_THRESHOLDS", "50000,20,100").split(","))
 TICK_S = 0.05
 # A stall this long is logged with its stack: every socket of the replica waited through it.
 WARN_S = float(os.environ.get("LOOPSERVE_LOOP_STALL_S", "1.0"))
@@ -43,11 +34,8 @@ class LoopWatch:
         self._ticked = time.perf_counter()
         self._loop_thread = threading.get_ident()
         self._stop = threading.Event()
-        self._thresholds: Optional[tuple[int, ...]] = None  # the collector's, before start
 
     def start(self) -> None:
-        self._thresholds = gc.get_threshold()
-        gc.set_threshold(*GC_THRESHOLDS)
         gc.callbacks.append(self._on_gc)
         self._loop_thread = threading.get_ident()
         self._task = asyncio.get_running_loop().create_task(self._tick(), name="loop-watch")
@@ -95,9 +83,6 @@ class LoopWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thresholds is not None:
-            gc.set_threshold(*self._thresholds)
-            self._thresholds = None
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         if self._task is not None:
