@@ -122,24 +122,26 @@ async def models(request: Request, conn: "ConnectionServices" = Conn) -> dict[st
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "loopserve"}]}
 
 
-async def create_body(request: Request, conn: "ConnectionServices", p) -> Any:
-    """A create's body; one that came chunked is charged to the key's input bytes as read."""
+async def admitted_body(request: Request, conn: "ConnectionServices", p) -> Any:
+    """A create's body, admitted before it is read and parsed: every create counts, valid or not,
+    with the bytes it declares; one that came chunked is charged to the key's input bytes as read."""
+    declared = declared_bytes(request)
+    conn.auth.admit_request(p, declared)
     return await json_body(request, conn.config.limits.max_request_bytes,
-                           charge=None if declared_bytes(request) else lambda n: conn.auth.charge_input(p, n))
+                           charge=None if declared else lambda n: conn.auth.charge_input(p, n))
 
 
 @router.post("/v1/responses/input_tokens")
 async def input_tokens(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request.headers)
-    conn.auth.admit_request(p, declared_bytes(request))  # it renders the whole input: admitted like a create
-    return await conn.responses.input_tokens(await create_body(request, conn, p), p.tenant)
+    # It renders the whole input: admitted like a create.
+    return await conn.responses.input_tokens(await admitted_body(request, conn, p), p.tenant)
 
 
 @router.post("/v1/responses/compact")
 async def compact(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
     p = conn.principal(request.headers)
-    conn.auth.admit_request(p, declared_bytes(request))
-    return await conn.responses.compact(await create_body(request, conn, p), p.tenant)
+    return await conn.responses.compact(await admitted_body(request, conn, p), p.tenant)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -182,9 +184,7 @@ async def create(request: Request, conn: "ConnectionServices" = Conn):
     received_at = time.perf_counter()
     try:
         p = conn.principal(request.headers)
-        # Before the body is read and parsed: every create counts, valid or not, and its bytes.
-        conn.auth.admit_request(p, declared_bytes(request))
-        body = await create_body(request, conn, p)
+        body = await admitted_body(request, conn, p)
         turn = await conn.turns.create(body, p, request.headers, received_at)
     except ApiError as err:
         return error_response(err, request)
