@@ -19,9 +19,9 @@ from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import Stop
 from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
-from cluster.protocol.request_bounds import load_event
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
+from cluster.protocol.request_bounds import load_event
 
 MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)
 
