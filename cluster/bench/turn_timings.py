@@ -70,15 +70,18 @@ def main() -> None:
     # The engine's part, split: `dispatch` from the connection's engine call to the replica starting
     # it, `inner` the replica's own time (its first token after `engine_ttft`), `back` the rest of
     # the connection's engine time (the stream's items and its end on their way back).
+    # Inside vLLM (its engine core's marks; 0 on the scripted engine): to the core, queued there,
+    # prefill, decode, and back to the replica.
     print("turn  bytes_sent  ctx_items  prompt_tok  cached_tok  render_ms  resolve_ms  overhead_ms  dispatch_ms  "
-          "engine_ttft_ms  inner_ms  back_ms  total_ms  client_ms  full")
+          "engine_ttft_ms  inner_ms  back_ms  total_ms  client_ms  full  core: in  queued  prefill  decode  out")
     for (i, sent, inp, cached, wall), t in zip(rows, turns):
         overhead = (t["total"] - t["engine"]) * 1000
         back = (t["engine"] - t["engine_inner"] - t["engine_dispatch"]) * 1000
         print(f"{i:4d}  {sent:10d}  {t['context_items']:9d}  {inp:10d}  {cached:10d}  {t['render']*1000:9.2f}  "
               f"{t['resolve']*1000:10.3f}  {overhead:11.2f}  {t['engine_dispatch']*1000:11.2f}  "
               f"{t['engine_first_token']*1000:14.1f}  {t['engine_inner']*1000:8.1f}  {back:7.2f}  "
-              f"{t['total']*1000:8.1f}  {wall*1000:9.1f}  {t['full_render']}")
+              f"{t['total']*1000:8.1f}  {wall*1000:9.1f}  {t['full_render']!s:5}  "
+              + "  ".join(f"{t['engine_core_' + k] * 1000:6.2f}" for k in ("in", "queued", "prefill", "decode", "out")))
     print("render counters:", {k: v for k, v in stats["render"].items() if k != "probe"})
 
 

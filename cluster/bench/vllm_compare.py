@@ -3,14 +3,18 @@
     python -m cluster.bench.vllm_compare --turns 50 --message-chars 800
     python -m cluster.bench.vllm_compare --model smollm2-135m-instruct --turns 20 --message-chars 600
 
-Same model (the generated tiny one, or the real built-in SmolLM2), same loop, one run, one
-engine at a time:
+Same model (the generated tiny one, or the real built-in SmolLM2), same loop, one engine at a
+time, `--rounds` rounds (each round in the other order: this machine is shared and noisy):
 - floor:     vLLM's AsyncLLM in this process, fed token ids directly (no server);
 - loopserve: WebSocket mode, previous_response_id, only new items;
 - peer:      vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`),
              `/v1/responses` chained with previous_response_id (VLLM_ENABLE_RESPONSES_API_STORE=1).
 Each turn adds a user message of `--message-chars` (unique per run) and the
 model answers `--max-tokens` tokens (temperature 0). Prefix caching everywhere.
+
+The floor and loopserve also report where a turn's time went inside vLLM, from its engine core's
+own marks (`CoreTimeline`: to the core, queued, prefill, decode, back): the model's time
+(prefill + decode) beside the rest says whether a gap is the engine's work or the path to it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from cluster.bench.local import add_ingress_argument, free_port
 
@@ -42,7 +46,11 @@ def _message(turn: int, chars: int, prefix: str) -> str:
     return (line * (chars // len(line) + 1))[:chars]
 
 
-async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int) -> list[float]:
+CORE_PARTS = ("to_core_s", "queued_s", "prefill_s", "decode_s", "back_s")
+
+
+async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int,
+                core: list[dict[str, float]]) -> list[float]:
     """AsyncLLM fed token ids: each turn's prompt = previous prompt + output + the new message's tokens."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -52,10 +60,14 @@ async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from cluster.engines.vllm_engine import PreemptionCounter, core_timeline
+
     tok = AutoTokenizer.from_pretrained(model_dir)
+    # A stat logger keeps vLLM's request stats on (the core's marks), as in loopserve's engine.
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, enforce_eager=True, dtype="float32",
                                                     max_model_len=max_len, enable_prefix_caching=True,
-                                                    block_size=BLOCK, seed=0))
+                                                    block_size=BLOCK, seed=0, disable_log_stats=True),
+                                    stat_loggers=[PreemptionCounter().factory])
     prefix = secrets.token_hex(8)
     prompt: list[int] = []
     times = []
@@ -67,10 +79,14 @@ async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len
             if prompt:  # a template's default system prompt opens the conversation only
                 msg = msg[msg.index("<|im_start|>user"):]
             prompt = prompt + tok.encode(msg, add_special_tokens=False)
-            t0 = time.perf_counter()
+            t0, called_at = time.perf_counter(), time.monotonic()
             out: list[int] = []
             async for o in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"floor-{i}"):
                 out.extend(o.outputs[0].token_ids)
+                if o.finished:
+                    marks = core_timeline(o.metrics, called_at, time.monotonic())
+                    if marks is not None:
+                        core.append({k: getattr(marks, k) for k in CORE_PARTS})
             times.append(time.perf_counter() - t0)
             prompt = prompt + out + tok.encode("<|im_end|>\n", add_special_tokens=False)
     finally:
@@ -117,7 +133,8 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
 
 
 def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy",
-                  executor: str = "auto") -> list[float]:
+                  executor: str = "auto", core: Optional[list[dict[str, float]]] = None) -> list[float]:
+    from cluster.bench.local import stats
     from cluster.bench.runner import _local_cluster
 
     vllm = {"block_size": BLOCK, "default_max_tokens": max_tokens, "executor": executor}
@@ -125,13 +142,21 @@ def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: 
                           "model": {"name": model, "builtin": model, "max_model_len": MAX_LEN[model]},
                           "store": {"backend": "none"}, "safety": {"enabled": False}})
     try:
-        return asyncio.run(ws_chain(url, turns, chars, max_tokens, model))
+        times = asyncio.run(ws_chain(url, turns, chars, max_tokens, model))
+        if core is not None:
+            server = [t for t in stats(url)["turns"] if t["prompt_tokens"]][-turns:]
+            core.extend({k: t["engine_core_" + name] for k, name in zip(CORE_PARTS, _TIMING_NAMES)}
+                        for t in server)
+        return times
     finally:
         import ray
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
+
+
+_TIMING_NAMES = ("in", "queued", "prefill", "decode", "out")  # the turn timings' engine_core_* fields
 
 
 def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int) -> list[float]:
@@ -166,11 +191,26 @@ def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: i
             proc.kill()
 
 
+def _report(name: str, times: list[float], base: float, core: list[dict[str, float]]) -> str:
+    line = (f"{name:13s} loop {sum(times):7.2f} s   {sum(times) / base:5.2f}x the floor   "
+            f"turns 1-5 mean {sum(times[:5]) / 5 * 1000:6.1f} ms   last turn {times[-1] * 1000:6.1f} ms")
+    if core:
+        n = len(core)
+        mean = {k: sum(c[k] for c in core) / n * 1000 for k in CORE_PARTS}
+        model = mean["prefill_s"] + mean["decode_s"]
+        rest = sum(times[-n:]) / n * 1000 - sum(mean.values())
+        line += (f"\n              per turn in vLLM: model {model:6.1f} ms (prefill {mean['prefill_s']:.1f}, decode "
+                 f"{mean['decode_s']:.1f})  queued {mean['queued_s']:.2f}  to core {mean['to_core_s']:.2f}  "
+                 f"back {mean['back_s']:.2f}  |  outside vLLM {rest:.1f} ms")
+    return line
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.vllm_compare", description=__doc__)
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--message-chars", type=int, default=800)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of every system, each round in the other order")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--executors", default="auto",
@@ -181,23 +221,30 @@ def main(argv=None) -> int:
     from cluster.models.builtin import ensure_builtin
 
     model_dir, max_len = str(ensure_builtin(ns.model)), MAX_LEN[ns.model]
-    results: dict[str, list[float]] = {}
-    results["floor"] = asyncio.run(floor(model_dir, ns.turns, ns.message_chars, ns.max_tokens, max_len))
+    args = (ns.turns, ns.message_chars, ns.max_tokens)
+    systems: list[tuple[str, Any]] = [("floor", lambda core: asyncio.run(floor(model_dir, *args, max_len, core)))]
     for executor in ns.executors.split(","):
         name = "loopserve-ws" if executor == "auto" else f"loopserve-{executor}"
-        results[name] = run_loopserve(ns.model, ns.turns, ns.message_chars, ns.max_tokens, ns.ingress, executor)
+        systems.append((name, lambda core, e=executor: run_loopserve(ns.model, *args, ns.ingress, e, core)))
     if not ns.skip_peer:
-        results["vllm-server"] = run_peer(model_dir, ns.turns, ns.message_chars, ns.max_tokens, max_len)
-    base = sum(results["floor"])
+        systems.append(("vllm-server", lambda core: run_peer(model_dir, *args, max_len)))
+    rounds: list[dict[str, Any]] = []
+    for r in range(ns.rounds):
+        result: dict[str, Any] = {}
+        for name, run in (systems if r % 2 == 0 else systems[::-1]):
+            core: list[dict[str, float]] = []
+            result[name] = {"turn_seconds": run(core), "core": core}
+        rounds.append(result)
     print(f"\nreal engine (vLLM, {ns.model}, CPU): {ns.turns} turns, +{ns.message_chars} chars/turn, "
-          f"{ns.max_tokens} output tokens")
-    for name, times in results.items():
-        print(f"{name:13s} loop {sum(times):7.2f} s   {sum(times) / base:5.2f}x the floor   "
-              f"turns 1-5 {sum(times[:5]) * 1000:7.1f} ms   turn 1 {times[0] * 1000:7.1f} ms   "
-              f"last turn {times[-1] * 1000:7.1f} ms")
+          f"{ns.max_tokens} output tokens, {ns.rounds} round(s)")
+    for r, result in enumerate(rounds):
+        base = sum(result["floor"]["turn_seconds"])
+        print(f"round {r + 1}")
+        for name, _ in systems:
+            print(_report(name, result[name]["turn_seconds"], base, result[name]["core"]))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vllm_compare.json").write_text(json.dumps({"args": vars(ns), "turn_seconds": results}, indent=1))
+    (out / "vllm_compare.json").write_text(json.dumps({"args": vars(ns), "rounds": rounds}, indent=1))
     return 0
 
 

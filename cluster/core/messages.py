@@ -193,6 +193,20 @@ class TokenProgress:
     n: int
 
 
+@dataclass(slots=True, frozen=True)
+class CoreTimeline:
+    """Where a request's time went inside vLLM, from its engine core's own marks (monotonic,
+    one clock for the processes of a host): to the core (the front end's input processing and
+    the hop), queued in its scheduler, prefill (scheduled to the first token), decode, and back
+    (the outputs' hop, detokenizing, up to the replica holding the last one)."""
+
+    to_core_s: float
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+    back_s: float
+
+
 @dataclass(slots=True)
 class EngineDone:
     """The end of a generation, with the engine replica's own clock."""
@@ -213,6 +227,15 @@ class EngineDone:
     # the next turn's prompt reuses these ids where the template renders them as this text.
     output_ids: bytes = b""
     output_text: str = ""
+    # A `CoreTimeline`'s fields in order, from engines that mark their core's steps (vLLM); kept
+    # as a sequence of floats: the channel carries pieces of scalars and lists (channel_codec.py).
+    core: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.core = tuple(self.core)  # msgpack gives lists back
+
+    def core_timeline(self) -> Optional[CoreTimeline]:
+        return CoreTimeline(*self.core) if self.core else None
 
     @property
     def output_token_ids(self) -> array:

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Protocol
 
-from cluster.core.messages import EngineRequest
+from cluster.core.messages import CoreTimeline, EngineRequest
 
 
 @dataclass
@@ -18,6 +18,7 @@ class EngineDelta:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # the new tokens themselves
+    core: Optional[CoreTimeline] = None  # on the last delta, from engines that mark their core's steps
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from array import array
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import AsyncIterator, Callable, Optional
 
 from cluster.core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress
@@ -88,7 +88,8 @@ async def stream_chunks(
                 chunk.append(EngineDone(delta.prompt_tokens, delta.cached_tokens, output_tokens, delta.finish_reason,
                                         replica=replica, engine_s=time.perf_counter() - started,
                                         first_token_s=first_token, output_ids=output_ids.tobytes(),
-                                        output_text=decode_raw(output_ids) if decode_raw else ""))
+                                        output_text=decode_raw(output_ids) if decode_raw else "",
+                                        core=astuple(delta.core) if delta.core else ()))
             if chunk:
                 yield chunk
             delta = await anext(deltas, None)

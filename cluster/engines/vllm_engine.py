@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import AsyncIterator, MutableMapping, Optional
 
 from cluster.config import ModelConfig, VLLMEngineConfig
+from cluster.core.messages import CoreTimeline
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
 from cluster.engines.image_inputs import DecodedImages
 
@@ -80,6 +82,18 @@ def offloading_args(config: VLLMEngineConfig, on_cpu: bool) -> dict[str, object]
                          "already in host memory and there is no tier below it. Unset it for CPU engines (raise "
                          "cpu_kvcache_space_gib to hold more).")
     return {"kv_offloading_size": config.kv_offloading_gib, "kv_offloading_backend": config.kv_offloading_backend}
+
+
+def core_timeline(metrics: object, called_at: float, received_at: float) -> Optional[CoreTimeline]:
+    """A finished request's `CoreTimeline` from vLLM's request stats (`RequestOutput.metrics`, kept
+    while stats are on: our stat logger turns them on). Its core's marks and `called_at` /
+    `received_at` are all `time.monotonic()`, one clock for every process of the host."""
+    queued, scheduled = getattr(metrics, "queued_ts", 0.0), getattr(metrics, "scheduled_ts", 0.0)
+    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
+    if not (queued and scheduled and first and last):
+        return None
+    return CoreTimeline(to_core_s=queued - called_at, queued_s=scheduled - queued, prefill_s=first - scheduled,
+                        decode_s=last - first, back_s=received_at - last)
 
 
 class PreemptionCounter:
@@ -313,6 +327,7 @@ class VLLMEngine:
         stats.sessions.add(request.session_key)
         finished = False
         counted_prompt = False
+        called_at = time.monotonic()
         try:
             async for out in self.llm.generate(prompt, params, request_id=request.request_id):
                 comp = out.outputs[0]
@@ -331,6 +346,7 @@ class VLLMEngine:
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     cached_tokens=cached,
                     token_ids=list(comp.token_ids),
+                    core=core_timeline(out.metrics, called_at, time.monotonic()) if out.finished else None,
                 )
         finally:
             if not finished:

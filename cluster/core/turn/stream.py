@@ -320,6 +320,11 @@ class TurnStream:
             timing.engine_inner = done.engine_s
             timing.engine_first_token = done.first_token_s
             timing.engine_dispatch = done.dispatch_s
+            core = done.core_timeline()
+            if core is not None:
+                timing.engine_core_in, timing.engine_core_queued = core.to_core_s, core.queued_s
+                timing.engine_core_prefill, timing.engine_core_decode = core.prefill_s, core.decode_s
+                timing.engine_core_out = core.back_s
         if flag:
             for ev in self._blocked(flag):
                 yield ev

@@ -113,6 +113,12 @@ class TurnTiming:
     # From the engine call to the replica starting it (router, handle, queue): the rest of
     # `engine - engine_inner` is the way back (the stream's items and its end).
     engine_dispatch: float = 0.0
+    # Inside the engine (vLLM's core marks, `CoreTimeline`): 0 for engines without them.
+    engine_core_in: float = 0.0
+    engine_core_queued: float = 0.0
+    engine_core_prefill: float = 0.0
+    engine_core_decode: float = 0.0
+    engine_core_out: float = 0.0
     session_moved: bool = False  # the previous turn ran on another engine replica
 
     def as_dict(self) -> dict[str, Any]:

@@ -95,3 +95,31 @@ def test_the_executor_is_the_configs_on_cpus_and_vllms_own_on_gpus():
     assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert executor_args(VLLMEngineConfig(executor="uni"), False, {}) == {}
     assert executor_args(VLLMEngineConfig(tensor_parallel_size=2), False, {}) == {"distributed_executor_backend": "ray"}
+
+
+def test_a_finished_requests_time_is_split_at_its_engine_cores_marks():
+    """The per-turn timeline inside vLLM (`turn_timings --backend vllm`): its request stats' marks
+    and the replica's own, all on the host's monotonic clock."""
+    from types import SimpleNamespace
+
+    from cluster.core.messages import EngineDone
+
+    marks = SimpleNamespace(queued_ts=10.002, scheduled_ts=10.003, first_token_ts=10.053, last_token_ts=10.083)
+    core = vllm_engine.core_timeline(marks, called_at=10.0, received_at=10.085)
+    assert core is not None
+    assert [round(x * 1000, 3) for x in (core.to_core_s, core.queued_s, core.prefill_s, core.decode_s, core.back_s)] \
+        == [2.0, 1.0, 50.0, 30.0, 2.0]
+    # Stats off (no marks), or a request that never reached its core: no timeline, nothing made up.
+    assert vllm_engine.core_timeline(None, 10.0, 10.1) is None
+    assert vllm_engine.core_timeline(SimpleNamespace(queued_ts=10.0, scheduled_ts=0.0, first_token_ts=0.0,
+                                                     last_token_ts=0.0), 10.0, 10.1) is None
+    # It travels the engine channel as scalars and comes back whole.
+    from dataclasses import astuple
+
+    import msgpack
+
+    from cluster.engines.channel_codec import decode_chunk, encode_chunk
+
+    done = EngineDone(10, 8, 2, "stop", core=astuple(core))
+    (back,) = decode_chunk(msgpack.unpackb(msgpack.packb(encode_chunk([done]))))
+    assert back.core_timeline() == core and EngineDone(10, 8, 2, "stop").core_timeline() is None
