@@ -54,6 +54,10 @@ async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len
     """AsyncLLM fed token ids: each turn's prompt = previous prompt + output + the new message's tokens."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from cluster.torch_extras import STARTUP_DIR, expand_startup_env
+
+    if STARTUP_DIR not in os.environ.get("PYTHONPATH", ""):  # vLLM inspects the model in a subprocess
+        os.environ["PYTHONPATH"] = expand_startup_env(dict(os.environ))["PYTHONPATH"]
     from transformers import AutoTokenizer
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.inputs import TokensPrompt
