@@ -399,8 +399,16 @@ class WebSocketProtocol:
             message = (f"This websocket connection was closed after {self.config.idle_timeout_seconds:.0f} "
                        "seconds without activity. Create a new websocket connection to continue.")
         else:
-            message = ("Responses websocket connection limit reached (60 minutes). "
+            message = (f"Responses websocket connection limit reached ({_duration(self.config.max_connection_seconds)}). "
                        "Create a new websocket connection to continue.")
         error = SendError(ApiError(400, message, code="websocket_connection_limit_reached"))
         return [error, Close(1001, "server draining: reconnect") if why is End.DRAIN
                 else Close(1000, "connection limit reached")]
+
+
+def _duration(seconds: float) -> str:
+    """A configured lifetime as OpenAI words its own limit ("60 minutes" for 3,600 s)."""
+    if seconds >= 60 and seconds % 60 == 0:
+        minutes = int(seconds // 60)
+        return f"{minutes} minute{'s' if minutes != 1 else ''}"
+    return f"{seconds:g} seconds"

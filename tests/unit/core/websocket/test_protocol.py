@@ -263,8 +263,16 @@ def test_the_lifetime_limit_waits_for_the_response_in_flight_then_closes():
     assert p.receive(create(), now=61.0) == []  # an ending connection takes nothing more
     p.turn_ended("", now=70.0)
     closing = p.lane_stopped("")
-    assert errors(closing) == ["websocket_connection_limit_reached"] and "60 minutes" in closing[0].error.message
+    assert errors(closing) == ["websocket_connection_limit_reached"]
+    assert "limit reached (1 minute)" in closing[0].error.message  # what the config says, not OpenAI's 60
     assert closing[-1] == Close(1000, "connection limit reached") and p.state is State.CLOSED
+
+
+def test_the_lifetime_limit_message_says_the_configured_lifetime():
+    for seconds, words in ((3600, "(60 minutes)"), (90, "(90 seconds)"), (7200, "(120 minutes)")):
+        p = protocol(max_connection_seconds=seconds, idle_timeout_seconds=100_000)
+        closing, _ = p.tick(float(seconds))  # nothing in flight: it closes at once
+        assert errors(closing) == ["websocket_connection_limit_reached"] and words in closing[0].error.message
 
 
 def test_an_idle_connection_closes_but_not_while_a_response_runs():
