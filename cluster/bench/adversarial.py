@@ -1,6 +1,6 @@
 """Hostile clients beside honest agent sessions, through HAProxy: `python -m cluster.bench.adversarial`.
 
-The target of the second hardening round (issue 46): 64 hostile clients (16 of each kind in
+The target of the second hardening round (audit-2): 64 hostile clients (16 of each kind in
 `hostile.py`: decompression-bomb images, queued creates of many small items, large and complex
 bodies, long stored chains read back and /health floods) beside 8 honest agent sessions over
 WebSocket, on the scripted engine with a vision model's renderer (the built-in tiny Idefics3), a
@@ -26,9 +26,10 @@ from typing import Any, Optional
 
 from cluster.bench.hostile import KINDS, run_hostile
 from cluster.bench.processes import CpuMeter, replicas, rss
+from cluster.models.names import TINY_VISION
 
 HONEST_KEY, HOSTILE_KEY = "sk-adversarial-honest", "sk-adversarial-hostile"
-MODEL = "loopserve-tiny-vision"
+MODEL = TINY_VISION
 MiB = 1024 * 1024
 TRACE = "connection.trace.json"
 

@@ -1,5 +1,5 @@
 """`loopserve serve` as an operator runs it: stopped with SIGTERM under load, killed with SIGKILL,
-started again on the same ports (issue 22, item 15).
+started again on the same ports.
 
 Each start is its own `loopserve serve` process with its own Ray cluster (the scripted engine),
 in its own session, as a service manager runs it.

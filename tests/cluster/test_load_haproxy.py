@@ -1,4 +1,4 @@
-"""Issue 22's load target through loopserve's default ingress: 1,000 concurrent WebSocket
+"""The 1,000-session load target through loopserve's default ingress: 1,000 concurrent WebSocket
 sessions x 10 turns through HAProxy, scripted engine, safety on, agent tool pauses of 3-9 s.
 Nothing may be lost, duplicated or misrouted, and the 1,000 sessions idle between their turns
 cost the connection replica what their caches hold plus the socket, nowhere near the cache

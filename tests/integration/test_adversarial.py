@@ -1,4 +1,4 @@
-"""64 hostile clients at once (issue 22's target), seen from outside: every bound of items 1-5
+"""64 hostile clients at once (the hardening target: every bound holds together), seen from outside: every bound of items 1-5
 together, over WebSocket and HTTP, while honest sessions go on.
 
 Each attacking socket starts a long response, then: steers it with ~0.9 MB inputs past the

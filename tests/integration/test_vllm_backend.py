@@ -99,7 +99,7 @@ def test_a_warm_up_prefills_so_the_first_turn_hits_the_cache(vllm_url, client_fo
 
 
 def test_a_schema_too_slow_to_compile_is_refused_and_another_sessions_turn_goes_on(vllm_url, client_for):
-    """Issue 22, item 7, on the real engine: a schema within every static bound whose grammar would
+    """On the real engine: a schema within every static bound whose grammar would
     compile for seconds is refused at the compile time limit (0.3 s in this app), before vLLM
     starts on it, while another session's turn runs as usual."""
     import threading

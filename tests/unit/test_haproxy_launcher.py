@@ -1,4 +1,4 @@
-"""`loopserve-haproxy` and the start-up port check, on real processes (issue 22, items 14 and 15)."""
+"""`loopserve-haproxy` and the start-up port check, on real processes."""
 
 from __future__ import annotations
 

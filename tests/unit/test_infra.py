@@ -147,7 +147,7 @@ def test_image_definition_matches_the_project():
     assert f"{HAPROXY_BINARY_ENV}=/usr/local/bin/{LAUNCHER}" in text
 
 
-# -- safe as written (issue 22, item 14) ------------------------------------------------------
+# -- safe as written ------------------------------------------------------------------------
 
 
 def _loopback(host: str) -> bool:

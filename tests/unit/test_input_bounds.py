@@ -1,5 +1,5 @@
 """What a client sends is bounded before anything holds it: nesting depth, the names and keys
-it picks, and the bytes a stored response's echo keeps alive (issue 22, items 2 and 13)."""
+it picks, and the bytes a stored response's echo keeps alive."""
 
 
 import pytest

@@ -172,7 +172,7 @@ def test_configured_otlp_exporter_reaches_a_receiver(protocol):
 
 
 def test_a_clients_sampled_flag_does_not_override_the_servers_ratio(monkeypatch):
-    """Issue 22, item 14: the server samples; a client's `traceparent` only joins its trace."""
+    """The server samples; a client's `traceparent` only joins its trace."""
     from opentelemetry import trace as otel_trace
 
     header = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}  # sampled

@@ -12,7 +12,7 @@ def test_the_configuration_page_is_generated_from_the_schema():
 
 
 def test_the_fixed_bounds_named_on_the_page_are_the_code_s():
-    """Issue 46: a bound that is a number is named in docs/configuration.md, with its value."""
+    """A bound that is a number is named in docs/configuration.md, with its value."""
     import importlib
 
     from cluster.config.docs import FIXED_BOUNDS

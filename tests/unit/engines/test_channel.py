@@ -317,7 +317,7 @@ def _cluster_ca(tmp_path, name: str):
 
 
 async def test_mutual_tls_carries_the_channel_and_refuses_peers_outside_the_cluster_ca(tmp_path):
-    """Issue 22, item 11: the channel's optional TLS (multi-node). Both sides present a certificate
+    """The channel's optional TLS (multi-node). Both sides present a certificate
     of the cluster's CA; a plaintext peer or one from another CA gets nothing."""
     from cluster.engines.channel import tls_contexts
 
@@ -339,7 +339,7 @@ async def test_mutual_tls_carries_the_channel_and_refuses_peers_outside_the_clus
 
 
 async def test_connections_that_do_not_say_hello_cannot_take_the_authenticated_slots():
-    """Issue 22 item 11, audit-2 N11: idle or unauthenticated connections cannot pile up on a
+    """audit-2 N11: idle or unauthenticated connections cannot pile up on a
     channel, nor take the slots of the replicas that know its secret."""
     from cluster.engines.channel import HELLO_TIMEOUT_S, MAX_PENDING_PER_PEER
 

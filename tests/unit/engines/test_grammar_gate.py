@@ -1,5 +1,5 @@
 """Structured-output schemas compiled under a time limit, in a worker process, before the engine
-sees them (issue 22, item 7): the real compiler (xgrammar) with the model's tokenizer."""
+sees them: the real compiler (xgrammar) with the model's tokenizer."""
 
 from __future__ import annotations
 

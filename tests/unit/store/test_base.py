@@ -2,7 +2,7 @@
 
 Item ids in an input are the client's to choose, so two responses may carry the same id. Neither
 may overwrite the other's item, and deleting one response never removes, nor keeps alive, the
-other's (issue 22, item 10)."""
+other's."""
 
 from __future__ import annotations
 

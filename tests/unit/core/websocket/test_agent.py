@@ -1,4 +1,4 @@
-"""Beta multi-agent responses and `response.inject` on the transport-free WebSocket session:
+"""Beta multi-agent responses and `response.inject` on the WebSocket session (asyncio, a recording send; no socket):
 one response waits for its client tool calls' outputs, takes them injected (all or none), and
 generates again in the same response; what cannot be committed is refused or returned."""
 
@@ -93,7 +93,7 @@ async def test_multi_agent_needs_the_beta_header_and_stops_waiting_in_time(token
 
 
 async def test_injected_output_a_connection_holds_is_bounded_in_bytes(tokenizer, monkeypatch):
-    """Issue 22, item 4: outputs waiting in the inbox count against a per-connection byte bound."""
+    """Outputs waiting in the inbox count against a per-connection byte bound."""
     from cluster.core.websocket import agent
     monkeypatch.setattr(agent, "MAX_INJECTED_BYTES", 4096)
     p, rid, call = await waiting_agent(tokenizer)

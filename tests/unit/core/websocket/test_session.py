@@ -1,4 +1,4 @@
-"""WebSocket mode rules (docs/protocol.md) on the transport-free session."""
+"""WebSocket mode rules (docs/protocol.md) on the WebSocket session (asyncio, a recording send; no socket)."""
 
 import asyncio
 

@@ -1,4 +1,4 @@
-"""`response.steer` on the transport-free WebSocket session (docs/protocol.md): accepted / failed /
+"""`response.steer` on the WebSocket session (asyncio, a recording send; no socket) (docs/protocol.md): accepted / failed /
 pending, the steered response and its automatic successor, input returned when it cannot be
 committed. Events are checked against the openai SDK's server-event types."""
 
