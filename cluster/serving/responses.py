@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from cluster.core.events import build_response, replay_events, usage_object
@@ -38,6 +39,17 @@ def not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id '{response_id}' not found.", code="not_found", param="response_id")
 
 
+
+@dataclass
+class BackgroundJob:
+    """A background response while it runs: its owner, its latest snapshot (what a GET returns)
+    and the task running it (cancelled by `cancel`)."""
+
+    tenant: str
+    response: dict[str, Any]
+    task: Optional[asyncio.Task] = None
+
+
 class ResponsesService:
     def __init__(self, driver: TurnDriver, registry: SessionCache, store: Optional[ResponseStore],
                  max_background: int = 256, max_background_per_tenant: int = 64) -> None:
@@ -46,7 +58,7 @@ class ResponsesService:
         self.max_background_per_tenant = max_background_per_tenant
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
-        self.background: dict[str, dict[str, Any]] = {}  # id -> {"task", "response", "tenant"}
+        self.background: dict[str, BackgroundJob] = {}  # response id -> its job, while it runs
 
     # -- lookups -----------------------------------------------------------------
     async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
@@ -117,9 +129,9 @@ class ResponsesService:
 
     # -- endpoints -----------------------------------------------------------------
     async def retrieve(self, response_id: str, tenant: str) -> dict[str, Any]:
-        bg = self.background.get(response_id)
-        if bg is not None and bg["tenant"] == tenant:
-            return bg["response"]
+        job = self.background.get(response_id)
+        if job is not None and job.tenant == tenant:
+            return job.response
         state = await self.lookup(response_id, tenant)
         if state is None or state.response is None:
             raise not_found(response_id)
@@ -229,7 +241,7 @@ class ResponsesService:
         if len(self.background) >= self.max_background:
             raise ApiError(429, f"Too many background responses in progress (limit {self.max_background}); "
                                 "retry when some have finished.", code="rate_limit_exceeded")
-        if sum(1 for e in self.background.values() if e["tenant"] == tenant) >= self.max_background_per_tenant:
+        if sum(1 for job in self.background.values() if job.tenant == tenant) >= self.max_background_per_tenant:
             raise ApiError(429, f"Too many background responses of yours in progress (limit "
                                 f"{self.max_background_per_tenant}); retry when some have finished.",
                            code="rate_limit_exceeded")
@@ -238,12 +250,12 @@ class ResponsesService:
                                   previous_response_id=req.previous_response_id,
                                   sampling=self.driver.settings.sampling_defaults)
         response["status"] = "queued"
-        entry = {"response": response, "tenant": tenant}
-        entry["task"] = asyncio.get_running_loop().create_task(self._run_background(req, tenant, session_key, rid, entry))
-        self.background[rid] = entry
+        job = BackgroundJob(tenant, response)
+        job.task = asyncio.get_running_loop().create_task(self._run_background(req, tenant, session_key, rid, job))
+        self.background[rid] = job
         return response
 
-    async def _run_background(self, req, tenant: str, session_key: str, rid: str, entry: dict[str, Any]) -> None:
+    async def _run_background(self, req, tenant: str, session_key: str, rid: str, job: BackgroundJob) -> None:
         committed = False
 
         def remember(state: ResponseState) -> None:
@@ -256,18 +268,18 @@ class ResponsesService:
                                                         lookup=self.lookup_for(tenant), on_state=remember,
                                                         response_id=rid)):
                 if "response" in ev:
-                    entry["response"] = ev["response"]
+                    job.response = ev["response"]
         except ApiError as err:
-            entry["response"] = {**entry["response"], "status": "failed", "completed_at": int(time.time()),
-                                 "error": {"code": err.code or err.type, "message": err.message}}
+            job.response = {**job.response, "status": "failed", "completed_at": int(time.time()),
+                            "error": {"code": err.code or err.type, "message": err.message}}
         except asyncio.CancelledError:
             raise  # `cancel` commits the cancelled response itself
         except Exception:
             log.exception("background response %s failed", rid)
-            entry["response"] = {**entry["response"], "status": "failed", "completed_at": int(time.time()),
-                                 "error": {"code": "server_error", "message": "The server had an error."}}
+            job.response = {**job.response, "status": "failed", "completed_at": int(time.time()),
+                            "error": {"code": "server_error", "message": "The server had an error."}}
         finally:
-            response = entry["response"]
+            response = job.response
             if response["status"] in TERMINAL_STATUSES:
                 if not committed:
                     # Failed or content-filtered: no continuation state, but the
@@ -290,8 +302,8 @@ class ResponsesService:
                 log.warning("store write of background response %s failed; kept in memory", rid)
 
     async def cancel(self, response_id: str, tenant: str) -> dict[str, Any]:
-        entry = self.background.get(response_id)
-        if entry is None or entry["tenant"] != tenant:
+        job = self.background.get(response_id)
+        if job is None or job.tenant != tenant:
             state = await self.lookup(response_id, tenant)
             if state is None:
                 raise not_found(response_id)
@@ -299,12 +311,13 @@ class ResponsesService:
                 return state.response  # already finished: cancelling is a no-op
             raise ApiError(400, "Only background responses can be cancelled.", param="response_id",
                            code="invalid_value")
-        entry["task"].cancel()
-        try:
-            await entry["task"]
-        except (asyncio.CancelledError, Exception):
-            pass
-        response = {**entry["response"], "status": "cancelled", "completed_at": int(time.time())}
+        if job.task is not None:
+            job.task.cancel()
+            try:
+                await job.task
+            except (asyncio.CancelledError, Exception):
+                pass
+        response = {**job.response, "status": "cancelled", "completed_at": int(time.time())}
         self.background.pop(response_id, None)
         await self._commit_final(response_id, tenant, response)
         return response

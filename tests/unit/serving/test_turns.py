@@ -205,5 +205,5 @@ async def test_one_tenant_cannot_take_every_background_slot(tokenizer):
             responses.start_background(req, "tenant-c", "s")
         assert full.value.status == 429 and "limit 3" in full.value.message
     finally:
-        for entry in list(responses.background.values()):
-            entry["task"].cancel()
+        for job in list(responses.background.values()):
+            job.task.cancel()
