@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Optional
 
 import yaml
 
+from cluster.models.names import BUILTIN_NAMES
+
 if TYPE_CHECKING:
     from cluster.config import LoopserveConfig
-
-BUILTIN_NAMES = ("smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision")
 
 
 class ConfigUnusable(Exception):

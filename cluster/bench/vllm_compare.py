@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cluster.bench.local import add_ingress_argument, free_port
+from cluster.models.names import SMOLLM2, TINY
 
 BLOCK = 32
-MAX_LEN = {"loopserve-tiny": 32768, "smollm2-135m-instruct": 8192}  # max_position_embeddings
+MAX_LEN = {TINY: 32768, SMOLLM2: 8192}  # max_position_embeddings
 
 # vLLM's own server (its process and its children get the torch-extension guard
 # through `expand_startup_env`).
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--executors", default="auto",
                     help="loopserve runs, one per CPU executor named (of auto, mp, uni): `mp,uni` compares them")
-    ap.add_argument("--model", choices=sorted(MAX_LEN), default="loopserve-tiny")
+    ap.add_argument("--model", choices=sorted(MAX_LEN), default=TINY)
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
     from cluster.models.builtin import ensure_builtin

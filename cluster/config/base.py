@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-TINY_MODEL_NAME = "loopserve-tiny"
+from cluster.models.names import TINY as TINY_MODEL_NAME
 
 
 class StrictModel(BaseModel):

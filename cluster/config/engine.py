@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
+from cluster.models.names import TINY_VISION, BuiltinModel
 
 
 class ImageInputConfig(StrictModel):
@@ -33,7 +34,7 @@ class ModelConfig(StrictModel):
     """The model name clients send (`model`) and responses report."""
     path: Optional[str] = None
     """A local Hugging Face folder or hub id of the weights; unset: the `builtin` model."""
-    builtin: Literal["loopserve-tiny", "loopserve-tiny-vision", "smollm2-135m-instruct"] = "loopserve-tiny"
+    builtin: BuiltinModel = TINY_MODEL_NAME
     """With no `path`: the built-in model made on this machine (no download at run time)."""
     tokenizer_mode: Literal["auto", "mistral"] = "auto"
     """`mistral`: Mistral models' own tokenizer and request encoding (mistral_common), as vLLM's
@@ -50,7 +51,7 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _vision_builtin_takes_images(self) -> "ModelConfig":
-        if self.path is None and self.builtin == "loopserve-tiny-vision" and self.images is None:
+        if self.path is None and self.builtin == TINY_VISION and self.images is None:
             self.images = ImageInputConfig()
         return self
 

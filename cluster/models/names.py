@@ -1,0 +1,9 @@
+"""The built-in models' names: the one place they are written (config, CLI and builders read them here)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+BuiltinModel = Literal["smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision"]
+BUILTIN_NAMES: tuple[str, ...] = get_args(BuiltinModel)
+SMOLLM2, TINY, TINY_VISION = BUILTIN_NAMES
