@@ -62,9 +62,26 @@ class RecentKeys:
         return key in self._keys
 
 
+@dataclass(frozen=True)
+class KvFacts:
+    """What an engine says about its KV cache once started: what the replica's KV budget
+    (engines/kv_admission.py) is sized and timed by."""
+
+    capacity_tokens: int  # 0: not known (nothing to budget)
+    block_size: int
+    # What the budget weighs an ended retention by: a tier below the engine's own KV reloads at
+    # this rate (None: no tier, the prefix is computed again).
+    lower_tier_tokens_per_s: Optional[float]
+    compute_bound: bool  # prefills share one compute unit (a CPU), so a wait bound grows with the queue
+
+
 class Engine(Protocol):
+    """Everything `EngineReplica` uses of its engine (vLLM's AsyncLLM, the scripted engine)."""
+
     stats: EngineStats
     max_model_len: int
+    # Why a retained session's blocks are not pinned in the engine ("" when they are).
+    pins_off_reason: str
 
     async def start(self) -> None: ...
 
@@ -73,3 +90,17 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+    async def check_health(self) -> None:
+        """Raises when the engine cannot serve (Serve restarts the replica)."""
+
+    def kv_facts(self) -> KvFacts: ...
+
+    def kv_in_use_tokens(self) -> Optional[int]:
+        """Tokens of KV the engine itself holds (blocks referenced), when it says (None: unknown)."""
+
+    def kv_stats(self) -> dict[str, Any]:
+        """The engine's own KV figures for `/loopserve/stats` (its preemptions; a modelled pool's)."""
+
+    def grammar_worker(self) -> Optional[dict[str, Any]]:
+        """The structured-output compile worker's state, when the engine runs one."""

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.config import ModelConfig, ScriptedEngineConfig
-from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
 from cluster.core.render.tokenizer import common_prefix
+from cluster.engines.base import EngineDelta, EngineRequest, EngineStats, KvFacts
 from cluster.engines.kv_model import KvBlockPool
 
 
@@ -94,10 +94,29 @@ class ScriptedEngine:
         # What the KV budget weighs an ended retention by (None: no tier below, a re-prefill).
         self.lower_tier_tokens_per_s = (config.kv_lower_tier_tokens_per_second
                                         if self.kv is not None and self.kv.lower is not None else None)
+        self.pins_off_reason = ""  # the modelled pool pins what the budget retains
         self._kv_freed = asyncio.Condition()
         self._compute = asyncio.Lock()  # serial_prefill: one prefill at a time
 
     async def start(self) -> None:
+        return None
+
+    async def check_health(self) -> None:
+        return None
+
+    def kv_facts(self) -> KvFacts:
+        block = self.kv.block_size if self.kv is not None else 1
+        return KvFacts(self.kv_capacity_tokens, block, self.lower_tier_tokens_per_s,
+                       compute_bound=self.config.serial_prefill)
+
+    def kv_in_use_tokens(self) -> Optional[int]:
+        kv = self.kv
+        return (kv.num_blocks - len(kv.free)) * kv.block_size if kv is not None else None
+
+    def kv_stats(self) -> dict[str, Any]:
+        return self.kv.stats() if self.kv is not None else {"preemptions": 0}
+
+    def grammar_worker(self) -> Optional[dict[str, Any]]:
         return None
 
     async def shutdown(self) -> None:
@@ -145,10 +164,6 @@ class ScriptedEngine:
                     return "tool"
                 return "user" if message.startswith(("user", "system", "developer")) else "other"
             n *= 4
-
-    @property
-    def preemptions(self) -> int:
-        return self.kv.preemptions if self.kv is not None else 0
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         if self.kv is not None:

@@ -11,11 +11,11 @@ import asyncio
 import logging
 import os
 import time
-from typing import AsyncIterator, MutableMapping, Optional
+from typing import Any, AsyncIterator, MutableMapping, Optional
 
 from cluster.config import ModelConfig, VLLMEngineConfig
 from cluster.core.messages import CoreTimeline
-from cluster.engines.base import EngineDelta, EngineRequest, EngineStats
+from cluster.engines.base import EngineDelta, EngineRequest, EngineStats, KvFacts
 from cluster.engines.image_inputs import DecodedImages
 
 log = logging.getLogger(__name__)
@@ -262,6 +262,24 @@ class VLLMEngine:
             self.decoded_images = DecodedImages(self.model.images.max_image_pixels)
         self.sampling_defaults = {k: v for k, v in diff.items()
                                   if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+
+    async def check_health(self) -> None:
+        if self.llm is not None:
+            await self.llm.check_health()
+
+    def kv_facts(self) -> KvFacts:
+        return KvFacts(self.kv_capacity_tokens, self.block_size, None, compute_bound=_on_cpu())
+
+    def kv_in_use_tokens(self) -> Optional[int]:
+        """vLLM's block usage at its last step, in tokens."""
+        return int(self.preemptions.kv_usage * self.kv_capacity_tokens) if self.kv_capacity_tokens else None
+
+    def kv_stats(self) -> dict[str, Any]:
+        return {"preemptions": self.preemptions.preemptions}
+
+    def grammar_worker(self) -> Optional[dict[str, Any]]:
+        gate = self.grammar_gate
+        return {"ready": gate.ready, "refused": gate.refused} if gate is not None else None
 
     def retention_check(self) -> Optional[str]:
         """Why session pins cannot run on the installed vLLM (None: they can): engines/retention_guard.py."""
