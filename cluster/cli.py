@@ -180,6 +180,12 @@ def cmd_make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from cluster.bench.commands import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="loopserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -197,19 +203,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="HAProxy in front of the connection replicas (default), or Serve's Python proxy; "
                         "applies to the Ray cluster this command starts (see cluster/ingress.py)")
     s.set_defaults(fn=cmd_serve)
-    b = sub.add_parser("bench", help="the agent-loop benchmark (see `loopserve bench --help`)", add_help=False)
-    b.set_defaults(fn=None)
+    # A benchmark's own parser reads what follows its name (cluster/bench/commands.py).
+    b = sub.add_parser("bench", help="the benchmarks, one subcommand each (`loopserve bench --help`)", add_help=False)
+    b.set_defaults(fn=cmd_bench)
     m = sub.add_parser("make-model", help="make the built-in models ahead of their first start (no download)")
     # Checked by hand: Python 3.11.7's argparse rejects an empty `nargs="*"` list against `choices`.
     m.add_argument("models", nargs="*", metavar="MODEL",
                    help=f"one of {', '.join(BUILTIN_NAMES)} (default: all of them)")
     m.set_defaults(fn=cmd_make_model)
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["bench"]:
-        from cluster.bench.runner import main as bench_main
-
-        return bench_main(args[1:])
-    ns = parser.parse_args(args)
+    ns, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if ns.fn is cmd_bench:
+        return cmd_bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return ns.fn(ns)
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from cluster.bench.runner import main
+from cluster.bench.commands import main
 
 sys.exit(main())

@@ -119,7 +119,7 @@ def p99(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.bench.adversarial", description=__doc__,
+    ap = argparse.ArgumentParser(prog="loopserve bench adversarial", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=8, help="honest agent sessions")
     ap.add_argument("--turns", type=int, default=20, help="turns of each honest session")

@@ -198,7 +198,7 @@ def print_load(r: dict[str, Any]) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="loopserve bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url")
     ap.add_argument("--sessions", type=int, default=1000)
     ap.add_argument("--turns", type=int, default=10)

@@ -61,7 +61,7 @@ def top_functions(collapsed: Path, n: int = 12) -> tuple[int, list[tuple[str, in
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="loopserve bench profile-ws", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=["vllm", "scripted"], default="vllm")
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--rate", type=int, default=50, help="py-spy samples per second")

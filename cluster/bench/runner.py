@@ -104,7 +104,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="loopserve bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="loopserve bench loop", description=__doc__)
     ap.add_argument("--url", help="a running loopserve (default: start a local scripted cluster)")
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--tool-output-bytes", type=int, default=2000, help="~2 KB; 20000 for file-read-sized outputs")

@@ -21,10 +21,10 @@ from cluster.bench.local import stats as server_stats
 TEXT = "please look at the next module and summarise it. " * 3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="loopserve bench safety-loop", description=__doc__)
     ap.add_argument("--turns", type=int, default=30)
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
 
     base_cfg = {"engine": {"backend": "scripted"}, "safety": {"policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}}}
     url = start_cluster()

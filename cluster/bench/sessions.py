@@ -212,7 +212,7 @@ def _exit_once(*_: Any) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.bench.sessions", description=__doc__,
+    ap = argparse.ArgumentParser(prog="loopserve bench sessions", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", default="1,8,16", help="comma-separated N values")
     ap.add_argument("--systems", default=None, help="loopserve,vllm,agentic (real; add stand-in to calibrate the scripted engine's "

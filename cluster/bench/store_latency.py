@@ -18,11 +18,11 @@ from cluster.bench.common import deploy, start_cluster, stop_cluster, ws_loop
 from cluster.bench.local import stats as server_stats
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="loopserve bench store-latency", description=__doc__)
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     base = start_cluster()
     apps = {
         "nostore": {"store": {"backend": "none"}},

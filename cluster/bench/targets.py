@@ -68,7 +68,7 @@ def table(m: dict[str, Any]) -> list[tuple[str, str, bool]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.bench.targets", description=__doc__,
+    ap = argparse.ArgumentParser(prog="loopserve bench targets", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out/targets")
     ns = ap.parse_args(argv)

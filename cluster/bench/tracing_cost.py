@@ -20,7 +20,7 @@ from cluster.bench.runner import SCRIPTED
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="loopserve bench tracing-cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ns = ap.parse_args(argv)

@@ -21,13 +21,13 @@ TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="loopserve bench turn-timings", description=__doc__)
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--backend", choices=["scripted", "vllm"], default="scripted")
     ap.add_argument("--output-bytes", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=64, help="each turn's max_output_tokens")
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
 
     from openai import OpenAI
 

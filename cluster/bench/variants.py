@@ -73,7 +73,7 @@ def report(out: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.bench.variants", description=__doc__,
+    ap = argparse.ArgumentParser(prog="loopserve bench variants", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3)

@@ -211,7 +211,7 @@ def _report(name: str, times: list[float], base: float, core: list[dict[str, flo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.bench.vllm_compare", description=__doc__)
+    ap = argparse.ArgumentParser(prog="loopserve bench vllm-compare", description=__doc__)
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--message-chars", type=int, default=800)
     ap.add_argument("--max-tokens", type=int, default=8)
