@@ -72,7 +72,7 @@ class LoopserveConfig(StrictModel):
     render_in_connection: bool = False
     """Full renders too run in the connection replica (in a worker thread), and no RenderActor deployment is
     started: one Ray worker process (and its copy of the tokenizer) fewer, for small one-machine deployments.
-    Turn latency is the same either way (8 sessions on 2 cores, docs/benchmarks.md). Leave it off where full
+    Turn latency is the same either way (8 sessions on 2 cores, docs/benchmarks-history.md). Leave it off where full
     renders should scale apart from sockets (many nodes, stateless traffic). Needs `inline_delta_render` (its
     tokenizer renders)."""
     render_audit_every: int = Field(64, ge=0)

@@ -120,7 +120,7 @@ class VLLMEngineConfig(StrictModel):
     enforce_eager: Optional[bool] = None
     """vLLM's `enforce_eager`. Unset: vLLM's own choice on GPUs (CUDA graphs), eager on CPUs, where vLLM's graph
     capture takes ~65 s of a 2-core machine at an engine's first start (cached in `~/.cache/vllm` for the next).
-    `false` on a CPU: captured, which made turns ~10% faster at 8 agent sessions on 2 cores (docs/benchmarks.md)."""
+    `false` on a CPU: captured, which made turns ~10% faster at 8 agent sessions on 2 cores (docs/benchmarks-history.md)."""
     enable_prefix_caching: bool = True
     """vLLM's prefix cache: what makes a continuation cheap. Leave it on."""
     gpu_memory_utilization: float = 0.9
