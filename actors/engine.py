@@ -208,12 +208,12 @@ class EngineReplica:
                 self.replica_id)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What the KV placement router (cluster/kv_router.py) places new sessions by."""
+        """What the KV placement router (cluster/serve_plugins/kv_router.py) places new sessions by."""
         return self.admission.routing_stats() if self.admission is not None else {}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What this replica runs, handle and direct-channel requests alike, and its KV demand
-        (running + retained + queued tokens over capacity) and queue wait (cluster/autoscaling.py)."""
+        (running + retained + queued tokens over capacity) and queue wait (cluster/serve_plugins/autoscaling.py)."""
         kv = self.admission.autoscaling_stats() if self.admission is not None else {}
         return {"in_flight": float(self.in_flight), **kv}
 

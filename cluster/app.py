@@ -10,11 +10,11 @@ from urllib.parse import urlsplit
 from ray.serve import Application
 
 from cluster.config import DeploymentResources, LoopserveConfig
-from cluster.ingress import SERVE_FAST_PATH_ENV, haproxy_ingress
+from cluster.ingress.modes import SERVE_FAST_PATH_ENV, haproxy_ingress
 from cluster.torch_extras import startup_env
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
-KV_PLACEMENT_ROUTER = "cluster.kv_router.KvPlacementRouter"
+KV_PLACEMENT_ROUTER = "cluster.serve_plugins.kv_router.KvPlacementRouter"
 
 # Replicas tokenize one text at a time (a turn's new items, an output to decode): `tokenizers`
 # would hand each to its rayon pool and wait (2 KB: 0.53 -> 0.45 ms in-thread here), and the pool's
@@ -53,13 +53,13 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
     opts["health_check_timeout_s"] = 120
     if config.engine.direct_stream and "autoscaling_config" in opts:
         # Most turns bypass Serve's request count: scale on what the engines report.
-        opts["autoscaling_config"]["policy"] = {"policy_function": "cluster.autoscaling:engine_in_flight_policy"}
+        opts["autoscaling_config"]["policy"] = {"policy_function": "cluster.serve_plugins.autoscaling:engine_in_flight_policy"}
     routing = config.routing
     if routing.policy == "session_affinity":
         from ray.serve.config import RequestRouterConfig
 
         # New sessions go to the replica with the most KV headroom (reported through Serve's
-        # routing stats), then stay there: cluster/kv_router.py.
+        # routing stats), then stay there: cluster/serve_plugins/kv_router.py.
         opts["request_router_config"] = RequestRouterConfig(
             request_router_class=KV_PLACEMENT_ROUTER if config.engine.kv_budget.enabled else CONSISTENT_HASH_ROUTER,
             request_router_kwargs={

@@ -74,7 +74,7 @@ def local_cluster_security(environ: Optional[dict] = None) -> None:
 
 def _ports(http_port: int) -> list[int]:
     """The ports the cluster this command starts takes on this machine (HAProxy's stats page too)."""
-    from cluster.ingress import haproxy_ingress
+    from cluster.ingress.modes import haproxy_ingress
 
     stats = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
     return [http_port, stats] if haproxy_ingress() else [http_port]
@@ -92,8 +92,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from cluster.app import DeployFailed, run_app
     from cluster.config import KeysMissing
-    from cluster.ingress import apply_ingress_env, haproxy_ingress
-    from cluster.stale_ingress import clear_ports
+    from cluster.ingress.modes import apply_ingress_env, haproxy_ingress
+    from cluster.ingress.stale import clear_ports
 
     try:
         config = load_config(ns.config)
@@ -201,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
     s.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                    help="HAProxy in front of the connection replicas (default), or Serve's Python proxy; "
-                        "applies to the Ray cluster this command starts (see cluster/ingress.py)")
+                        "applies to the Ray cluster this command starts (see cluster/ingress/modes.py)")
     s.set_defaults(fn=cmd_serve)
     # A benchmark's own parser reads what follows its name (cluster/bench/commands.py).
     b = sub.add_parser("bench", help="the benchmarks, one subcommand each (`loopserve bench --help`)", add_help=False)

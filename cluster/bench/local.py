@@ -8,7 +8,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from cluster.ingress import IngressMode, apply_ingress_env
+from cluster.ingress.modes import IngressMode, apply_ingress_env
 
 # Ports nothing hands out on its own while a cluster starts. The kernel's ephemeral range
 # (32768-60999 by default) is where bind(0) and outgoing connections land, Ray picks its agents'
@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def add_ingress_argument(ap) -> None:
-    """`--ingress`: how the local cluster a benchmark starts is reached (cluster/ingress.py)."""
+    """`--ingress`: how the local cluster a benchmark starts is reached (cluster/ingress/modes.py)."""
     ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                     help="HAProxy (loopserve's default) or Serve's Python proxy, for the local cluster")
 
@@ -41,7 +41,7 @@ def start_local_serve(num_cpus: int = 4, temp_dir: str | None = None, ingress: O
     """ray.init (own temp dir, free ports: never Redis's 6379) + serve.start; returns the base URL.
 
     `ingress` applies to the Ray cluster this starts (a cluster-wide setting, see
-    cluster/ingress.py); None keeps what the environment says (Serve's proxy unless set)."""
+    cluster/ingress/modes.py); None keeps what the environment says (Serve's proxy unless set)."""
     import ray
     from ray import serve
 

@@ -68,7 +68,7 @@ class LoopserveConfig(StrictModel):
     otherwise cost a handle hop. Full renders (O(history): cache misses, stateless requests) go to a
     RenderActor (or stay here: `render_in_connection`)."""
     serve_fast_path: bool = True
-    """Ray Serve's low-latency request path for every deployment (see `cluster.ingress.SERVE_FAST_PATH_ENV`)."""
+    """Ray Serve's low-latency request path for every deployment (see `cluster.ingress.modes.SERVE_FAST_PATH_ENV`)."""
     render_in_connection: bool = False
     """Full renders too run in the connection replica (in a worker thread), and no RenderActor deployment is
     started: one Ray worker process (and its copy of the tokenizer) fewer, for small one-machine deployments.

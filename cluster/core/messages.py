@@ -149,7 +149,7 @@ class EngineRequest:
     # The retention its client asked for (`prompt_cache_options.ttl`, seconds; 0: none).
     cache_ttl_s: float = 0.0
     # The engine replica the chain's last turn ran on (its prefix is there): placed there again,
-    # from any connection replica, while that replica lives (cluster/kv_router.py).
+    # from any connection replica, while that replica lives (cluster/serve_plugins/kv_router.py).
     placement: str = ""
     # The session was moved once already for lack of KV room (it waits where it is now).
     moved: bool = False

@@ -120,7 +120,7 @@ class KvAdmission:
         return figures
 
     def routing_stats(self) -> dict[str, Any]:
-        """What the KV placement router (cluster/kv_router.py) places new sessions by."""
+        """What the KV placement router (cluster/serve_plugins/kv_router.py) places new sessions by."""
         self._stats_seq += 1  # routers count their own placements until the next one
         budget = self.gate.budget
         return {"kv_headroom": budget.headroom(), "kv_capacity": budget.capacity,

@@ -26,7 +26,7 @@ from cluster.core.retry import RetryPolicy
 from cluster.core.safety.classifiers import SafetyService
 from cluster.core.turn.turn import Stop, until_stopped
 from cluster.engines.channel import ChannelError, ChannelPool
-from cluster.kv_router import PLACEMENT_SEP
+from cluster.serve_plugins.kv_router import PLACEMENT_SEP
 
 log = logging.getLogger("loopserve.connection")
 

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="haproxy.json")
     ns = ap.parse_args(argv)
 
-    from cluster.ingress import apply_ingress_env
+    from cluster.ingress.modes import apply_ingress_env
 
     apply_ingress_env("haproxy")
     import ray

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else the driver hangs on 192.0.2.2 (NOTES)
-    from cluster.ingress import apply_ingress_env
+    from cluster.ingress.modes import apply_ingress_env
 
     apply_ingress_env("haproxy")  # loopserve's default ingress, as `loopserve serve` and infra/ run it
     import ray

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from cluster.bench.local import free_port
-from cluster.stale_ingress import holders
+from cluster.ingress.stale import holders
 from tests.support.serve_process import Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

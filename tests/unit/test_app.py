@@ -77,16 +77,16 @@ def test_haproxy_ingress_drops_only_the_ingress_router(monkeypatch):
 
 def test_engines_autoscale_on_what_they_run_when_turns_bypass_the_handle():
     """Direct engine streams bypass Serve's request count: the engine deployment scales on
-    the replicas' own in-flight count (cluster/autoscaling.py), with Serve's bounds."""
+    the replicas' own in-flight count (cluster/serve_plugins/autoscaling.py), with Serve's bounds."""
     from types import SimpleNamespace
 
     from cluster.app import engine_options
-    from cluster.autoscaling import engine_in_flight_policy
+    from cluster.serve_plugins.autoscaling import engine_in_flight_policy
     from cluster.config import LoopserveConfig
 
     auto = {"engine_deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 4}}}
     opts = engine_options(LoopserveConfig.model_validate(auto))
-    assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:engine_in_flight_policy"
+    assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.serve_plugins.autoscaling:engine_in_flight_policy"
     off = engine_options(LoopserveConfig.model_validate({**auto, "engine": {"direct_stream": False}}))
     assert "policy" not in off["autoscaling_config"]
 
@@ -104,7 +104,7 @@ def test_engines_autoscale_on_what_they_run_when_turns_bypass_the_handle():
 def test_engines_autoscale_on_kv_demand_and_on_turns_waiting_for_room():
     from types import SimpleNamespace
 
-    from cluster.autoscaling import KV_TARGET, engine_in_flight_policy
+    from cluster.serve_plugins.autoscaling import KV_TARGET, engine_in_flight_policy
 
     def ctx(in_flight, demand, waits, replicas=2):
         return SimpleNamespace(current_num_replicas=replicas, target_num_replicas=replicas,
@@ -203,7 +203,7 @@ def test_autoscaling_config_takes_loopserves_defaults_for_what_it_does_not_say()
     auto = LoopserveConfig.model_validate({"engine_deployment": {"num_replicas": "auto"}})
     opts = engine_options(auto)
     assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 4
-    assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.autoscaling:engine_in_flight_policy"
+    assert opts["autoscaling_config"]["policy"]["policy_function"] == "cluster.serve_plugins.autoscaling:engine_in_flight_policy"
     assert auto.engine_deployment.max_replicas == 4
 
 

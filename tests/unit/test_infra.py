@@ -9,7 +9,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import LoopserveConfig, TelemetryConfig
-from cluster.ingress import HAPROXY_BINARY_ENV, LAUNCHER, ingress_env
+from cluster.ingress.modes import HAPROXY_BINARY_ENV, LAUNCHER, ingress_env
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"

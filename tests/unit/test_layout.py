@@ -21,10 +21,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("cluster.core.safety",),
     ("cluster.core.turn",),
     ("cluster.core.websocket",),
-    ("cluster.engines", "cluster.store", "cluster.kv_router", "cluster.autoscaling"),
+    ("cluster.engines", "cluster.store", "cluster.serve_plugins"),
     ("cluster.auth", "cluster.serving"),
     ("actors",),
-    ("cluster.app", "cluster.ingress", "cluster.haproxy_launcher", "cluster.stale_ingress", "cluster.cli",
+    ("cluster.app", "cluster.ingress", "cluster.cli",
      "cluster.bench", "cluster.__main__"),
 ]
 

@@ -1,8 +1,8 @@
-"""KV placement (cluster/kv_router.py): a new session's replica, affinity first, bounded by KV headroom."""
+"""KV placement (cluster/serve_plugins/kv_router.py): a new session's replica, affinity first, bounded by KV headroom."""
 
 from collections import OrderedDict
 
-from cluster.kv_router import HEADROOM_SLACK, KvPlacementRouter, choose_by_headroom, split_placement
+from cluster.serve_plugins.kv_router import HEADROOM_SLACK, KvPlacementRouter, choose_by_headroom, split_placement
 
 
 def test_the_ring_keeps_a_new_session_unless_another_replica_has_clearly_more_room():

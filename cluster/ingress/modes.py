@@ -49,7 +49,7 @@ HAPROXY_ENV = {
 }
 
 
-# Serve starts this instead of HAProxy itself (`cluster/haproxy_launcher.py`): stats page on
+# Serve starts this instead of HAProxy itself (`cluster/ingress/haproxy.py`): stats page on
 # loopback, and HAProxy dies with the proxy that started it. The image installs it as
 # /usr/local/bin/loopserve-haproxy; `loopserve serve` finds it beside its own Python.
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"

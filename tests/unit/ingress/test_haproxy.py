@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cluster.bench.local import free_port
-from cluster.haproxy_launcher import real_binary, secure_config
-from cluster.stale_ingress import clear_ports, holders
+from cluster.ingress.haproxy import real_binary, secure_config
+from cluster.ingress.stale import clear_ports, holders
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,7 +99,7 @@ def test_haproxy_started_through_the_launcher_stops_when_its_parent_dies(tmp_pat
     # The parent stands in for Serve's proxy actor: it starts HAProxy as Serve does, then is killed.
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        f"p = subprocess.Popen([sys.executable, '-m', 'cluster.haproxy_launcher', '-db', '-f', {str(cfg)!r}])\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'cluster.ingress.haproxy', '-db', '-f', {str(cfg)!r}])\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
     haproxy_pid = int(parent.stdout.readline())

@@ -1,4 +1,4 @@
-"""The environment a one-machine Ray cluster starts with (cluster/ingress.py): Ray reads every
+"""The environment a one-machine Ray cluster starts with (cluster/ingress/modes.py): Ray reads every
 setting, and what the user exported wins."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.ingress import HAPROXY_ENV, LOCAL_CLUSTER_ENV, SERVE_FAST_PATH_ENV, apply_ingress_env
+from cluster.ingress.modes import HAPROXY_ENV, LOCAL_CLUSTER_ENV, SERVE_FAST_PATH_ENV, apply_ingress_env
 
 # Ray's core settings (`RAY_<name>`, ray_config_def.h); an unknown name is ignored without a word.
 CORE = {k: v for k, v in LOCAL_CLUSTER_ENV.items() if k.startswith("RAY_") and k[4:].islower()}
