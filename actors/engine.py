@@ -1,13 +1,10 @@
-"""EngineReplica: one engine (vLLM or scripted) + the model family's output parser."""
+"""EngineReplica: Serve's deployment of one engine (vLLM or scripted), a thin shim around
+`EngineService` (cluster/engines/service.py: the engine, its output parser, the KV admission), plus
+the direct channel the sessions' later turns stream from."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import logging
-import time
-from array import array
-from collections import OrderedDict
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional
 
@@ -15,22 +12,10 @@ from ray import serve
 
 from cluster import telemetry
 from cluster.config import LoopserveConfig
-from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, done_of
-from cluster.core.render.tokenizer import load_tokenizer, token_codec
-from cluster.engines import Engine, engine_class
-from cluster.engines.base import EngineStats
+from cluster.core.messages import EngineChunk, EngineRequest, done_of
 from cluster.engines.channel import ChannelServer, tls_contexts
-from cluster.engines.kv_admission import KvAdmission
 from cluster.engines.kv_budget import KV_METRICS
-from cluster.engines.output_parser import (
-    reasoning_tags,
-    tool_format,
-    vllm_tool_call_extractor,
-)
-from cluster.engines.prompts import SessionPrompts
-from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
-
-log = logging.getLogger("loopserve.engine")
+from cluster.engines.service import EngineService
 
 
 @serve.deployment(name="EngineReplica")
@@ -38,167 +23,47 @@ class EngineReplica:
     async def __init__(self, config: LoopserveConfig, engine_cls: Optional[type] = None) -> None:
         self.config = config
         telemetry.setup(config.telemetry, "engine")
-        self.tracer = telemetry.tracer()
-        self.in_flight = 0
-        # sha256 of the last prompts this replica was given, by request (= response) id:
-        # lets a test compare what the production render path sent with a full render.
-        self.prompt_digests: OrderedDict[str, str] = OrderedDict()
-        self.prompt_text_digests: OrderedDict[str, str] = OrderedDict()
-        self.prompts = SessionPrompts(config.engine.session_prompts_max_tokens)
-        telemetry.Metrics().observe("loopserve.engine.queue_depth", lambda: [(self.in_flight, {})],
-                                    "requests in this engine replica (queued or running)")
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, config)
-        codec = token_codec(self.tokenizer)
-        cls = engine_cls or engine_class(config.engine)
-        engine_cfg = config.engine.scripted if config.engine.backend == "scripted" else config.engine.vllm
-        self.engine: Engine = cls(
-            config.model,
-            engine_cfg,
-            encode=codec.encode,
-            decode=codec.decode,
-            decode_raw=codec.decode_raw,
-        )
-        await self.engine.start()
-        self.extractor = vllm_tool_call_extractor(config.model.tool_parser, self.tokenizer)
-        tools = tool_format(config.model.tool_parser)
-        think = reasoning_tags(config.model.reasoning_parser, self.tokenizer)
-        self.format = OutputFormat(tools.start, tools.end, think[0], think[1])
-        self._decode_raw = codec.decode_raw
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (tests)
-            self.replica_id = "local"
-        if config.engine.backend == "vllm":
-            await self._warm_up()
-        self.admission = KvAdmission.of(self.engine, config.engine.kv_budget, config.engine_deployment.max_replicas)
+            replica_id = "local"
+        self.replica_id = replica_id
+        self.service = await EngineService.build(config, engine_cls, replica_id)
+        service = self.service
         metrics = telemetry.Metrics()
+        metrics.observe("loopserve.engine.queue_depth", lambda: [(service.in_flight, {})],
+                        "requests in this engine replica (queued or running)")
         for name, (key, description) in KV_METRICS.items():
-            metrics.observe(name, lambda key=key: [(self._exported_kv().get(key, 0), {"replica": self.replica_id})],
+            metrics.observe(name, lambda key=key: [(service.exported_kv().get(key, 0), {"replica": replica_id})],
                             description)
         self.channel: Optional[ChannelServer] = None
         if config.engine.direct_stream:
             import ray
 
-            self.channel = ChannelServer(self._generate, tls=tls_contexts(config.engine.channel_tls)[0])
+            self.channel = ChannelServer(service.generate, tls=tls_contexts(config.engine.channel_tls)[0])
             await self.channel.start(config.engine.channel_host or ray.util.get_node_ip_address())
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """The Serve handle's path (a session's first turn, or a fallback): the answer
         names this replica's direct channel for the session's next turns."""
-        async with aclosing(self._generate(req, batch=True)) as chunks:
+        async with aclosing(self.service.generate(req, batch=True)) as chunks:
             async for chunk in chunks:
                 done = done_of(chunk)
                 if self.channel is not None and done is not None:
                     done.channel = self.channel.endpoint
                 yield chunk
 
-    async def _generate(self, req: EngineRequest, batch: bool = False) -> AsyncIterator[EngineChunk]:
-        """The request's chunks; the direct channel's handler. `batch`: for Serve's handle stream,
-        whose every item costs ~1 ms of the replica's CPU, chunks made while the consumer is busy
-        leave together (`coalesce`). The channel writes a chunk in microseconds: there the
-        chunks go straight out, with no reader task and queue between the engine and the socket
-        (if the socket backs up, vLLM's own output collector merges the deltas meanwhile)."""
-        start_ns = time.time_ns()
-        span = self.tracer.start_span("engine.generate", context=telemetry.extract(req.trace),
-                                      kind=telemetry.SpanKind.SERVER, start_time=start_ns)
-        self.in_flight += 1
-        try:
-            resolved = self.prompts.resolve(req)
-            if resolved is None:  # the caller resends the whole prompt
-                yield [EngineFailure(409, "The prompt's base is not on this engine replica.", code=PROMPT_BASE_MISSING)]
-                return
-            self.prompts.remember(resolved)
-            admission = self.admission
-            budgeted = (admission.run(resolved, lambda r: self._stream(r, batch)) if admission is not None
-                        else self._stream(resolved, batch))
-            async with aclosing(budgeted) as chunks:
-                async for chunk in chunks:
-                    done = done_of(chunk)
-                    if done is not None:
-                        done.dispatch_s = max(0, start_ns - (req.sent_at_ns or start_ns)) / 1e9  # same host or NTP
-                        if span.is_recording():
-                            self._engine_spans(span, req, start_ns, done)
-                    yield chunk
-            self._digest(resolved)  # O(prompt): after the stream, never before the first token
-        finally:
-            self.in_flight -= 1
-            span.end()
-
-    def _stream(self, req: EngineRequest, batch: bool) -> AsyncIterator[EngineChunk]:
-        chunks = stream_chunks(self.engine, req, self.extractor, self.format, replica=self.replica_id,
-                               decode_raw=self._decode_raw)
-        return coalesce(chunks, self.config.engine.stream_interval_ms / 1000) if batch else chunks
-
     async def release_session(self, session_key: str, cache_salt: Optional[str] = None) -> None:
         """The session will not be back (its socket closed, nothing stored): its KV goes now."""
-        if self.admission is not None:
-            self.admission.release(session_key, cache_salt)
-
-    def _engine_spans(self, span, req: EngineRequest, start_ns: int, done: EngineDone) -> None:
-        """Queue wait, prefill and decode as child spans, from the engine's own clock."""
-        ctx = telemetry.context_of(span)
-        sent = req.sent_at_ns or start_ns
-        first = start_ns + int(done.first_token_s * 1e9)
-        end = start_ns + int(done.engine_s * 1e9)
-        telemetry.span_between(self.tracer, "engine.queue_wait", ctx, min(sent, start_ns), start_ns)
-        telemetry.span_between(self.tracer, "engine.prefill", ctx, start_ns, first,
-                               {"gen_ai.usage.input_tokens": done.prompt_tokens,
-                                "loopserve.cached_tokens": done.cached_tokens})
-        telemetry.span_between(self.tracer, "engine.decode", ctx, first, end,
-                               {"gen_ai.usage.output_tokens": done.output_tokens})
-        span.set_attribute("gen_ai.response.time_to_first_token_ms", (first - start_ns) / 1e6)
-        span.set_attribute("loopserve.engine.replica", self.replica_id)
-
-    def _digest(self, req: EngineRequest) -> None:
-        self.prompt_digests[req.request_id] = hashlib.sha256(req.prompt_token_ids).hexdigest()  # its bytes, uncopied
-        if self.config.ops.prompt_text_digests:
-            text = self._decode_raw(req.prompt_token_ids)
-            self.prompt_text_digests[req.request_id] = hashlib.sha256(text.encode()).hexdigest()
-        for digests in (self.prompt_digests, self.prompt_text_digests):
-            while len(digests) > 512:
-                digests.popitem(last=False)
-
-    def _exported_kv(self) -> dict[str, Any]:
-        # Read by the metrics exporter's thread while the replica's loop changes the budget:
-        # a read that races a change is skipped (the next export has it).
-        try:
-            return self.kv_figures()
-        except RuntimeError:
-            return {}
+        self.service.release(session_key, cache_salt)
 
     def kv_figures(self) -> dict[str, Any]:
-        """The KV budget's figures with the engine's own (preemptions, hit ratio, its modelled pool)."""
-        s, off = self.engine.stats, self.engine.pins_off_reason
-        admission = self.admission
-        return {**(admission.figures() if admission is not None else {}), **self.engine.kv_stats(),
-                "migrations": admission.migrations if admission is not None else 0,
-                "hit_ratio": round(s.cached_tokens / s.prompt_tokens, 4) if s.prompt_tokens else 0.0,
-                "pins_enabled": int(not off), "pins_off_reason": off}
+        return self.service.kv_figures()
 
     async def stats(self) -> dict[str, Any]:
         import ray
 
-        return {**self.engine.stats.as_dict(), "replica": self.replica_id, "kv": self.kv_figures(),
-                "grammar_worker": self.engine.grammar_worker(),
-                "session_prompts": {"sessions": len(self.prompts), "tokens": self.prompts.tokens, "bytes": self.prompts.nbytes,
-                                    "hits": self.prompts.hits, "misses": self.prompts.misses}, "node": ray.get_runtime_context().get_node_id(),
-                "in_flight": self.in_flight, "prompt_digests": dict(self.prompt_digests),
-                "prompt_text_digests": dict(self.prompt_text_digests)}
-
-    async def _warm_up(self) -> None:
-        """One short generation before serving: the first session's first turn would
-        otherwise pay for the engine's and the parsers' first-call costs."""
-        prompt = array("i", token_codec(self.tokenizer).encode("warm up") or [0])
-        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, 2, temperature=0.0,
-                            cache_salt="loopserve-warmup")
-        try:
-            async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
-                                              decode_raw=self._decode_raw)) as chunks:
-                async for _ in chunks:
-                    pass
-        except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time
-            log.warning("engine warm-up failed: %s", type(exc).__name__)
-        self.engine.stats = EngineStats()  # counters describe served requests only
+        return {**self.service.stats(), "node": ray.get_runtime_context().get_node_id()}
 
     async def channel_endpoint(self) -> tuple[str, str]:
         """This replica's direct channel ("" when off or draining) and its id: a session placed here
@@ -209,16 +74,18 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the KV placement router (cluster/serve_plugins/kv_router.py) places new sessions by."""
-        return self.admission.routing_stats() if self.admission is not None else {}
+        admission = self.service.admission
+        return admission.routing_stats() if admission is not None else {}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What this replica runs, handle and direct-channel requests alike, and its KV demand
         (running + retained + queued tokens over capacity) and queue wait (cluster/serve_plugins/autoscaling.py)."""
-        kv = self.admission.autoscaling_stats() if self.admission is not None else {}
-        return {"in_flight": float(self.in_flight), **kv}
+        admission = self.service.admission
+        kv = admission.autoscaling_stats() if admission is not None else {}
+        return {"in_flight": float(self.service.in_flight), **kv}
 
     async def check_health(self) -> None:
-        await self.engine.check_health()
+        await self.service.engine.check_health()
 
     async def _drain_retention(self, channel: ChannelServer) -> None:
         """Leaving (scale-down, redeploy): Serve routes no new session here any more, and sessions
@@ -226,7 +93,8 @@ class EngineReplica:
         runs out, within half the graceful shutdown window (Serve counts it from the stop: handle
         requests drained first, turns in flight finished after).
         Then the channel closes and they are placed again (counted as moved sessions)."""
-        admission = getattr(self, "admission", None)  # a constructor that failed part-way made none
+        service = getattr(self, "service", None)  # a constructor that failed part-way made none
+        admission = service.admission if service is not None else None
         if admission is not None:
             await admission.drain(channel.drain, lambda: channel.in_flight,
                                   0.5 * self.config.engine_deployment.graceful_shutdown_timeout_s)
@@ -234,7 +102,7 @@ class EngineReplica:
     async def __del__(self) -> None:
         # Serve runs this after a constructor that failed part-way too: what was not made is
         # skipped, and an engine that started is still shut down (its processes would outlive us).
-        channel, engine = getattr(self, "channel", None), getattr(self, "engine", None)
+        channel, service = getattr(self, "channel", None), getattr(self, "service", None)
         if channel is not None:
             await self._drain_retention(channel)
             # Draining: new turns go back through the handle (to live replicas); the
@@ -244,8 +112,8 @@ class EngineReplica:
                 if not channel.in_flight:
                     break
                 await asyncio.sleep(0.1)
-        if engine is not None:
+        if service is not None:
             try:
-                await engine.shutdown()
+                await service.engine.shutdown()
             except Exception:
                 pass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from actors.engine import EngineReplica
-from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.engines.scripted import ScriptedEngine
 
 
@@ -24,18 +23,14 @@ class RecordingScriptedEngine(ScriptedEngine):
         await super().shutdown()
 
 
-def _engine() -> RecordingScriptedEngine:
-    return RecordingScriptedEngine(ModelConfig(), ScriptedEngineConfig(), encode=lambda s: [ord(c) for c in s],
-                                   decode=lambda ids: "".join(map(chr, ids)), decode_raw=lambda ids: "".join(map(chr, ids)))
+async def test_the_destructor_shuts_its_engine_down(tiny_model_dir):
+    from cluster.config import LoopserveConfig
+    from cluster.engines.service import EngineService
 
-
-async def test_an_engine_started_before_the_constructor_failed_is_shut_down():
-    # The constructor got as far as starting the engine (a later step raised: no channel yet).
-    replica = object.__new__(EngineReplica.func_or_class)
-    replica.engine = _engine()
-    await replica.engine.start()
+    replica = object.__new__(EngineReplica.func_or_class)  # the constructor got as far as the service
+    replica.service = await EngineService.build(LoopserveConfig(engine={"backend": "scripted"}), RecordingScriptedEngine)
     await replica.__del__()
-    assert replica.engine.shut_down
+    assert replica.service.engine.shut_down
 
 
 async def test_a_replica_that_failed_before_its_engine_existed_stops_without_an_error():
