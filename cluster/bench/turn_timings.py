@@ -16,6 +16,7 @@ import secrets
 import time
 
 from cluster.bench.local import stats as server_stats
+from cluster.core.turn.turn import ENGINE_CORE_TIMINGS
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{t['resolve']*1000:10.3f}  {overhead:11.2f}  {t['engine_dispatch']*1000:11.2f}  "
               f"{t['engine_first_token']*1000:14.1f}  {t['engine_inner']*1000:8.1f}  {back:7.2f}  "
               f"{t['total']*1000:8.1f}  {wall*1000:9.1f}  {t['full_render']!s:5}  "
-              + "  ".join(f"{t['engine_core_' + k] * 1000:6.2f}" for k in ("in", "queued", "prefill", "decode", "out")))
+              + "  ".join(f"{t[k] * 1000:6.2f}" for k in ENGINE_CORE_TIMINGS))
     print("render counters:", {k: v for k, v in stats["render"].items() if k != "probe"})
 
 

@@ -27,10 +27,13 @@ import secrets
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
 from cluster.bench.local import add_ingress_argument, free_port
+from cluster.core.messages import CoreTimeline
+from cluster.core.turn.turn import ENGINE_CORE_TIMINGS
 from cluster.models.names import SMOLLM2, TINY
 
 BLOCK = 32
@@ -47,7 +50,7 @@ def _message(turn: int, chars: int, prefix: str) -> str:
     return (line * (chars // len(line) + 1))[:chars]
 
 
-CORE_PARTS = ("to_core_s", "queued_s", "prefill_s", "decode_s", "back_s")
+CORE_PARTS = tuple(f.name for f in fields(CoreTimeline))
 
 
 async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int,
@@ -150,7 +153,7 @@ def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: 
         times = asyncio.run(ws_chain(url, turns, chars, max_tokens, model))
         if core is not None:
             server = [t for t in stats(url)["turns"] if t["prompt_tokens"]][-turns:]
-            core.extend({k: t["engine_core_" + name] for k, name in zip(CORE_PARTS, _TIMING_NAMES)}
+            core.extend({k: t[name] for k, name in zip(CORE_PARTS, ENGINE_CORE_TIMINGS)}
                         for t in server)
         return times
     finally:
@@ -159,9 +162,6 @@ def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: 
 
         serve.shutdown()
         ray.shutdown()
-
-
-_TIMING_NAMES = ("in", "queued", "prefill", "decode", "out")  # the turn timings' engine_core_* fields
 
 
 def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int) -> list[float]:

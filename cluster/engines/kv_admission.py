@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.config import KvBudgetConfig
 from cluster.core.messages import (
@@ -132,8 +132,7 @@ class KvAdmission:
                 "kv_head_wait_s": float(self.gate.snapshot()["head_wait_s"])}
 
     async def drain(self, keep: Callable[[Callable[[EngineRequest], bool]], None],
-                    in_flight: Callable[[], int], window_s: float,
-                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                    in_flight: Callable[[], int], window_s: float) -> None:
         """Leaving: sessions retained here keep their turns on this replica (`keep` tells the
         channel which) until their retention runs out or `window_s` passes."""
         gate = self.gate
@@ -143,4 +142,4 @@ class KvAdmission:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + window_s
         while loop.time() < deadline and (gate.retaining() or in_flight()):
-            await sleep(0.2)
+            await asyncio.sleep(0.2)

@@ -33,7 +33,7 @@ from cluster.core.safety.gate import TurnSafety
 from cluster.core.turn.cache_diagnostics import diagnostics
 from cluster.core.turn.controls import tool_call_limit
 from cluster.core.turn.post_work import TurnRecord
-from cluster.core.turn.turn import Turn, TurnServices, TurnTiming
+from cluster.core.turn.turn import ENGINE_CORE_TIMINGS, Turn, TurnServices, TurnTiming
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request
 
@@ -320,11 +320,8 @@ class TurnStream:
             timing.engine_inner = done.engine_s
             timing.engine_first_token = done.first_token_s
             timing.engine_dispatch = done.dispatch_s
-            core = done.core_timeline()
-            if core is not None:
-                timing.engine_core_in, timing.engine_core_queued = core.to_core_s, core.queued_s
-                timing.engine_core_prefill, timing.engine_core_decode = core.prefill_s, core.decode_s
-                timing.engine_core_out = core.back_s
+            for name, seconds in zip(ENGINE_CORE_TIMINGS, done.core):  # none from engines without marks
+                setattr(timing, name, seconds)
         if flag:
             for ev in self._blocked(flag):
                 yield ev

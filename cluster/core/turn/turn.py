@@ -125,6 +125,12 @@ class TurnTiming:
         return {k: v for k, v in self.__dict__.items() if k != "started"}
 
 
+# The timings' fields a `CoreTimeline` fills, in its fields' order (to core, queued, prefill,
+# decode, back).
+ENGINE_CORE_TIMINGS = ("engine_core_in", "engine_core_queued", "engine_core_prefill", "engine_core_decode",
+                       "engine_core_out")
+
+
 class Stop:
     """Stops a running response from outside it (WebSocket mode): `response.interrupt` ends it
     without its partial output ("interrupted"), `response.steer` with it ("steered")."""
