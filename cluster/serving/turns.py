@@ -23,7 +23,7 @@ from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import TurnRequest, cache_salt
-from cluster.core.websocket.protocol import ReplicaHeld, ReplicaQueue
+from cluster.core.websocket.bounds import ReplicaHeld, ReplicaQueue
 from cluster.core.websocket.session import TenantGate, WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
@@ -64,7 +64,7 @@ class TurnsService:
         self.queued = ReplicaQueue(config.websocket.max_replica_queued_bytes)  # every socket's waiting creates
         # Every socket's steering input and injected outputs (first audit #5: they were bounded per socket only).
         self.held = ReplicaHeld(config.websocket.max_replica_held_bytes,
-                                sample=lambda: sum(s.session.protocol.inflight.held_bytes() for s in self.sockets))
+                                sample=lambda: sum(s.session.protocol.held_bytes() for s in self.sockets))
         self.heavy = TenantGate()  # large WebSocket creates start one at a time per tenant
 
     # -- HTTP ------------------------------------------------------------------------

@@ -30,25 +30,32 @@ from typing import Any, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
 from cluster.core.events import Event, build_response
+from cluster.core.messages import Milestone
 from cluster.core.turn.cache import SessionCache
-from cluster.core.websocket.actions import (  # noqa: F401 - re-exported
+from cluster.core.websocket import steering
+from cluster.core.websocket.actions import (  # noqa: F401 - the session's and tests' one import of them
     Action,
     Close,
     DeferredError,
+    End,
     Enqueued,
     RunLane,
     SendError,
     SendEvent,
+    closing,
 )
-from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate, create_body  # noqa: F401 - ReplicaHeld re-exported
+from cluster.core.websocket.agent import AgentInbox
+from cluster.core.websocket.bounds import ReplicaHeld, ReplicaQueue, frame_bytes, frame_too_large
+from cluster.core.websocket.inflight import InFlight, WsCreate, create_body
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
 from cluster.protocol.request_bounds import json_containers_error, load_event, peek_create
-from cluster.protocol.requests import parse_request
+from cluster.protocol.requests import ResponsesRequest, multi_agent_enabled, parse_request
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
 MAX_ACTIVE = 16  # responses running at once on one connection
 MAX_LANES = 32  # named lanes (stream_id) at once on one connection
+SETTLE_LAST = 8  # a closing socket's newest responses whose store writes the close waits for
 # A frame this large counts against its key's rate limit before it is parsed (parsing holds the
 # event loop ~25 ms a MB); a create counted so is not counted again when it starts.
 ADMIT_BEFORE_PARSE_BYTES = 64 * 1024
@@ -64,13 +71,6 @@ class State(enum.Enum):
     CLOSED = "closed"  # the closing error and close frame are out (or the client left)
 
 
-class End(enum.Enum):
-    LIFETIME = "lifetime"
-    IDLE = "idle"
-    DRAIN = "drain"
-    FLOOD = "flood"
-
-
 @dataclass
 class Lane:
     pending: deque = field(default_factory=deque)  # WsCreate | DeferredError
@@ -83,37 +83,6 @@ class Lane:
     @property
     def has_creates(self) -> bool:
         return self.current is not None or any(isinstance(item, WsCreate) for item in self.pending)
-
-
-class ReplicaQueue:
-    """Bytes of creates waiting on every socket's lanes of one replica (shared by its sockets'
-    protocols): a socket's own bound times the sockets a replica takes is no bound."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, nbytes: int) -> bool:
-        if self.held + nbytes > self.limit:
-            return False
-        self.held += nbytes
-        return True
-
-    def give(self, nbytes: int) -> None:
-        self.held = max(0, self.held - nbytes)
-
-
-def frame_bytes(data: Union[str, bytes]) -> int:
-    """A frame's size in bytes as it came over the wire (UTF-8 for text frames)."""
-    if isinstance(data, bytes):
-        return len(data)
-    return len(data) if data.isascii() else len(data.encode())
-
-
-def frame_too_large(size: int, limit: int) -> ApiError:
-    # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
-    return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
-                    code="websocket_message_too_large")
 
 
 class WebSocketProtocol:
@@ -139,6 +108,10 @@ class WebSocketProtocol:
         self.deferred_errors = 0
         self.started_at = now
         self.last_activity = now
+        # The newest responses that ended: every server close sends the client to reconnect, maybe
+        # to a replica that reads its `previous_response_id` from the store, so a close first
+        # waits for these to be stored (the session's `settle`).
+        self.finished: deque[str] = deque(maxlen=SETTLE_LAST)
 
     # -- frames -----------------------------------------------------------------------
     def receive(self, data: Union[str, bytes], now: float, received_at: Optional[float] = None) -> list[Action]:
@@ -347,6 +320,62 @@ class WebSocketProtocol:
             lane = self.lanes[key] = Lane()
         return lane
 
+    # -- a create's turn: the session runs it, these decide around it ---------------------
+    def held_bytes(self) -> int:
+        """Steering input and injected tool outputs this connection holds (ReplicaHeld sums them)."""
+        return self.inflight.held_bytes()
+
+    def fork_source(self, create: WsCreate) -> Optional[WsCreate]:
+        """The create on another lane, queued or running, whose response this one continues: its
+        lane waits for that create to be done before starting it."""
+        return self.inflight.fork_source(create, self.queued())
+
+    def begin_turn(self, create: WsCreate, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The body the create's turn runs (steering input queued for its parent goes first, and
+        is committed by this response), and whether its parent came from another lane (a failed
+        fork must leave that parent cached: its own lane may continue it)."""
+        if not create.commits:
+            create.commits = self.inflight.queued_steers_for(body)
+            if create.commits:
+                body = steering.with_queued_input(body, create.commits)
+        return body, self.inflight.from_other_lane(body.get("previous_response_id"), create.stream_id)
+
+    def turn_admitted(self, create: WsCreate, request: ResponsesRequest, body: dict[str, Any]) -> None:
+        """The create's request is valid and admitted: whether steers may stop it, and a
+        multi-agent response's inbox for injected tool outputs."""
+        create.steerable = not (request.is_warm_up or body.get("conversation") or body.get("context_management"))
+        if multi_agent_enabled(body):
+            create.inbox = AgentInbox(self.config.agent_wait_seconds)
+
+    def turn_event(self, create: WsCreate, event: Event) -> None:
+        """An event the create's turn is sending (interrupts, steers and injects act on what
+        these make known: the response's id, its client tool calls)."""
+        step = create.progress.observe(event)
+        if step is Milestone.CREATED:
+            self.inflight.started(create, create.progress.response_id)
+        elif step is Milestone.ITEM_ADDED:
+            self.inflight.emitted(create, create.progress.last_item)
+        elif step is Milestone.TERMINAL:
+            self.finished.append(create.progress.response_id)
+
+    def turn_finished(self, create: WsCreate, error: Optional[ApiError] = None) -> tuple[Optional[WsCreate], list[Action]]:
+        """The create's turn is over (`error`: it failed before or instead of its events): what
+        to send, and the successor its steers ask for, which runs next in the same slot."""
+        progress = create.progress
+        self.inflight.ended(progress.response_id)
+        actions: list[Action] = []
+        if error is not None and progress.response_id is None and create.commits:
+            # The steering input it was to commit never was: each steer comes back failed.
+            actions += [SendEvent(steering.failed_steer(
+                steer, "successor_creation_failed", f"The successor response could not be created: {error.message}",
+                create.stream_id)) for steer in create.commits]
+        elif error is not None:
+            actions.append(SendError(error, create.stream_id))
+        if not create.steers:
+            return None, actions
+        successor, events = self.inflight.after_steered(create, progress.final)
+        return successor, actions + [SendEvent(ev) for ev in events]
+
     # -- the connection's life ----------------------------------------------------------
     def tick(self, now: float) -> tuple[list[Action], Optional[float]]:
         """The lifetime limit and the idle timeout: actions now, and seconds until the next
@@ -386,29 +415,4 @@ class WebSocketProtocol:
             return []
         self.state = State.CLOSED
         self.end = why
-        if why is End.FLOOD:
-            return [SendError(ApiError(400, f"Too many invalid messages: more than {self.config.max_queued_creates} "
-                                            "waiting for their errors to be read, or more errors and failed events "
-                                            f"than {self.config.max_error_bytes_per_minute} bytes a minute; closing this "
-                                            "connection.", code="too_many_errors")),
-                    Close(1008, "too many errors not read")]
-        if why is End.DRAIN:
-            message = ("This server is shutting down this connection (scale-down or restart). "
-                       "Create a new websocket connection to continue.")
-        elif why is End.IDLE:
-            message = (f"This websocket connection was closed after {self.config.idle_timeout_seconds:.0f} "
-                       "seconds without activity. Create a new websocket connection to continue.")
-        else:
-            message = (f"Responses websocket connection limit reached ({_duration(self.config.max_connection_seconds)}). "
-                       "Create a new websocket connection to continue.")
-        error = SendError(ApiError(400, message, code="websocket_connection_limit_reached"))
-        return [error, Close(1001, "server draining: reconnect") if why is End.DRAIN
-                else Close(1000, "connection limit reached")]
-
-
-def _duration(seconds: float) -> str:
-    """A configured lifetime as OpenAI words its own limit ("60 minutes" for 3,600 s)."""
-    if seconds >= 60 and seconds % 60 == 0:
-        minutes = int(seconds // 60)
-        return f"{minutes} minute{'s' if minutes != 1 else ''}"
-    return f"{seconds:g} seconds"
+        return closing(why, self.config)

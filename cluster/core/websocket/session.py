@@ -13,17 +13,14 @@ import asyncio
 import logging
 import time
 from functools import partial
-from collections import deque
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
 from cluster.core.events import Event
-from cluster.core.messages import Milestone, TurnProgress
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import Lookup, TurnRequest
-from cluster.core.websocket import steering
-from cluster.core.websocket.agent import AgentInbox
+from cluster.core.websocket.bounds import ReplicaHeld, ReplicaQueue
 from cluster.core.websocket.inflight import WsCreate
 from cluster.core.websocket.protocol import (
     MAX_ACTIVE,
@@ -31,8 +28,6 @@ from cluster.core.websocket.protocol import (
     Close,
     DeferredError,
     Enqueued,
-    ReplicaHeld,
-    ReplicaQueue,
     RunLane,
     SendError,
     SendEvent,
@@ -40,12 +35,11 @@ from cluster.core.websocket.protocol import (
     WebSocketProtocol,
 )
 from cluster.protocol.errors import ApiError, server_error
-from cluster.protocol.requests import admit_create, multi_agent_enabled
+from cluster.protocol.requests import admit_create
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[Event], Awaitable[None]]
-SETTLE_LAST = 8  # a draining socket's newest responses whose store writes the close waits for
 CloseSocket = Callable[[int, str], Awaitable[None]]
 
 
@@ -92,7 +86,6 @@ class WebSocketSession:
         # Waits for these responses' post-work (their store writes) before a drain tells the client
         # to reconnect: the replica it reconnects to reads its `previous_response_id` from the store.
         self._settle = settle
-        self._finished: deque[str] = deque(maxlen=SETTLE_LAST)
         self._closing = self._close_sent = False
         self._timer: Optional[asyncio.Task] = None
         self._lane_tasks: dict[str, asyncio.Task] = {}
@@ -160,8 +153,8 @@ class WebSocketSession:
             # Every server close sends the client to reconnect (drain: 1001; the connection's
             # lifetime: 1000), maybe to another replica that reads its `previous_response_id`
             # from the store: this socket's last responses are stored before it is told to go.
-            if self._settle is not None and self._finished:
-                await self._settle(list(self._finished))
+            if self._settle is not None and self.protocol.finished:
+                await self._settle(list(self.protocol.finished))
         for action in actions:
             if isinstance(action, SendEvent):
                 await self._send_quietly(action.event)
@@ -201,7 +194,7 @@ class WebSocketSession:
                 create: Optional[WsCreate] = item
                 try:
                     await item.announced.wait()
-                    source = self.protocol.inflight.fork_source(item, self.protocol.queued())
+                    source = self.protocol.fork_source(item)
                     if source is not None:  # it continues a response another lane has not finished yet
                         await source.done.wait()
                     async with self._slots:
@@ -230,80 +223,52 @@ class WebSocketSession:
             create.done.set()
 
     async def _run_create(self, create: WsCreate) -> Optional[WsCreate]:
-        received_at = create.received_at
-        progress = TurnProgress()
         # Parsing, validating and resolving a large input holds the event loop (~50 ms for 10,000
         # items): one tenant starts one such create at a time on this replica, so others wait
         # behind one of its blocks, not behind one per socket it holds (16 of its sockets whose
         # lanes came free together parsed their held frames in one pass of the loop: 0.6 s).
         release = await self._heavy.enter(self._owner or "") if self._heavy is not None and create.large else None
-        body: dict[str, Any] = {}
+        error: Optional[ApiError] = None
         try:
-            body = create.start_body()  # a held frame is parsed here, its input's errors raised
-            parent = body.get("previous_response_id")
-            if not create.commits:
-                create.commits = self.protocol.inflight.queued_steers_for(body)
-                if create.commits:  # steering input queued for the parent goes first
-                    body = steering.with_queued_input(body, create.commits)
+            # A held frame is parsed here, its input's errors raised.
+            body, keep_parent = self.protocol.begin_turn(create, create.start_body())
             admit = None if create.admitted or self._admit is None else partial(self._admit, create.size)
             req = admit_create(body, transport="websocket", admit=admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
                                depth_checked=True,  # the protocol bounded every frame's nesting as it parsed it
                                floor=self.driver.preparer.check_body_floor)
-            create.steerable = not (req.is_warm_up or body.get("conversation") or body.get("context_management"))
-            if multi_agent_enabled(body):
-                create.inbox = AgentInbox(self.config.agent_wait_seconds)
-            parsed_at = time.perf_counter()
-            stream_id = req.stream_id
+            self.protocol.turn_admitted(create, req, body)
             async for ev in self.driver.run(TurnRequest(
                 req,
                 self.cache,
                 session_key=self.session_key,
                 lookup=self._lookup if req.store is not False else None,
                 on_state=self._committed,
-                stream_id=stream_id,
+                stream_id=req.stream_id,
                 owner=self._owner,
-                received_at=received_at,
-                parsed_at=parsed_at,
+                received_at=create.received_at,
+                parsed_at=time.perf_counter(),
                 trace_parent=self._trace_parent,
                 transport="websocket",
                 include_timing=self._timing_metrics,
                 response_id=create.response_id,
                 announced=create.response_id is not None,  # the id came with its `response.queued`
                 stop=create.stop,
-                # A fork from another lane that fails leaves that lane's response in the cache.
-                keep_parent=self.protocol.inflight.from_other_lane(parent, stream_id),
+                keep_parent=keep_parent,
                 agent=create.inbox,
             )):
                 if release is not None:  # its input is resolved and rendered: the heavy part is over
                     release = release()
-                step = progress.observe(ev)
-                if step is Milestone.CREATED:
-                    self.protocol.inflight.started(create, progress.response_id)
-                elif step is Milestone.ITEM_ADDED:
-                    self.protocol.inflight.emitted(create, progress.last_item)
-                elif step is Milestone.TERMINAL:
-                    self._finished.append(progress.response_id)
+                self.protocol.turn_event(create, ev)
                 await self._send(ev)
             self.responses += 1
         except ApiError as err:
-            stream_id = create.stream_id
-            if progress.response_id is None and create.commits:  # the steering input was never committed
-                for steer in create.commits:
-                    await self._send_quietly(steering.failed_steer(
-                        steer, "successor_creation_failed", f"The successor response could not be created: "
-                                                            f"{err.message}", stream_id))
-            else:
-                await self._send_error(err, stream_id=stream_id)
+            error = err
         finally:
             if release is not None:
                 release()
-            self.protocol.inflight.ended(progress.response_id)
-        if not create.steers:
-            return None
-        successor, events = self.protocol.inflight.after_steered(create, progress.final)
-        for ev in events:
-            await self._send_quietly(ev)
+            successor, actions = self.protocol.turn_finished(create, error)
+        await self._perform(actions)
         return successor
 
     async def _send_quietly(self, ev: Event) -> None:

@@ -7,6 +7,7 @@ import json
 
 from cluster.config import WebSocketConfig
 from cluster.core.turn.cache import SessionCache
+from cluster.core.websocket.bounds import ReplicaQueue
 from cluster.core.websocket.inflight import WsCreate
 from cluster.core.websocket.protocol import (
     MAX_ACTIVE,
@@ -16,13 +17,12 @@ from cluster.core.websocket.protocol import (
     Enqueued,
     RunLane,
     SendError,
-    ReplicaQueue,
     SendEvent,
     State,
     WebSocketProtocol,
 )
 from cluster.protocol.errors import ApiError
-from cluster.protocol.requests import admit_create
+from cluster.protocol.requests import admit_create, parse_request
 
 
 def protocol(**cfg) -> WebSocketProtocol:
@@ -365,3 +365,91 @@ def test_a_waiting_create_whose_input_nests_too_deeply_is_refused_when_it_starts
         assert err.code == "invalid_value" and "nested too deeply" in err.message
     else:
         raise AssertionError("a too-deep input was started")
+
+
+# -- a create's turn: what the protocol decides around it (the session only runs it) ------
+def started(p: WebSocketProtocol, frame: str, response_id: str, key: str = "") -> WsCreate:
+    p.receive(frame, now=1.0)
+    item = p.next_on_lane(key)
+    body, _ = p.begin_turn(item, item.start_body())
+    p.turn_admitted(item, parse_request(body), body)
+    p.turn_event(item, {"type": "response.created", "response": {"id": response_id}})
+    return item
+
+
+def ended(p: WebSocketProtocol, item: WsCreate, status: str, output=(), reason=None):
+    final = {"id": item.response_id, "status": status, "output": list(output),
+             "incomplete_details": {"reason": reason} if reason else None}
+    p.turn_event(item, {"type": f"response.{status}", "response": final})
+    return p.turn_finished(item)
+
+
+def steer(response_id: str, text: str) -> str:
+    return json.dumps({"type": "response.steer", "previous_response_id": response_id, "input": text})
+
+
+def test_a_steered_response_stops_and_its_successor_carries_the_steering_input():
+    p = protocol()
+    item = started(p, create("write a poem"), "resp_1")
+    [accepted] = p.receive(steer("resp_1", "make it short"), now=1.5)
+    assert accepted.event["type"] == "response.steer.accepted" and item.stop.reason == "steered"
+    successor, actions = ended(p, item, "incomplete", reason="steered")
+    assert actions == [] and list(p.finished) == ["resp_1"]
+    assert successor.body["previous_response_id"] == "resp_1"
+    assert successor.body["input"] == [{"type": "message", "role": "user", "content": "make it short"}]
+    assert [s.previous_response_id for s in successor.commits] == ["resp_1"]
+    assert p.held_bytes() == 0  # the ended response holds nothing; the successor carries the input
+
+
+def test_a_steer_for_a_response_owing_tool_output_waits_for_the_clients_next_create():
+    p = protocol()
+    item = started(p, create("list files"), "resp_1")
+    call = {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"}
+    p.turn_event(item, {"type": "response.output_item.added", "item": call})
+    [accepted] = p.receive(steer("resp_1", "only .py"), now=1.5)
+    assert accepted.event["type"] == "response.steer.accepted" and not item.stop.is_set()  # the call is owed
+    successor, actions = ended(p, item, "completed", output=[call])
+    assert successor is None
+    [pending] = [a.event for a in actions]
+    assert pending["type"] == "response.steer.pending" and pending["required_input"][0]["call_id"] == "c1"
+    p.turn_ended("", 2.0)
+    # The client's continuation: the steering input goes first, its own tool output after it.
+    output = {"type": "function_call_output", "call_id": "c1", "output": "a.py"}
+    p.receive(create([output], previous_response_id="resp_1"), now=2.1)
+    nxt = p.next_on_lane("")
+    body, keep_parent = p.begin_turn(nxt, nxt.start_body())
+    assert [i.get("content", i.get("output")) for i in body["input"]] == ["only .py", "a.py"] and not keep_parent
+    # It fails before its response exists: the steer comes back failed, not as a plain error.
+    successor, actions = p.turn_finished(nxt, ApiError(400, "bad tool output", code="invalid_value"))
+    [failed] = [a.event for a in actions]
+    assert successor is None and failed["type"] == "response.steer.failed"
+    assert failed["error"]["code"] == "successor_creation_failed" and failed["steer"]["input"] == "only .py"
+
+
+def test_a_failed_turn_sends_its_error_on_its_lane():
+    p = protocol()
+    p.receive(create("hi", stream_id="s1"), now=1.0)
+    item = p.next_on_lane("s1")
+    successor, actions = p.turn_finished(item, ApiError(400, "nope", code="invalid_value"))
+    assert successor is None and [(a.error.code, a.stream_id) for a in actions] == [("invalid_value", "s1")]
+
+
+def test_a_fork_of_another_lanes_response_waits_for_it_and_keeps_its_parent():
+    p = protocol()
+    source = started(p, create("a", stream_id="x"), "resp_x", key="x")
+    p.receive(create("b", stream_id="y", previous_response_id="resp_x"), now=1.2)
+    fork = p.next_on_lane("y")
+    assert p.fork_source(fork) is source
+    _, keep_parent = p.begin_turn(fork, fork.start_body())
+    assert keep_parent  # its failure must not evict lane x's response
+
+
+def test_steerability_and_the_multi_agent_inbox_are_decided_from_the_request():
+    p = protocol()
+    warm = started(p, create("hi", generate=False), "resp_w")
+    assert not warm.steerable and warm.inbox is None
+    [refused] = p.receive(steer("resp_w", "x"), now=1.5)
+    assert refused.event["error"]["code"] == "steering_not_supported"
+    p.turn_ended("", 2.0)
+    agent = started(p, create("hi", multi_agent={"enabled": True}), "resp_a")
+    assert agent.steerable and agent.inbox is not None
