@@ -1,5 +1,6 @@
-"""Bounds a request body is held to before it is validated: how deeply its JSON nests, and how
-much of it a response echoes back (and a stored row keeps) without rendering it."""
+"""Bounds a request body is held to before it is validated: how deeply its JSON nests, how much
+of it a response echoes back (and a stored row keeps) without rendering it, a WebSocket frame's
+size as the wire counts it, and the bytes waiting on every connection of a replica."""
 
 from __future__ import annotations
 
@@ -160,3 +161,34 @@ def peek_create(data: Frame) -> Optional[dict[str, Any]]:
         return None
     del fields["type"]
     return fields
+
+
+class ReplicaQueue:
+    """Bytes of creates waiting on every socket's lanes of one replica (shared by its sockets'
+    protocols): a socket's own bound times the sockets a replica takes is no bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held = max(0, self.held - nbytes)
+
+
+def frame_bytes(data: Union[str, bytes]) -> int:
+    """A frame's size in bytes as it came over the wire (UTF-8 for text frames)."""
+    if isinstance(data, bytes):
+        return len(data)
+    return len(data) if data.isascii() else len(data.encode())
+
+
+def frame_too_large(size: int, limit: int) -> ApiError:
+    # Codex knows this code (`websocket_message_too_large`); the frame is dropped, the socket stays.
+    return ApiError(400, f"The message is {size} bytes; the limit is {limit} bytes.",
+                    code="websocket_message_too_large")

@@ -40,7 +40,7 @@ from cluster.core.turn.post_work import (
     load_hook,
 )
 from cluster.core.turn.prepare import TurnSettings
-from cluster.core.websocket.bounds import frame_too_large
+from cluster.protocol.request_bounds import frame_too_large
 from cluster.engines.channel import tls_contexts
 from cluster.engines.output_parser import tool_format
 from cluster.protocol.errors import ApiError

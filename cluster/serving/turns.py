@@ -23,10 +23,11 @@ from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import TurnRequest, cache_salt
-from cluster.core.websocket.bounds import ReplicaHeld, ReplicaQueue
+from cluster.core.websocket.inflight import ReplicaHeld
 from cluster.core.websocket.session import TenantGate, WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.request_bounds import ReplicaQueue
 from cluster.protocol.requests import admit_create, session_header
 from cluster.serving.clients import EngineClient
 from cluster.serving.responses import ResponsesService

@@ -151,7 +151,7 @@ def test_named_tool_choice_must_name_an_offered_tool():
 
 
 def test_text_frames_are_measured_in_utf8_bytes():
-    from cluster.core.websocket.bounds import frame_bytes
+    from cluster.protocol.request_bounds import frame_bytes
 
     assert frame_bytes("abc") == 3 and frame_bytes(b"abc") == 3
     assert frame_bytes("é" * 1000) == 2000  # a limit in bytes is not dodged with multi-byte text

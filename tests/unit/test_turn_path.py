@@ -1,6 +1,6 @@
 """How far one chained WebSocket turn travels through the code, measured in process: the files
-with a Python call in them and the asyncio tasks it starts (each a handoff a chunk or a frame
-waits on). Ceilings, so a change that adds a file or a task to every turn's path shows here
+with a Python call in them, the asyncio tasks it starts (each a handoff a chunk or a frame
+waits on), and calls back into a module up the stack (none). Ceilings, so a change that adds a file or a task to every turn's path shows here
 with the path it took.
 
 In process means the `WebSocketSession` with the driver, renderer, safety gate and the scripted
@@ -43,6 +43,28 @@ MAX_TASKS = 2  # the lane's task, and the engine stream's reader that lets a sto
 MAX_GENERATOR_LAYERS = 6
 
 
+# Leaf utilities a turn calls from anywhere: a call into them is no re-entry.
+LEAVES = frozenset({"cluster/telemetry.py", "cluster/protocol/errors.py", "cluster/protocol/ids.py"})
+
+
+def _reentry(frame) -> str | None:
+    """A call back into a module the turn left on its way here: the callee's file is on the
+    stack below, with another module's frame between (A -> B -> A). None for anything else."""
+    callee = frame.f_code.co_filename
+    caller = frame.f_back
+    while caller is not None and not caller.f_code.co_filename.startswith(SOURCES):
+        caller = caller.f_back
+    if caller is None or caller.f_code.co_filename == callee:
+        return None
+    below = caller.f_back
+    while below is not None:
+        if below.f_code.co_filename == callee:
+            left = Path(caller.f_code.co_filename).relative_to(ROOT)
+            return f"{left}:{caller.f_code.co_name} -> {Path(callee).relative_to(ROOT)}:{frame.f_code.co_name}"
+        below = below.f_back
+    return None
+
+
 def _generator_layers(frame) -> int:
     n = 0
     while frame is not None:
@@ -68,6 +90,7 @@ async def test_a_chained_websocket_turn_stays_on_a_short_path(tokenizer):
     loop = asyncio.get_running_loop()
     files: Counter[str] = Counter()
     tasks: list[str] = []
+    reentries: Counter[str] = Counter()
     # the deepest stack of async generators where the engine makes a chunk, and where the turn
     # makes an event of it (the two sides run in different tasks)
     layers = {"engine": 0, "turn": 0}
@@ -76,7 +99,10 @@ async def test_a_chained_websocket_turn_stays_on_a_short_path(tokenizer):
 
     def on_call(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(SOURCES):
-            files[str(Path(frame.f_code.co_filename).relative_to(ROOT))] += 1
+            name = str(Path(frame.f_code.co_filename).relative_to(ROOT))
+            files[name] += 1
+            if name not in LEAVES and (back := _reentry(frame)) is not None:
+                reentries[back] += 1
             where = (frame.f_code.co_filename, frame.f_code.co_name)
             side = "engine" if where == engine_generate else "turn" if where == turn_event else None
             if side:
@@ -104,5 +130,9 @@ async def test_a_chained_websocket_turn_stays_on_a_short_path(tokenizer):
     assert prev["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the path measured is the cached one
     assert len(files) <= MAX_FILES, "\n".join(f"{n:5d} {f}" for f, n in sorted(files.items()))
     assert len(tasks) <= MAX_TASKS, tasks
+    # No call back into a module up the stack: each module hands the turn on and gets back what
+    # it asked for (the last one, the turn's commit calling the session's `on_state` to learn
+    # that a response was stored, went when the protocol read that off the terminal event).
+    assert reentries == Counter(), "\n".join(f"{n:5d} {r}" for r, n in reentries.most_common())
     assert layers["engine"] and layers["turn"], layers  # both sides seen
     assert layers["engine"] + layers["turn"] <= MAX_GENERATOR_LAYERS, layers

@@ -12,14 +12,13 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from cluster.core.events import Event
 from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import Stop
 from cluster.core.websocket import agent, steering
-from cluster.core.websocket.bounds import ReplicaHeld
 from cluster.core.websocket.agent import AgentInbox
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
@@ -75,6 +74,32 @@ class WsCreate:
             frame, self.frame = self.frame, None
             self.body = create_body(load_event(frame, counted=True)[0])  # counted on arrival
         return self.body
+
+
+class ReplicaHeld:
+    """Steering input and injected tool outputs held on every socket of one replica, against one
+    bound. Their lifetimes end in many places (committed, failed, taken in, the socket gone), so
+    the total is summed over the replica's sockets (`sample`) at most every `refresh_s`; what is
+    taken in between is added at once, so the bound holds between samples too."""
+
+    def __init__(self, limit: int, sample: Optional[Callable[[], int]] = None, refresh_s: float = 0.1,
+                 clock: Optional[Callable[[], float]] = None) -> None:
+        self.limit, self.sample, self.refresh_s = limit, sample, refresh_s
+        self.clock = clock or time.monotonic
+        self.held = 0
+        self._at = float("-inf")
+
+    def room(self) -> int:
+        now = self.clock()
+        if self.sample is not None and now - self._at >= self.refresh_s:
+            self.held, self._at = self.sample(), now
+        return max(0, self.limit - self.held)
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self.room():
+            return False
+        self.held += nbytes
+        return True
 
 
 class InFlight:

@@ -45,11 +45,11 @@ from cluster.core.websocket.actions import (  # noqa: F401 - the session's and t
     closing,
 )
 from cluster.core.websocket.agent import AgentInbox
-from cluster.core.websocket.bounds import ReplicaHeld, ReplicaQueue, frame_bytes, frame_too_large
-from cluster.core.websocket.inflight import InFlight, WsCreate, create_body
+from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate, create_body
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
-from cluster.protocol.request_bounds import json_containers_error, load_event, peek_create
+from cluster.protocol.request_bounds import (ReplicaQueue, frame_bytes, frame_too_large, json_containers_error,
+                                             load_event, peek_create)
 from cluster.protocol.requests import ResponsesRequest, multi_agent_enabled, parse_request
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
@@ -62,7 +62,6 @@ ADMIT_BEFORE_PARSE_BYTES = 64 * 1024
 # A create that waits and holds more than this parsed waits as its frame (WsCreate.frame).
 HOLD_AS_FRAME_BYTES = 256 * 1024
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
-
 
 
 class State(enum.Enum):
@@ -112,6 +111,9 @@ class WebSocketProtocol:
         # to a replica that reads its `previous_response_id` from the store, so a close first
         # waits for these to be stored (the session's `settle`).
         self.finished: deque[str] = deque(maxlen=SETTLE_LAST)
+        # A response of this socket was stored (`store: true`): another connection may continue
+        # it, so closing this one must not free the session's engine KV.
+        self.stored = False
 
     # -- frames -----------------------------------------------------------------------
     def receive(self, data: Union[str, bytes], now: float, received_at: Optional[float] = None) -> list[Action]:
@@ -341,15 +343,13 @@ class WebSocketProtocol:
         return body, self.inflight.from_other_lane(body.get("previous_response_id"), create.stream_id)
 
     def turn_admitted(self, create: WsCreate, request: ResponsesRequest, body: dict[str, Any]) -> None:
-        """The create's request is valid and admitted: whether steers may stop it, and a
-        multi-agent response's inbox for injected tool outputs."""
+        """Its request is admitted: whether steers may stop it; a multi-agent response's inbox."""
         create.steerable = not (request.is_warm_up or body.get("conversation") or body.get("context_management"))
         if multi_agent_enabled(body):
             create.inbox = AgentInbox(self.config.agent_wait_seconds)
 
     def turn_event(self, create: WsCreate, event: Event) -> None:
-        """An event the create's turn is sending (interrupts, steers and injects act on what
-        these make known: the response's id, its client tool calls)."""
+        """An event its turn sends: what interrupts, steers and injects act on (its id, its calls)."""
         step = create.progress.observe(event)
         if step is Milestone.CREATED:
             self.inflight.started(create, create.progress.response_id)
@@ -357,6 +357,8 @@ class WebSocketProtocol:
             self.inflight.emitted(create, create.progress.last_item)
         elif step is Milestone.TERMINAL:
             self.finished.append(create.progress.response_id)
+            final = create.progress.final
+            self.stored = self.stored or (final.get("store") is not False and final["status"] != "failed")
 
     def turn_finished(self, create: WsCreate, error: Optional[ApiError] = None) -> tuple[Optional[WsCreate], list[Action]]:
         """The create's turn is over (`error`: it failed before or instead of its events): what

@@ -20,8 +20,7 @@ from cluster.core.events import Event
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import Lookup, TurnRequest
-from cluster.core.websocket.bounds import ReplicaHeld, ReplicaQueue
-from cluster.core.websocket.inflight import WsCreate
+from cluster.core.websocket.inflight import ReplicaHeld, WsCreate
 from cluster.core.websocket.protocol import (
     MAX_ACTIVE,
     Action,
@@ -35,6 +34,7 @@ from cluster.core.websocket.protocol import (
     WebSocketProtocol,
 )
 from cluster.protocol.errors import ApiError, server_error
+from cluster.protocol.request_bounds import ReplicaQueue
 from cluster.protocol.requests import admit_create
 
 log = logging.getLogger(__name__)
@@ -92,14 +92,11 @@ class WebSocketSession:
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self._heavy = heavy  # the replica's one-large-create-start-at-a-time-per-tenant gate
         self.responses = 0
-        # A response of this socket was stored (`store: true`): another connection may continue it,
-        # so closing this one must not free the session's engine KV.
-        self.stored = False
 
-    def _committed(self, state: Any) -> None:
-        self.stored = self.stored or state.store
-        if self._on_state is not None:
-            self._on_state(state)
+    @property
+    def stored(self) -> bool:
+        """A response of this socket was stored: closing it must not free the session's engine KV."""
+        return self.protocol.stored
 
     def start(self) -> None:
         self._timer = asyncio.create_task(self._tick(), name=f"ws-limit-{self.session_key}")
@@ -243,7 +240,7 @@ class WebSocketSession:
                 self.cache,
                 session_key=self.session_key,
                 lookup=self._lookup if req.store is not False else None,
-                on_state=self._committed,
+                on_state=self._on_state,
                 stream_id=req.stream_id,
                 owner=self._owner,
                 received_at=create.received_at,

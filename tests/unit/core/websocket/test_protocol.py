@@ -7,7 +7,6 @@ import json
 
 from cluster.config import WebSocketConfig
 from cluster.core.turn.cache import SessionCache
-from cluster.core.websocket.bounds import ReplicaQueue
 from cluster.core.websocket.inflight import WsCreate
 from cluster.core.websocket.protocol import (
     MAX_ACTIVE,
@@ -22,6 +21,7 @@ from cluster.core.websocket.protocol import (
     WebSocketProtocol,
 )
 from cluster.protocol.errors import ApiError
+from cluster.protocol.request_bounds import ReplicaQueue
 from cluster.protocol.requests import admit_create, parse_request
 
 

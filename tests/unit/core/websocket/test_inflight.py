@@ -2,8 +2,7 @@
 outputs were bounded per socket only, so a replica's ceiling was that times its sockets)."""
 
 from cluster.core.turn.cache import SessionCache
-from cluster.core.websocket.bounds import ReplicaHeld
-from cluster.core.websocket.inflight import InFlight, WsCreate
+from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate
 
 
 def running(inflight: InFlight, response_id: str) -> WsCreate:
