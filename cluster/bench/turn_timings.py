@@ -16,7 +16,7 @@ import secrets
 import time
 
 from cluster.bench.local import stats as server_stats
-from cluster.core.turn.turn import ENGINE_CORE_TIMINGS
+from cluster.core.messages import ENGINE_CORE_TIMINGS
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from cluster.bench.local import add_ingress_argument, free_port
 from cluster.core.messages import CoreTimeline
-from cluster.core.turn.turn import ENGINE_CORE_TIMINGS
+from cluster.core.messages import ENGINE_CORE_TIMINGS
 from cluster.models.names import SMOLLM2, TINY
 
 BLOCK = 32

@@ -14,8 +14,9 @@ matching event type strings themselves. Type names come from the `openai` packag
 from __future__ import annotations
 
 import enum
+import time
 from array import array
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence, Union, get_args
 
 from openai.types.responses import (
@@ -324,6 +325,54 @@ class TurnProgress:
         return self.final["status"] if self.final is not None else None
 
 
+@dataclass
+class TurnTiming:
+    """Server-side timings of one turn, in seconds (for stats and benchmarks)."""
+
+    response_id: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    resolve: float = 0.0
+    render: float = 0.0
+    first_event: float = 0.0
+    first_token: float = 0.0
+    engine: float = 0.0
+    total: float = 0.0
+    tool_wait: float = 0.0  # a multi-agent response waiting for injected tool outputs (client time)
+    full_render: bool = False
+    new_items: int = 0
+    context_items: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_sent: int = 0  # of them, what travelled to the engine (the rest: its session's base)
+    cached_tokens: int = 0
+    delta_tokens: int = 0
+    safety_input_ms: float = 0.0  # the input check's own duration (it overlaps prefill)
+    safety_input_chars: int = 0
+    safety_output_chars: int = 0
+    engine_replica: str = ""
+    engine_inner: float = 0.0  # the engine replica's own time for the request (engine - this = hop cost)
+    engine_first_token: float = 0.0  # engine-side time to the first output token (prefill)
+    # From the engine call to the replica starting it (router, handle, queue): the rest of
+    # `engine - engine_inner` is the way back (the stream's items and its end).
+    engine_dispatch: float = 0.0
+    # Inside the engine (vLLM's core marks, `CoreTimeline`): 0 for engines without them.
+    engine_core_in: float = 0.0
+    engine_core_queued: float = 0.0
+    engine_core_prefill: float = 0.0
+    engine_core_decode: float = 0.0
+    engine_core_out: float = 0.0
+    session_moved: bool = False  # the previous turn ran on another engine replica
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "started"}
+
+
+# The timings' fields a `CoreTimeline` fills, in its fields' order (to core, queued, prefill,
+# decode, back).
+ENGINE_CORE_TIMINGS = ("engine_core_in", "engine_core_queued", "engine_core_prefill", "engine_core_decode",
+                       "engine_core_out")
+
+
 __all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
            "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "done_of", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
-           "ToolCallPiece", "Milestone", "TurnProgress"]
+           "ToolCallPiece", "Milestone", "TurnProgress", "TurnTiming",
+           "ENGINE_CORE_TIMINGS"]

@@ -24,7 +24,7 @@ from cluster.core.turn.compaction import (
 from cluster.core.turn.context import without_private
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import TurnRecord
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.errors import ApiError, previous_response_not_found
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import parse_request
@@ -264,9 +264,9 @@ class ResponsesService:
             self.remember(state)
 
         try:
-            async for ev in self.driver.run(TurnRequest(req, SessionCache(1), session_key=session_key, owner=tenant,
-                                                        lookup=self.lookup_for(tenant), on_state=remember,
-                                                        response_id=rid)):
+            scope = TurnScope(SessionCache(1), session_key=session_key, owner=tenant, lookup=self.lookup_for(tenant),
+                              on_state=remember)
+            async for ev in self.driver.run(TurnRequest(req, scope, response_id=rid)):
                 if "response" in ev:
                     job.response = ev["response"]
         except ApiError as err:

@@ -22,9 +22,9 @@ from cluster.core.events import Event
 from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import CacheMemory, SessionCache
 from cluster.core.turn.driver import TurnDriver
-from cluster.core.turn.turn import TurnRequest, cache_salt
+from cluster.core.turn.turn import TurnRequest, TurnScope, cache_salt
 from cluster.core.websocket.inflight import ReplicaHeld
-from cluster.core.websocket.session import TenantGate, WebSocketSession
+from cluster.core.websocket.session import ReplicaShared, TenantGate, WebSocketSession
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.request_bounds import ReplicaQueue
@@ -59,14 +59,17 @@ class TurnsService:
                  settle: Callable[[list[str]], Awaitable[bool]]) -> None:
         self.config = config
         self.driver, self.responses, self.auth, self.memory = driver, responses, auth, memory
-        self.engine, self.metrics, self.settle = engine, metrics, settle
+        self.engine, self.metrics = engine, metrics
         self.sockets: set[Socket] = set()
         self.draining = False
-        self.queued = ReplicaQueue(config.websocket.max_replica_queued_bytes)  # every socket's waiting creates
-        # Every socket's steering input and injected outputs (first audit #5: they were bounded per socket only).
-        self.held = ReplicaHeld(config.websocket.max_replica_held_bytes,
-                                sample=lambda: sum(s.session.protocol.held_bytes() for s in self.sockets))
-        self.heavy = TenantGate()  # large WebSocket creates start one at a time per tenant
+        self.shared = ReplicaShared(
+            queue=ReplicaQueue(config.websocket.max_replica_queued_bytes),
+            # Every socket's steering input and injected outputs (they were once bounded per socket only).
+            held=ReplicaHeld(config.websocket.max_replica_held_bytes,
+                             sample=lambda: sum(s.session.protocol.held_bytes() for s in self.sockets)),
+            heavy=TenantGate(),
+            settle=settle,
+        )
 
     # -- HTTP ------------------------------------------------------------------------
     async def create(self, body: object, principal: Principal, headers: Mapping[str, str],
@@ -84,15 +87,16 @@ class TurnsService:
             return self.responses.start_background(req, principal.tenant, session_key)
         events = self.driver.run(TurnRequest(
             req,
-            SessionCache(1),  # HTTP has no connection: state goes to the registry
-            session_key=session_key,
-            lookup=self.responses.lookup_for(principal.tenant),
-            on_state=self.responses.remember,
-            owner=principal.tenant,
+            TurnScope(
+                SessionCache(1),  # HTTP has no connection: state goes to the registry
+                session_key=session_key,
+                owner=principal.tenant,
+                lookup=self.responses.lookup_for(principal.tenant),
+                on_state=self.responses.remember,
+                trace_parent=telemetry.extract_headers(headers),
+            ),
             received_at=received_at,
             parsed_at=parsed_at,
-            trace_parent=telemetry.extract_headers(headers),
-            transport="http",
         ))
         first = await events.__anext__()  # an ApiError here: refused before anything was sent
         if req.stream:
@@ -151,24 +155,25 @@ class TurnsService:
                           close: CloseSocket) -> Socket:
         """An accepted socket's session (`headers` as `admit_socket` passed them), started and counted;
         drained at once on a draining replica."""
-        session = WebSocketSession(
-            self.driver,
+        scope = TurnScope(
             self.memory.socket_cache(),
             session_key=ids.session_key(session_header(headers), principal.tenant),
+            transport="websocket",
+            owner=principal.tenant,
+            lookup=self.responses.lookup_for(principal.tenant),
+            on_state=self.responses.remember,
+            trace_parent=telemetry.extract_headers(headers),
+            include_timing=headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
+        )
+        session = WebSocketSession(
+            self.driver,
+            scope,
             config=self.config.websocket,
             send=send,
             close=close,
-            lookup=self.responses.lookup_for(principal.tenant),
-            on_state=self.responses.remember,
-            owner=principal.tenant,
             admit=lambda nbytes: self.auth.admit_request(principal, nbytes),
-            trace_parent=telemetry.extract_headers(headers),
-            timing_metrics=headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
             betas=frozenset(b.strip() for b in headers.get("openai-beta", "").split(",") if b.strip()),
-            settle=self.settle,
-            replica_queue=self.queued,
-            replica_held=self.held,
-            heavy=self.heavy,
+            shared=self.shared,
         )
         socket = Socket(session, principal)
         self.metrics.socket_opened()

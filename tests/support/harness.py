@@ -63,12 +63,12 @@ class InProcessStack:
         """One turn through the driver on this stack's session cache: its final Response (a
         request the server refuses raises its ApiError)."""
         from cluster.core.turn.cache import SessionCache
-        from cluster.core.turn.turn import TurnRequest
+        from cluster.core.turn.turn import TurnRequest, TurnScope
         from cluster.protocol.requests import parse_request
 
         if cache is None:
             cache = self.cache = getattr(self, "cache", None) or SessionCache()
-        events = [ev async for ev in self.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
+        events = [ev async for ev in self.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s")))]
         return events[-1]["response"]
 
     def compaction(self, summary: str, tenant=None) -> dict:

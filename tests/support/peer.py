@@ -7,7 +7,8 @@ import json
 
 from cluster.config import WebSocketConfig
 from cluster.core.turn.cache import SessionCache
-from cluster.core.websocket.session import WebSocketSession
+from cluster.core.turn.turn import TurnScope
+from cluster.core.websocket.session import ReplicaShared, WebSocketSession
 
 TOOLS = [{"type": "function", "name": "read_file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
@@ -17,15 +18,16 @@ class Peer:
     """A client on a WebSocketSession. `sent` holds what it received except `response.queued`
     announcements (kept in `queued`: they precede their response, whatever else interleaves)."""
 
-    def __init__(self, stack, betas=frozenset(), settle=None, heavy=None, **cfg):
+    def __init__(self, stack, betas=frozenset(), settle=None, heavy=None, on_state=None, **cfg):
         self.sent = []
         self.queued = []
         self.all = []
         self.closed = None
         self.stack = stack
         self.session = WebSocketSession(
-            stack.driver, SessionCache(), session_key="conn", config=WebSocketConfig(**cfg),
-            send=self.send, close=self.close, betas=frozenset(betas), settle=settle, heavy=heavy,
+            stack.driver, TurnScope(SessionCache(), session_key="conn", transport="websocket", on_state=on_state),
+            config=WebSocketConfig(**cfg), send=self.send, close=self.close, betas=frozenset(betas),
+            shared=ReplicaShared(settle=settle, heavy=heavy),
         )
         self.session.start()
 

@@ -9,7 +9,7 @@ from cluster import telemetry
 from cluster.core.messages import EngineRequest
 from cluster.core.retry import RetryPolicy
 from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.engines.prompts import SessionPrompts
 from cluster.protocol.requests import parse_request
 from tests.support.harness import InProcessStack
@@ -19,7 +19,7 @@ TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
 
 
 async def run(stack, cache, body, owner=None):
-    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s1", owner=owner))]
+    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s1", owner=owner)))]
     return evs[-1]["response"]
 
 

@@ -5,7 +5,7 @@ it picks, and the bytes a stored response's echo keeps alive."""
 import pytest
 
 from cluster.core.turn.cache import ResponseState, _size, estimate_nbytes
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol import ids
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import (
@@ -117,7 +117,7 @@ async def _first_error(driver, body):
     from cluster.core.turn.cache import SessionCache
 
     with pytest.raises(ApiError) as err:  # refused before the response is created
-        [ev async for ev in driver.run(TurnRequest(parse_request(body), SessionCache(1), session_key="s", owner="t"))]
+        [ev async for ev in driver.run(TurnRequest(parse_request(body), TurnScope(SessionCache(1), session_key="s", owner="t")))]
     return {"code": err.value.code, "param": err.value.param}
 
 
@@ -255,8 +255,7 @@ async def test_a_response_without_an_owner_is_no_tenants_and_is_never_stored(tok
 
     stack = InProcessStack(tokenizer)
     states = []
-    [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), SessionCache(4), session_key="s",
-                                         on_state=states.append))]
+    [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), TurnScope(SessionCache(4), session_key="s", on_state=states.append)))]
     state = states[-1]
     assert state.owner is None
     store = SQLiteStore(str(tmp_path / "s.db"))
@@ -284,9 +283,8 @@ async def test_a_continuation_never_crosses_from_a_tenant_to_no_tenant(tokenizer
     stack = InProcessStack(tokenizer)
     cache = SessionCache(4)
     states = []
-    [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), cache, session_key="s", owner="default",
-                                         on_state=states.append))]
+    [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), TurnScope(cache, session_key="s", owner="default", on_state=states.append)))]
     with pytest.raises(Err) as err:  # the same cache, no tenant: as if it did not exist
         [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": "more", "previous_response_id":
-                                                            states[-1].response_id}), cache, session_key="s"))]
+                                                            states[-1].response_id}), TurnScope(cache, session_key="s")))]
     assert err.value.code == "previous_response_not_found"

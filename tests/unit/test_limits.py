@@ -8,6 +8,7 @@ import pytest
 
 from cluster.config import ModelConfig, ScriptedEngineConfig, WebSocketConfig
 from cluster.core.turn.cache import CacheMemory, ResponseState, SessionCache
+from cluster.core.turn.turn import TurnScope
 from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.base import EngineRequest, RecentKeys
 from cluster.engines.scripted import MAX_CACHED_SESSIONS, ScriptedEngine
@@ -67,7 +68,8 @@ async def test_oversized_frames_are_never_queued_and_queued_bytes_are_bounded(to
         pass
 
     cfg = WebSocketConfig(max_frame_bytes=1024, max_queued_bytes=4096, max_queued_creates=100)
-    session = WebSocketSession(stack.driver, SessionCache(), session_key="s", config=cfg, send=send, close=close)
+    session = WebSocketSession(stack.driver, TurnScope(SessionCache(), session_key="s", transport="websocket"),
+                               config=cfg, send=send, close=close)
     session.start()
     await session.on_frame(json.dumps({"type": "response.create", "input": "talk for a while"}))
     big = "x" * (1024 * 1024)

@@ -9,7 +9,7 @@ import pytest
 from cluster.core.safety.classifiers import PolicyClassifier
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.post_work import OutputTailCheck, PostWorkQueue, SafetyLedger, TurnRecord
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from cluster.serving.responses import ResponsesService
@@ -24,7 +24,7 @@ TOOLS = [{"type": "function", "name": "run_shell",
 
 async def run(stack, body, cache=None, **kw):
     cache = SessionCache() if cache is None else cache
-    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s", **kw))]
+    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s", **kw)))]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from cluster.config import TelemetryConfig
 from cluster.core.safety.classifiers import PolicyClassifier
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.post_work import PostWorkQueue, UsageMeter
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.requests import parse_request
 from tests.support.harness import CountingSafety, InProcessStack
 
@@ -56,8 +56,10 @@ def metric_points(reader):
     return out
 
 
-async def turn(stack, cache, body, **kw):
-    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="user-session-secret", **kw))]
+async def turn(stack, cache, body, received_at=None, parsed_at=None, **scope):
+    return [ev async for ev in stack.driver.run(TurnRequest(
+        parse_request(body), TurnScope(cache, session_key="user-session-secret", **scope), received_at=received_at,
+        parsed_at=parsed_at))]
 
 
 async def test_a_turn_is_one_span_tree_under_the_callers_traceparent(otel):
@@ -143,7 +145,7 @@ async def test_off_by_default_exports_nothing(tokenizer):
     assert TelemetryConfig().enabled is False
     assert telemetry.setup(TelemetryConfig(), "test") is False
     stack = InProcessStack(tokenizer)  # the global (no-op) tracer
-    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), SessionCache(), session_key="s"))]
+    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), TurnScope(SessionCache(), session_key="s")))]
     assert evs[-1]["response"]["status"] == "completed"
     assert telemetry.inject(None) is None
     assert stack.render_jobs[0].trace is None  # nothing travels when not recording

@@ -19,7 +19,7 @@ from cluster.core.render.chat_messages import COMPACTION_SUMMARY, content_text
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import compaction_item
 from cluster.core.turn.prepare import TurnSettings
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import parse_request
@@ -104,7 +104,7 @@ async def summarise(run: RunPort, settings: TurnSettings, items: Sequence[dict[s
         request = parse_request({"model": settings.model_name, "instructions": INSTRUCTIONS,
                                  "input": [{"role": "user", "content": summary_request(items, max_chars)}],
                                  "max_output_tokens": budget, "store": False})
-        turn = TurnRequest(request, SessionCache(), session_key=f"compact:{new_id('cmp')}", owner=tenant)
+        turn = TurnRequest(request, TurnScope(SessionCache(), session_key=f"compact:{new_id('cmp')}", owner=tenant))
         try:
             progress = TurnProgress()
             async for ev in run(turn):

@@ -33,8 +33,10 @@ from cluster.core.turn.stream import TurnStream
 from cluster.core.turn.turn import (
     EnginePort,
     Rendered,
+    Steps,
     Turn,
     TurnRequest,
+    TurnScope,
     TurnServices,
     TurnTiming,
 )
@@ -128,12 +130,12 @@ class TurnDriver:
         timing = TurnTiming()
         if t.received_at is not None:
             timing.started = t.received_at
-        root = self.tracer.start_span("response.create", context=t.trace_parent, kind=telemetry.SpanKind.SERVER,
+        root = self.tracer.start_span("response.create", context=t.scope.trace_parent, kind=telemetry.SpanKind.SERVER,
                                       start_time=telemetry.ns_at(timing.started))
         tctx = telemetry.context_of(root)
-        root.set_attribute("loopserve.transport", t.transport)
+        root.set_attribute("loopserve.transport", t.scope.transport)
         root.set_attribute("gen_ai.request.model", self.model_name)
-        root.set_attribute("loopserve.session", telemetry.hash_key(t.session_key))
+        root.set_attribute("loopserve.session", telemetry.hash_key(t.scope.session_key))
         if t.parsed_at is not None:
             telemetry.span_between(self.tracer, "parse", tctx, telemetry.ns_at(timing.started),
                                    telemetry.ns_at(t.parsed_at))
@@ -170,14 +172,15 @@ class TurnDriver:
             # No terminal event and no rejection: the turn was cancelled (client gone, interrupted).
             status = "rejected" if rejected else progress.status or "cancelled"
             root.set_attribute("loopserve.status", status)
-            self.metrics.turn_ended(t.transport, status)
+            self.metrics.turn_ended(t.scope.transport, status)
             root.end()
 
     async def _start(self, t: TurnRequest, timing: TurnTiming, root: Any,
                      tctx: Any) -> tuple[TurnStream, list[Event]]:
         """The turn up to its first events: the context resolved and rendered, the response
         created. Errors before `response.created` raise ApiError."""
-        req, cache, session_key, owner, agent = t.request, t.cache, t.session_key, t.owner, t.agent
+        req, scope = t.request, t.scope
+        cache, session_key, owner, lookup = scope.cache, scope.session_key, scope.owner, scope.lookup_for(req)
         self.check_model(req)
         parent: Optional[ResponseState] = None
         prev_id = req.previous_response_id
@@ -186,8 +189,8 @@ class TurnDriver:
             if parent is not None and parent.owner != owner:
                 parent = None  # another tenant's response: as if it did not exist
             found = "hit" if parent is not None else "miss"
-            if parent is None and t.lookup is not None:
-                parent = await t.lookup(prev_id)
+            if parent is None and lookup is not None:
+                parent = await lookup(prev_id)
                 found = "store" if parent is not None else "miss"
             root.set_attribute("loopserve.cache", found)
             self.metrics.cache_lookup(found)
@@ -246,18 +249,16 @@ class TurnDriver:
         asm = EventAssembler(response, stream_id=t.stream_id, seal_reasoning=seal, first_sequence=int(t.announced))
         room = st.max_model_len - rendered.engine_len
         cache_ttl_s, cache_check = await self._cache_options(t, ctx)
-        turn = Turn(request=req, response_id=response_id, model=self.model_name, session_key=session_key, owner=owner,
-                    parent=parent, context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
-                    max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), cache=cache,
-                    timing=timing, on_state=t.on_state, trace=tctx, include_timing=t.include_timing,
-                    stop=t.stop, keep_parent=t.keep_parent, agent=agent, expect_back=t.transport == "websocket",
-                    cache_ttl_s=cache_ttl_s, cache_check=cache_check)
+        turn = Turn(origin=t, response_id=response_id, model=self.model_name, session_key=session_key, parent=parent,
+                    context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
+                    max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), timing=timing,
+                    trace=tctx, cache_ttl_s=cache_ttl_s, cache_check=cache_check, steps=Steps(inbox=t.agent))
         stream = TurnStream(turn, asm, safety, self.services)
         events = asm.start()
         timing.first_event = time.perf_counter() - timing.started
         if compaction is not None:
             events += asm.compaction(compaction)
-            turn.step_output_start = len(asm.response["output"])  # the item is in the context already
+            turn.steps.output_start = len(asm.response["output"])  # the item is in the context already
         return stream, events
 
 
@@ -271,12 +272,15 @@ class TurnDriver:
         cid = options.comparison_response_id
         if not cid:
             return ttl_s, None
-        other = t.cache.get(cid)
-        if other is not None and other.owner != t.owner:
+        scope = t.scope
+        other = scope.cache.get(cid)
+        if other is not None and other.owner != scope.owner:
             other = None
-        if other is None and t.lookup is not None:
-            other = await t.lookup(cid)
+        lookup = scope.lookup_for(t.request)
+        if other is None and lookup is not None:
+            other = await lookup(cid)
         return ttl_s, compare(t.request, self.model_name, ctx.items, other, cid)
 
 
-__all__ = ["TurnDriver", "TurnSettings", "TurnTiming", "RenderPort", "EnginePort", "Rendered", "Turn", "TurnRequest"]
+__all__ = ["TurnDriver", "TurnSettings", "TurnTiming", "RenderPort", "EnginePort", "Rendered", "Turn", "TurnRequest",
+           "TurnScope"]

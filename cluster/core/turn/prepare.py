@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, NamedTuple, Optional, Protocol
 
 from cluster import telemetry
-from cluster.core.messages import RenderJob, ToolSpec
+from cluster.core.messages import RenderJob, ToolSpec, TurnTiming
 from cluster.core.render.images import ImageLimits, context_images, image_parts
 from cluster.core.render.renderer import RenderResult
 from cluster.core.render.tokenizer import kept_items, min_prompt_tokens
@@ -31,7 +31,7 @@ from cluster.core.turn.context import (
     resolve_context,
 )
 from cluster.core.turn.controls import check_output_controls
-from cluster.core.turn.turn import Rendered, TurnTiming
+from cluster.core.turn.turn import Rendered
 from cluster.protocol.errors import ApiError
 from cluster.protocol.request_bounds import RENDERED_TOOL_TYPES
 from cluster.protocol.requests import ResponsesRequest

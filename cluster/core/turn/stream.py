@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional
 from cluster import telemetry
 from cluster.core.events import Event, EventAssembler, timing_event, usage_object
 from cluster.core.messages import (
+    ENGINE_CORE_TIMINGS,
     PROMPT_BASE_MISSING,
     EngineChunk,
     EngineDone,
@@ -27,13 +28,14 @@ from cluster.core.messages import (
     TextPiece,
     TokenProgress,
     ToolCallPiece,
+    TurnTiming,
     done_of,
 )
 from cluster.core.safety.gate import TurnSafety
 from cluster.core.turn.cache_diagnostics import diagnostics
 from cluster.core.turn.controls import tool_call_limit
 from cluster.core.turn.post_work import TurnRecord
-from cluster.core.turn.turn import ENGINE_CORE_TIMINGS, Turn, TurnServices, TurnTiming
+from cluster.core.turn.turn import Turn, TurnServices
 from cluster.protocol.errors import ApiError, server_error
 from cluster.protocol.requests import parse_request
 
@@ -60,7 +62,7 @@ class TurnStream:
 
     def _usage(self, reasoning_tokens: int = 0) -> dict[str, Any]:
         t = self.turn
-        inputs, cached, outputs = t.used  # earlier steps of a multi-agent response
+        inputs, cached, outputs = t.steps.used  # earlier steps of a multi-agent response
         return usage_object(inputs + t.prompt_len, cached + t.cached_tokens, outputs + t.output_tokens,
                             reasoning_tokens)
 
@@ -182,7 +184,7 @@ class TurnStream:
             timing.session_moved = True
             self.services.metrics.session_moved()
         incomplete = "max_output_tokens" if done.finish_reason == "length" else None
-        turn.commit(asm.response["output"][turn.step_output_start:], asm.response, done.replica, engine_ran=True,
+        turn.commit(asm.response["output"][turn.steps.output_start:], asm.response, done.replica, engine_ran=True,
                     done=done)
         self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
         turn.status = "incomplete" if incomplete else "completed"
@@ -192,7 +194,7 @@ class TurnStream:
                 block_size=DIAGNOSTICS_BLOCK_SLACK)
         terminal = asm.finish(self._usage(done.reasoning_tokens), incomplete_reason=incomplete)
         self.schedule_post_work()  # before the terminal event leaves: nothing is lost if the client goes
-        if turn.include_timing:
+        if turn.origin.scope.include_timing:
             yield timing_event(turn.timing, stream_id=asm.stream_id)  # after finish_timing above
         for ev in terminal:
             yield ev
@@ -200,19 +202,19 @@ class TurnStream:
     async def _injected_outputs(self, done: EngineDone) -> Optional[list[dict[str, Any]]]:
         """A multi-agent response whose step called client tools: their injected outputs."""
         turn = self.turn
-        if turn.agent is None or done.finish_reason == "length":
+        if turn.steps.inbox is None or done.finish_reason == "length":
             return None
-        calls = [item["call_id"] for item in self.asm.response["output"][turn.step_output_start:]
+        calls = [item["call_id"] for item in self.asm.response["output"][turn.steps.output_start:]
                  if item.get("type") == "function_call"]
         if not calls:
             return None
-        return await turn.agent.collect(calls, stop=turn.stop.event if turn.stop is not None else None)
+        return await turn.steps.inbox.collect(calls, stop=turn.stop.event if turn.stop is not None else None)
 
     async def _next_step(self, done: EngineDone, injected: list[dict[str, Any]]) -> None:
         """The next engine call of a multi-agent response: its context gains this step's output
         and the injected tool outputs (rendered as a continuation: only those new items)."""
         turn, asm = self.turn, self.asm
-        parent = turn.snapshot(asm.response["output"][turn.step_output_start:len(asm.response["output"]) - len(injected)],
+        parent = turn.snapshot(asm.response["output"][turn.steps.output_start:len(asm.response["output"]) - len(injected)],
                                asm.response, done.replica, engine_ran=True, done=done)
         # A continuation of this response after its last step, with the injected tool outputs.
         req = turn.request
@@ -222,16 +224,17 @@ class TurnStream:
         context, rendered = (await preparer.prepare(step_req, parent, TurnTiming(), turn.trace, turn.owner))[:2]
         # max_output_tokens bounds the whole response; the context bounds each call.
         settings = preparer.settings
-        budget = (req.max_output_tokens or settings.default_max_tokens) - turn.used[2] - turn.output_tokens
+        budget = (req.max_output_tokens or settings.default_max_tokens) - turn.steps.used[2] - turn.output_tokens
         room = settings.max_model_len - rendered.engine_len
         turn.max_tokens = max(1, min(budget, room))
-        if not turn.step:
-            turn.first_span = (turn.context.new_start, len(turn.context.items))
-        inputs, cached, outputs = turn.used
-        turn.used = (inputs + turn.prompt_len, cached + turn.cached_tokens, outputs + turn.output_tokens)
+        steps = turn.steps
+        if not steps.count:
+            steps.first_span = (turn.context.new_start, len(turn.context.items))
+        inputs, cached, outputs = steps.used
+        steps.used = (inputs + turn.prompt_len, cached + turn.cached_tokens, outputs + turn.output_tokens)
         turn.parent, turn.context, turn.rendered = parent, context, rendered
-        turn.step += 1
-        turn.step_output_start = len(asm.response["output"])
+        steps.count += 1
+        steps.output_start = len(asm.response["output"])
         turn.cached_tokens = turn.output_tokens = 0
 
     async def _generate_step(self, step: "_Step") -> AsyncIterator[Event]:
@@ -342,7 +345,7 @@ class TurnStream:
             turn.cached_tokens = done.cached_tokens
         if discard:
             self.asm.discard_output()
-        turn.commit(self.asm.response["output"][turn.step_output_start:], self.asm.response,
+        turn.commit(self.asm.response["output"][turn.steps.output_start:], self.asm.response,
                     done.replica if done else "", engine_ran=True)
         self.services.metrics.turn_timed(turn.finish_timing(), turn.output_tokens)
         turn.status = "incomplete"

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from cluster import telemetry
-from cluster.core.messages import (
+from cluster.core.messages import (  # noqa: F401 - TurnTiming: the driver's exports
     EngineChunk,
     EngineDone,
     EngineRequest,
     PriorOutput,
     ToolSpec,
+    TurnTiming,
 )
 from cluster.core.turn.cache import (
     RenderedPrefix,
@@ -82,53 +83,6 @@ class Rendered:
     def engine_len(self) -> int:
         """The prompt's length as the engine counts it (a vision model's images expanded)."""
         return self.prompt_len + self.image_tokens
-
-
-@dataclass
-class TurnTiming:
-    """Server-side timings of one turn, in seconds (for stats and benchmarks)."""
-
-    response_id: str = ""
-    started: float = field(default_factory=time.perf_counter)
-    resolve: float = 0.0
-    render: float = 0.0
-    first_event: float = 0.0
-    first_token: float = 0.0
-    engine: float = 0.0
-    total: float = 0.0
-    tool_wait: float = 0.0  # a multi-agent response waiting for injected tool outputs (client time)
-    full_render: bool = False
-    new_items: int = 0
-    context_items: int = 0
-    prompt_tokens: int = 0
-    prompt_tokens_sent: int = 0  # of them, what travelled to the engine (the rest: its session's base)
-    cached_tokens: int = 0
-    delta_tokens: int = 0
-    safety_input_ms: float = 0.0  # the input check's own duration (it overlaps prefill)
-    safety_input_chars: int = 0
-    safety_output_chars: int = 0
-    engine_replica: str = ""
-    engine_inner: float = 0.0  # the engine replica's own time for the request (engine - this = hop cost)
-    engine_first_token: float = 0.0  # engine-side time to the first output token (prefill)
-    # From the engine call to the replica starting it (router, handle, queue): the rest of
-    # `engine - engine_inner` is the way back (the stream's items and its end).
-    engine_dispatch: float = 0.0
-    # Inside the engine (vLLM's core marks, `CoreTimeline`): 0 for engines without them.
-    engine_core_in: float = 0.0
-    engine_core_queued: float = 0.0
-    engine_core_prefill: float = 0.0
-    engine_core_decode: float = 0.0
-    engine_core_out: float = 0.0
-    session_moved: bool = False  # the previous turn ran on another engine replica
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "started"}
-
-
-# The timings' fields a `CoreTimeline` fills, in its fields' order (to core, queued, prefill,
-# decode, back).
-ENGINE_CORE_TIMINGS = ("engine_core_in", "engine_core_queued", "engine_core_prefill", "engine_core_decode",
-                       "engine_core_out")
 
 
 class Stop:
@@ -230,43 +184,70 @@ class TurnServices:
     preparer: Optional["StepPreparer"] = None  # prepares each later engine call of a multi-agent response
 
 
+class ToolOutputInbox(Protocol):
+    """A multi-agent response's tool outputs, injected while it runs (websocket/agent.py)."""
+
+    async def collect(self, calls: list[str], stop: Optional[asyncio.Event] = None) -> Optional[list[dict[str, Any]]]: ...
+
+
+@dataclass
+class Steps:
+    """A response's engine calls: one for most; a multi-agent response calls the engine again
+    each time its `inbox` answers the client tool calls of the step before."""
+
+    inbox: Optional[ToolOutputInbox] = None
+    count: int = 0  # engine calls before the current one
+    output_start: int = 0  # where the current step's output begins in the response's output
+    first_span: tuple[int, int] = (0, 0)  # (input_start, output_start) of the first step's context
+    used: tuple[int, int, int] = (0, 0, 0)  # input, cached and output tokens of the earlier steps
+
+
 @dataclass
 class Turn:
-    """One turn: the request resolved against its parent and rendered, then what it produced."""
+    """One turn: the request resolved against its parent and rendered, then what it produced.
+    What the transport handed in (`origin`, with its scope) is held, not copied."""
 
-    request: ResponsesRequest
+    origin: "TurnRequest"
     response_id: str
     model: str
     session_key: str  # the engine routing key (the chain's affinity key)
-    owner: Optional[str]
     parent: Optional[ResponseState]
     context: ResolvedContext
     rendered: Rendered
     render_key: RenderKey
     tools: list[ToolSpec]
     max_tokens: int
-    cache: SessionCache
     timing: TurnTiming
-    on_state: Optional[Callable[[ResponseState], None]] = None
     trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
-    include_timing: bool = False  # send Codex's `responsesapi.websocket_timing` event before the terminal one
-    stop: Optional[Stop] = None  # set by `response.interrupt` / `response.steer` (WebSocket mode)
-    keep_parent: bool = False  # a fork from another WebSocket lane: its failure leaves the parent cached
-    expect_back: bool = False  # its socket stays open: the engine keeps the session's prefix through the pause
     cache_ttl_s: float = 0.0  # the retention its client asked for (`prompt_cache_options.ttl`), as applied
     cache_check: Optional[Any] = None  # `prompt_cache_options.comparison_response_id`: diagnostics.CacheCheck
-    # Multi-agent responses (agent.py): the inbox of injected tool outputs, and how the driver
-    # prepares the next engine call once a step's calls are answered.
-    agent: Optional[Any] = None
-    step: int = 0  # engine calls before the current one
-    step_output_start: int = 0  # where the current step's output begins in the response's output
-    first_span: tuple[int, int] = (0, 0)  # (input_start, output_start) of the first step's context
-    used: tuple[int, int, int] = (0, 0, 0)  # input, cached and output tokens of the earlier steps
+    steps: Steps = field(default_factory=Steps)
     # What it produced
     output_tokens: int = 0
     cached_tokens: int = 0
     status: str = "cancelled"  # until a terminal event says otherwise
     state: Optional[ResponseState] = None
+
+    @property
+    def request(self) -> ResponsesRequest:
+        return self.origin.request
+
+    @property
+    def owner(self) -> Optional[str]:
+        return self.origin.scope.owner
+
+    @property
+    def cache(self) -> SessionCache:
+        return self.origin.scope.cache
+
+    @property
+    def stop(self) -> Optional["Stop"]:
+        return self.origin.stop
+
+    @property
+    def expect_back(self) -> bool:
+        """Its socket stays open: the engine keeps the session's prefix through the pause."""
+        return self.origin.scope.transport == "websocket"
 
     @property
     def prompt_len(self) -> int:
@@ -276,7 +257,8 @@ class Turn:
     @property
     def engine_id(self) -> str:
         """The engine request id of the current step (each engine call needs its own)."""
-        return self.response_id if not self.step else f"{self.response_id}.{self.step}"
+        step = self.steps.count
+        return self.response_id if not step else f"{self.response_id}.{step}"
 
     def engine_request(self, *, whole: bool = False) -> EngineRequest:
         """The engine call; a continuation whose prompt extends its parent's sends only the tail."""
@@ -315,7 +297,7 @@ class Turn:
 
     def evict_parent(self) -> None:
         """A failed turn: the next try starts from a fresh lookup of its parent."""
-        if self.request.previous_response_id and not self.keep_parent:
+        if self.request.previous_response_id and not self.origin.keep_parent:
             self.cache.evict(self.request.previous_response_id)
 
     def commit(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
@@ -324,8 +306,9 @@ class Turn:
         current step's (the whole response's output is in `response`)."""
         state = self.state = self.snapshot(output, response, replica, engine_ran, done)
         self.cache.put(state)
-        if self.on_state:
-            self.on_state(state)
+        on_state = self.origin.scope.on_state
+        if on_state is not None:
+            on_state(state)
         return state
 
     def snapshot(self, output: list[dict[str, Any]], response: dict[str, Any], replica: str = "",
@@ -342,7 +325,8 @@ class Turn:
             prior = PriorOutput(rendered.generation_token_ids, done.output_token_ids,
                                 done.output_text)
         # A multi-step response's own input and output start where its first step's did.
-        input_start, output_start = self.first_span if self.step else (ctx.new_start, len(ctx.items))
+        steps = self.steps
+        input_start, output_start = steps.first_span if steps.count else (ctx.new_start, len(ctx.items))
         return ResponseState(
             response_id=self.response_id,
             model=self.model,
@@ -375,24 +359,40 @@ class Turn:
 Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
 
 
-@dataclass
-class TurnRequest:
-    """One request for a response, as a transport hands it to the driver."""
+@dataclass(frozen=True)
+class TurnScope:
+    """What every turn of one connection shares, built once where it opens: a WebSocket, or the
+    one HTTP request (a per-connection option is one field here)."""
 
-    request: ResponsesRequest
     cache: SessionCache  # the connection's (WebSocket) or a one-turn cache (HTTP)
     session_key: str  # keeps the session's turns on the engine replica holding its prefix
     transport: str = "http"  # "http" | "websocket"
     owner: Optional[str] = None  # the tenant
     lookup: Optional[Lookup] = None  # a parent not in `cache` (the store, the replica's registry)
     on_state: Optional[Callable[[ResponseState], None]] = None  # the new state, before the terminal event
+    trace_parent: Any = None  # an incoming `traceparent`: each turn is one span tree under it
+    include_timing: bool = False  # send Codex's timing event
+
+    def lookup_for(self, request: ResponsesRequest) -> Optional[Lookup]:
+        """Where a parent not in the cache is looked up. WebSocket mode: a `store: false`
+        request continues only what its connection holds (docs/protocol.md)."""
+        if self.transport == "websocket" and request.store is False:
+            return None
+        return self.lookup
+
+
+@dataclass
+class TurnRequest:
+    """One request for a response: the request, the scope it came on, and what this one carries
+    (a per-request option is a field of `ResponsesRequest`, or one here if the wire has none)."""
+
+    request: ResponsesRequest
+    scope: TurnScope
     stream_id: Optional[str] = None  # the WebSocket lane, echoed on every event
     response_id: Optional[str] = None  # given in advance (a `response.queued` announced it, or a background start)
     announced: bool = False  # a `response.queued` (its sequence number 0) went out: its events count on from 1
     received_at: Optional[float] = None  # perf_counter when the request arrived (the turn's time counts from it)
     parsed_at: Optional[float] = None
-    trace_parent: Any = None  # an incoming `traceparent`: the turn is one span tree under it
-    include_timing: bool = False  # send Codex's timing event
     stop: Optional[Stop] = None  # interrupt or steer
     keep_parent: bool = False  # a failed fork from another lane leaves that lane's response cached
-    agent: Optional[Any] = None  # a multi-agent response's inbox of injected tool outputs
+    agent: Optional[ToolOutputInbox] = None  # a multi-agent response's inbox of injected tool outputs

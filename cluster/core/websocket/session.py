@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Awaitable, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
 from cluster.core.events import Event
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
-from cluster.core.turn.turn import Lookup, TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.core.websocket.inflight import ReplicaHeld, WsCreate
 from cluster.core.websocket.protocol import (
     MAX_ACTIVE,
@@ -43,54 +44,54 @@ Send = Callable[[Event], Awaitable[None]]
 CloseSocket = Callable[[int, str], Awaitable[None]]
 
 
+@dataclass
+class ReplicaShared:
+    """What every socket of one replica shares: the bounds on what waits and is held across them,
+    the per-tenant gate for large creates, and the store's settling before a server close."""
+
+    queue: Optional[ReplicaQueue] = None  # bytes of creates waiting on every socket's lanes
+    held: Optional[ReplicaHeld] = None  # steering input and injected outputs across its sockets
+    heavy: Optional["TenantGate"] = None  # one large create starting at a time per tenant
+    # Waits for these responses' post-work (their store writes) before a close tells the client
+    # to reconnect: the replica it reconnects to reads its `previous_response_id` from the store.
+    settle: Optional[Callable[[list[str]], Awaitable[bool]]] = None
+
+
 class WebSocketSession:
     def __init__(
         self,
         driver: TurnDriver,
-        cache: SessionCache,
+        scope: TurnScope,
         *,
-        session_key: str,
         config: WebSocketConfig,
         send: Send,
         close: CloseSocket,
-        lookup: Optional[Lookup] = None,
-        on_state: Optional[Callable[[Any], None]] = None,
-        owner: Optional[str] = None,
         admit: Optional[Callable[[int], None]] = None,
-        trace_parent: Any = None,
-        timing_metrics: bool = False,
         betas: frozenset[str] = frozenset(),
-        settle: Optional[Callable[[list[str]], Awaitable[bool]]] = None,
-        replica_queue: Optional[ReplicaQueue] = None,
-        replica_held: Optional[ReplicaHeld] = None,
-        heavy: Optional["TenantGate"] = None,
+        shared: Optional[ReplicaShared] = None,
     ) -> None:
+        if scope.transport != "websocket":
+            raise ValueError("a WebSocket session's turns need a scope with transport='websocket'")
+        shared = shared or ReplicaShared()
         self.driver = driver
-        self.cache = cache
-        self.session_key = session_key
+        self.scope = scope  # every turn's: its cache, session key, tenant, lookup, trace parent
+        self.cache = scope.cache
+        self.session_key = scope.session_key
         self.config = config
         self.protocol = WebSocketProtocol(config, model_name=driver.model_name,
-                                          max_input_items=driver.settings.max_input_items, cache=cache,
+                                          max_input_items=driver.settings.max_input_items, cache=scope.cache,
                                           now=time.monotonic(), sampling=driver.settings.sampling_defaults,
-                                          replica_queue=replica_queue, admit=admit, replica_held=replica_held)
+                                          replica_queue=shared.queue, admit=admit, replica_held=shared.held)
         self._send = send
         self._close = close
-        self._lookup = lookup
-        self._on_state = on_state  # e.g. publish `store: true` responses replica-wide
-        self._owner = owner
         self._admit = admit  # per-key rate limits for each response.create, told its bytes (raises ApiError)
-        self._trace_parent = trace_parent  # a `traceparent` sent on the upgrade: every turn joins that trace
-        # `x-responsesapi-include-timing-metrics` on the upgrade: each turn sends Codex's timing event.
-        self._timing_metrics = timing_metrics
         self._betas = betas  # `OpenAI-Beta` values on the upgrade (multi-agent responses need theirs)
-        # Waits for these responses' post-work (their store writes) before a drain tells the client
-        # to reconnect: the replica it reconnects to reads its `previous_response_id` from the store.
-        self._settle = settle
+        self._settle = shared.settle
+        self._heavy = shared.heavy
         self._closing = self._close_sent = False
         self._timer: Optional[asyncio.Task] = None
         self._lane_tasks: dict[str, asyncio.Task] = {}
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
-        self._heavy = heavy  # the replica's one-large-create-start-at-a-time-per-tenant gate
         self.responses = 0
 
     @property
@@ -224,7 +225,7 @@ class WebSocketSession:
         # items): one tenant starts one such create at a time on this replica, so others wait
         # behind one of its blocks, not behind one per socket it holds (16 of its sockets whose
         # lanes came free together parsed their held frames in one pass of the loop: 0.6 s).
-        release = await self._heavy.enter(self._owner or "") if self._heavy is not None and create.large else None
+        release = await self._heavy.enter(self.scope.owner or "") if self._heavy is not None and create.large else None
         error: Optional[ApiError] = None
         try:
             # A held frame is parsed here, its input's errors raised.
@@ -237,17 +238,10 @@ class WebSocketSession:
             self.protocol.turn_admitted(create, req, body)
             async for ev in self.driver.run(TurnRequest(
                 req,
-                self.cache,
-                session_key=self.session_key,
-                lookup=self._lookup if req.store is not False else None,
-                on_state=self._on_state,
+                self.scope,
                 stream_id=req.stream_id,
-                owner=self._owner,
                 received_at=create.received_at,
                 parsed_at=time.perf_counter(),
-                trace_parent=self._trace_parent,
-                transport="websocket",
-                include_timing=self._timing_metrics,
                 response_id=create.response_id,
                 announced=create.response_id is not None,  # the id came with its `response.queued`
                 stop=create.stop,

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.compaction import REQUEST, summary_request
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from cluster.protocol.sealing import Sealer, new_key
@@ -104,7 +104,7 @@ async def test_compact_keeps_user_messages_and_writes_one_sealed_summary(stack):
     assert "main.py" not in item["encrypted_content"]
     # continuing from the compacted window: the model reads the summary, as a system message
     evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(
-        {"input": out["output"] + [{"role": "user", "content": "Go on."}]}), SessionCache(), "s", owner="t1"))]
+        {"input": out["output"] + [{"role": "user", "content": "Go on."}]}), TurnScope(SessionCache(), session_key="s", owner="t1")))]
     assert evs[-1]["type"] == "response.completed"
     assert ("Summary of the earlier conversation:\nThe user wants main.py fixed; it was read and returns 0."
             in prompt_text(stack))
@@ -129,7 +129,7 @@ async def test_forged_or_foreign_compaction_never_reaches_the_model(stack):
     for bad, owner in ((forged, "t1"), (tampered, "t1"), (item, "t2")):
         with pytest.raises(ApiError) as e:
             [ev async for ev in stack.driver.run(TurnRequest(parse_request(
-                {"input": [{"role": "user", "content": "x"}, bad]}), SessionCache(), "s", owner=owner))]
+                {"input": [{"role": "user", "content": "x"}, bad]}), TurnScope(SessionCache(), session_key="s", owner=owner)))]
         assert e.value.code == "invalid_encrypted_content" and e.value.param == "input[1].encrypted_content"
         assert item["id"] in e.value.message
         with pytest.raises(ApiError):  # nor into a new compaction
@@ -154,7 +154,7 @@ async def test_reasoning_round_trips_sealed_without_a_store(tiny_model_dir):
 
     async def turn(body, owner="t1"):
         req = parse_request({"store": False, "tools": TOOLS, **body})
-        return [ev async for ev in stack.driver.run(TurnRequest(req, SessionCache(), "s", owner=owner))][-1]
+        return [ev async for ev in stack.driver.run(TurnRequest(req, TurnScope(SessionCache(), session_key="s", owner=owner)))][-1]
 
     user = {"role": "user", "content": "Check main.py"}
     first = await turn({"input": [user], "include": ["reasoning.encrypted_content"]})
@@ -223,7 +223,7 @@ async def test_a_turn_compacts_its_context_past_the_threshold(stack):
 
     async def turn(body):
         req = parse_request({"tools": tools, **body})
-        return [ev async for ev in stack.driver.run(TurnRequest(req, cache, "s", owner="t1"))]
+        return [ev async for ev in stack.driver.run(TurnRequest(req, TurnScope(cache, session_key="s", owner="t1")))]
 
     first = (await turn({"input": "Fix main.py please."}))[-1]["response"]
     call = first["output"][0]
@@ -262,10 +262,10 @@ async def test_compaction_saves_a_turn_that_would_not_fit(tokenizer):
                       {"type": "function_call_output", "call_id": "c1", "output": "line of text " * 400},
                       {"role": "user", "content": "Now what?"}]}
     with pytest.raises(ApiError) as e:
-        [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), SessionCache(), "s"))]
+        [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(SessionCache(), session_key="s")))]
     assert e.value.code == "context_length_exceeded"
     body["context_management"] = [{"type": "compaction", "compact_threshold": 500}]
-    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), SessionCache(), "s"))]
+    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(SessionCache(), session_key="s")))]
     assert evs[-1]["response"]["status"] == "completed"
     assert evs[-1]["response"]["output"][0]["type"] == "compaction"
 

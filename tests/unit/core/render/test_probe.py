@@ -22,7 +22,7 @@ from cluster.core.render.probe import SCENARIOS, TOOLS, _check, _State, format_s
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import normalize_tools
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.requests import parse_request
 from tests.support.harness import InProcessStack
 
@@ -215,7 +215,7 @@ async def test_continuations_reuse_the_generated_tokens(tokenizer):
                 {"type": "function_call_output", "call_id": resp["output"][0]["call_id"], "output": f"line {n}\n" * 50}]}
         else:  # ... and answers after a tool result
             body = {"previous_response_id": resp["id"], "tools": TOOL, "input": f"now step {n}"}
-        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s1"))]
+        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s1")))]
         resp = evs[-1]["response"]
         prompts.append((resp["usage"]["input_tokens"], resp["usage"]["input_tokens_details"]["cached_tokens"],
                         resp["usage"]["output_tokens"]))
@@ -275,7 +275,7 @@ async def test_a_sampled_full_render_catches_what_the_probe_cannot(tiny_model_di
     async def turn(new):
         nonlocal prev
         req = parse_request({"input": new, "tools": TOOL, "previous_response_id": prev})
-        final = [ev async for ev in stack.driver.run(TurnRequest(req, cache, "s"))][-1]["response"]
+        final = [ev async for ev in stack.driver.run(TurnRequest(req, TurnScope(cache, session_key="s")))][-1]["response"]
         prev = final["id"]
         await queue.drain()
         return final
@@ -315,7 +315,7 @@ async def test_the_sampled_check_agrees_with_exact_deltas_when_tools_are_rendere
     cache, prev, new = SessionCache(), None, "Read the readme."
     for i in range(4):
         req = parse_request({"input": new, "tools": tools, "previous_response_id": prev})
-        resp = [ev async for ev in stack.driver.run(TurnRequest(req, cache, "s"))][-1]["response"]
+        resp = [ev async for ev in stack.driver.run(TurnRequest(req, TurnScope(cache, session_key="s")))][-1]["response"]
         await queue.drain()
         prev, new = resp["id"], [{"type": "function_call_output", "call_id": o["call_id"], "output": f"file {i}"}
                                  for o in resp["output"] if o["type"] == "function_call"]

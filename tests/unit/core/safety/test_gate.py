@@ -15,7 +15,7 @@ from cluster.core.safety.classifiers import (
 from cluster.core.safety.gate import OutputMonitor
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.post_work import PostWorkQueue, TurnRecord, UsageMeter
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from tests.support.harness import CountingSafety, InProcessStack
@@ -28,7 +28,7 @@ ANSWER = ("Here is the plan. First we read the config and the tests. " * 3
 
 async def run(stack, body, cache=None):
     cache = SessionCache() if cache is None else cache
-    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
+    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s")))]
 
 
 def test_classifiers():
@@ -110,7 +110,7 @@ async def test_the_input_check_starts_after_the_engine_request_went_out(tokenize
         assert p.types()[-1] == "response.completed"
     else:
         events = []
-        async for ev in stack.driver.run(TurnRequest(parse_request(body), SessionCache(), session_key="s")):
+        async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(SessionCache(), session_key="s"))):
             events.append(ev)
             await asyncio.sleep(0)  # a transport's send gives the loop away between events
         assert events[-1]["type"] == "response.completed"

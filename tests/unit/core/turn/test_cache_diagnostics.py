@@ -6,7 +6,7 @@ from openai.types.responses import Response
 
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.cache_diagnostics import CacheCheck, common_prefix, diagnostics
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from tests.support.harness import InProcessStack
@@ -22,7 +22,7 @@ def stack(tokenizer):
 
 
 async def run(stack, cache, body, **kw) -> Response:
-    events = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s1", **kw))]
+    events = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s1", **kw)))]
     return Response.model_validate(events[-1]["response"])
 
 

@@ -9,7 +9,7 @@ from cluster.core.render.tokenizer import renderer_for
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.context import normalize_tools
 from cluster.core.turn.controls import check_output_controls, tool_call_limit
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.engines.output_parser import TOOL_FORMATS
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
@@ -85,7 +85,7 @@ async def test_truncation_auto_drops_the_oldest_turns(tokenizer):
         body = {"input": f"turn {n} " + "words " * 100, "truncation": "auto"}
         if resp is not None:
             body["previous_response_id"] = resp["id"]
-        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
+        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s")))]
         resp = evs[-1]["response"]
         assert resp["status"] in ("completed", "incomplete") and resp["truncation"] == "auto"
         assert resp["usage"]["input_tokens"] < 1200
@@ -95,7 +95,7 @@ async def test_truncation_auto_drops_the_oldest_turns(tokenizer):
     # without truncation the same chain is refused
     body = {"input": "more " * 300, "previous_response_id": resp["id"]}
     with pytest.raises(ApiError) as err:
-        [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
+        [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s")))]
     assert err.value.code == "context_length_exceeded"
 
 
@@ -106,13 +106,13 @@ async def test_a_warm_up_prefills_the_engine(tokenizer):
         stack = InProcessStack(tokenizer)
         cache = SessionCache()
         body = {"input": "context " * 200, "instructions": "Be brief.", "tools": TOOLS, **warm}
-        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
+        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s")))]
         assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.completed"]
         warm_resp = evs[-1]["response"]
         assert warm_resp["output"] == [] and warm_resp["usage"]["output_tokens"] == 0
         assert len(stack.engine_requests) == 1 and stack.engine_requests[0].max_tokens == 1
         body = {"previous_response_id": warm_resp["id"], "input": "go", "instructions": "Be brief.", "tools": TOOLS}
-        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s"))]
+        evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s")))]
         usage = evs[-1]["response"]["usage"]
         assert usage["input_tokens_details"]["cached_tokens"] >= warm_resp["usage"]["input_tokens"] - 8
 
@@ -124,8 +124,7 @@ async def test_truncation_work_is_bounded_by_the_context_not_the_body(tokenizer)
         items += [{"type": "message", "role": "user", "content": f"turn {n} " + "words " * 30},
                   {"type": "message", "role": "assistant", "content": "ok"}]
     items.append({"type": "message", "role": "user", "content": "and now?"})
-    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": items, "truncation": "auto"}),
-                                               SessionCache(), session_key="s"))]
+    evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request({"input": items, "truncation": "auto"}), TurnScope(SessionCache(), session_key="s")))]
     assert evs[-1]["response"]["usage"]["input_tokens"] < 1200
     full = [job for job in stack.render_jobs if not job.delta]
     # the whole body once (it did not fit), then renders of the newest turns only

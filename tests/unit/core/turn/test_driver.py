@@ -7,7 +7,7 @@ from contextlib import aclosing
 import pytest
 
 from cluster.core.turn.cache import SessionCache
-from cluster.core.turn.turn import TurnRequest
+from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from tests.support.harness import InProcessStack
@@ -22,7 +22,7 @@ def stack(tokenizer):
 
 
 async def run(stack, cache, body, **kw):
-    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), cache, session_key="s1", **kw))]
+    return [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s1", **kw)))]
 
 
 def terminal(events):
@@ -142,7 +142,7 @@ async def test_max_output_tokens_makes_the_response_incomplete(stack):
 async def test_state_is_cached_before_the_terminal_event(stack):
     cache = SessionCache()
     seen = {}
-    async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), cache, session_key="s")):
+    async for ev in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), TurnScope(cache, session_key="s"))):
         if ev["type"] == "response.completed":
             seen["cached"] = ev["response"]["id"] in cache
     assert seen["cached"] is True
@@ -152,7 +152,7 @@ async def test_cancelling_a_turn_stops_the_engine(tokenizer):
     stack = InProcessStack(tokenizer, tokens_per_second=20)
 
     async def consume():
-        async for _ in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), SessionCache(), session_key="s")):
+        async for _ in stack.driver.run(TurnRequest(parse_request({"input": "hi"}), TurnScope(SessionCache(), session_key="s"))):
             pass
 
     task = asyncio.create_task(consume())

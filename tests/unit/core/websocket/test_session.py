@@ -130,13 +130,15 @@ async def test_disconnect_cancels_generation(tokenizer):
 
 async def test_store_true_responses_are_published_store_false_are_not(stack):
     published = []
-    p = Peer(stack)
-    p.session._on_state = published.append
-    await p.frame({"type": "response.create", "input": "a"})
+    p = Peer(stack, on_state=published.append)
     await p.frame({"type": "response.create", "input": "b", "store": False})
     await p.idle()
+    assert not p.session.stored  # closing it may free the session's engine KV
+    await p.frame({"type": "response.create", "input": "a"})
+    await p.idle()
     stored = [s for s in published if s.store]
-    assert len(stored) == 1 and stored[0].response_id == p.terminals()[0]["id"]
+    assert len(stored) == 1 and stored[0].response_id == p.terminals()[1]["id"]
+    assert p.session.stored  # another connection may continue it: its KV stays
     await p.session.shutdown()
 
 
