@@ -84,6 +84,7 @@ class RenderJob:
     anchor_items: Sequence[Item] = ()  # delta: the last rendered message ...
     new_items: Sequence[Item] = ()  # ... and the items after it
     anchor_start: int = 0  # delta: index of the anchor in the context
+    history_roles: frozenset = frozenset()  # delta: the chat roles of the context before the anchor's end
     prior: Optional[PriorOutput] = None  # delta: new_items starts with the output these tokens are
     reasoning_effort: Optional[str] = None  # the chat template's reasoning-effort argument
     # Tests and debugging: check a delta against a full render of `verify_items`.

@@ -33,8 +33,9 @@ from cluster.protocol.sealing import Sealer
 
 class InProcessStack:
     def __init__(self, tokenizer, *, verify: bool = True, max_model_len: int = 32768, safety=None,
-                 post_work=None, chunk_chars: int = 256, tracer=None, metrics=None, **scripted: Any) -> None:
-        self.renderer = renderer_for(tokenizer)
+                 post_work=None, chunk_chars: int = 256, tracer=None, metrics=None, analysis: bool = True,
+                 **scripted: Any) -> None:
+        self.renderer = renderer_for(tokenizer, analysis=analysis)
         backend = tokenizer.backend_tokenizer
         self.engine = ScriptedEngine(
             ModelConfig(max_model_len=max_model_len),

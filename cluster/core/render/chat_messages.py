@@ -118,6 +118,22 @@ def messages_from_items(items: Sequence[dict[str, Any]],
     return messages, starts
 
 
+# The chat role each item type becomes in `messages_from_items` (a message: its own role).
+_ITEM_ROLES = {"reasoning": "assistant", "function_call": "assistant", "function_call_output": "tool",
+               "compaction": "system"}
+
+
+def item_roles(items: Sequence[dict[str, Any]]) -> frozenset[str]:
+    """The chat roles `items` become, without building their messages."""
+    roles = set()
+    for item in items:
+        kind = item.get("type", "message")
+        role = item.get("role") if kind == "message" else _ITEM_ROLES.get(kind)
+        if role is not None:
+            roles.add("system" if role == "developer" else role)
+    return frozenset(roles)
+
+
 def _attach_reasoning(message: Message, text: str) -> None:
     # Both names templates read (Qwen3: reasoning_content; others: reasoning).
     message["reasoning_content"] = message["reasoning"] = text

@@ -22,8 +22,8 @@ vLLM's `MistralTokenizer`); the delta logic is the same on both.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from cluster.core.messages import PriorOutput, RenderJob
 from cluster.core.render.chat_messages import Message, message_kind, messages_from_items
@@ -86,6 +86,36 @@ class RenderResult:
         return len(self.appended) + len(self.generation)
 
 
+@dataclass
+class TemplateHazards:
+    """What reading the chat template found content-dependent (template_analysis.py), by role."""
+
+    followed: bool = True  # False: it uses what the analysis cannot follow, nothing renders as a delta
+    in_context: set[str] = field(default_factory=set)
+    refused_adds: set[str] = field(default_factory=set)
+    where: list[str] = field(default_factory=list)  # what was found, for the log and the stats
+    # `loop.last` was taken as constant for assistant messages: a window ending with one renders in full.
+    assumes_input_last: bool = False
+    digest: str = ""  # the template's sha256 (what a mismatch report names)
+
+    def refusal(self, history_roles: Iterable[str], window_roles: Iterable[str], added_roles: Iterable[str],
+                last_role: Optional[str]) -> Optional[str]:
+        """Why a delta must render in full (None: the AST allows it)."""
+        if not self.followed:
+            return "template_not_analysable"
+        if self.in_context and not self.in_context.isdisjoint({*history_roles, *window_roles}):
+            return "content_dependent_in_context"
+        if self.refused_adds.intersection(added_roles):
+            return "content_dependent_state"
+        if last_role == "assistant" and self.assumes_input_last:
+            return "window_ends_with_assistant"
+        return None
+
+    def summary(self) -> dict:
+        return {"followed": self.followed, "in_context": sorted(self.in_context),
+                "refused_adds": sorted(self.refused_adds), "where": self.where[:20]}
+
+
 class IncrementalRenderer:
     """Chat template + tokenizer, rendering only what is new when it can."""
 
@@ -104,6 +134,10 @@ class IncrementalRenderer:
         self.reused_outputs = 0
         # Delta steps the start-up probe proved exact (None: no probe ran, trust the local checks).
         self.proven: Optional[frozenset] = None
+        # What reading the template's AST found content-dependent (None: not analysed, or no Jinja
+        # template, as mistral_common's encoder): deltas it refuses render in full.
+        self.hazards: Optional[TemplateHazards] = None
+        self.startup_ms: dict[str, float] = {}  # the analysis's and the probe's start-up cost
         self.probe_report: Optional[Any] = None  # probe.ProbeReport
         self.fallbacks: dict[str, int] = {}  # reason -> delta jobs rendered fully
         self.last_fallback = ""
@@ -119,7 +153,9 @@ class IncrementalRenderer:
         report = self.probe_report
         return {"full_renders": self.full_renders, "delta_renders": self.delta_renders,
                 "reused_outputs": self.reused_outputs, "fallbacks": dict(self.fallbacks),
-                "probe": report.summary() if report is not None else None}
+                "probe": report.summary() if report is not None else None,
+                "template_analysis": self.hazards.summary() if self.hazards is not None else None,
+                "startup_ms": dict(self.startup_ms)}
 
     def reset_counters(self) -> None:
         self.full_renders = self.delta_renders = self.reused_outputs = 0
@@ -192,17 +228,26 @@ class IncrementalRenderer:
         tools: Optional[list[dict[str, Any]]],
         prior: Optional[PriorOutput] = None,
         effort: Optional[str] = None,
+        history_roles: frozenset = frozenset(),
     ) -> Optional[RenderResult]:
         """Tokens for `new_items` appended after a cached prefix; None if not provably exact.
 
         `prior`: the previous turn's generation prompt and generated tokens; `new_items`
-        then starts with that turn's output items.
+        then starts with that turn's output items. `history_roles`: the chat roles of the
+        context up to the anchor (a content-dependent template refuses some of them).
         """
         apply = self._applier(tools, effort)
         tools = tools or None
         system = self._system(instructions)
         anchor_msgs, _ = self._messages(anchor_items)
         both_msgs, both_starts = self._messages(list(anchor_items) + list(new_items))
+        if self.hazards is not None:
+            why = self.hazards.refusal(history_roles, {m["role"] for m in both_msgs},
+                                       {m["role"] for m in both_msgs[len(anchor_msgs):]},
+                                       both_msgs[-1]["role"] if both_msgs else None)
+            if why is not None:
+                self._fallback(why, delta_steps(bool(system), bool(tools), prior is not None, both_msgs))
+                return None
         images = self._images(new_items)
         if prior is not None:
             res = self._delta_reusing(system, anchor_msgs, both_msgs, both_starts, anchor_start, tools, prior, apply,
@@ -278,7 +323,7 @@ def render_job(renderer: IncrementalRenderer, job: RenderJob) -> tuple[Optional[
     if not job.delta:
         return renderer.full(job.items, job.instructions, job.tools, job.reasoning_effort), False
     res = renderer.delta(job.anchor_items, job.new_items, job.anchor_start, job.instructions, job.tools, job.prior,
-                         job.reasoning_effort)
+                         job.reasoning_effort, job.history_roles)
     if res is not None and job.verify_items is not None:
         full = renderer.full(job.verify_items, job.instructions, job.tools, job.reasoning_effort)
         want, got = full.assemble(None)[1], res.assemble(job.verify_prefix)[1]

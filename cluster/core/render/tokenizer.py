@@ -23,6 +23,7 @@ measures 0, and the floor is its text alone.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -35,7 +36,8 @@ from cluster.core.render.images import (
 )
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
-from cluster.core.render.renderer import IncrementalRenderer
+from cluster.core.render.renderer import IncrementalRenderer, TemplateHazards
+from cluster.core.render.template_analysis import analyze as analyze_template
 
 log = logging.getLogger("loopserve.render")
 
@@ -87,11 +89,13 @@ def _fast_encode(backend) -> Callable[[str], list[int]]:
 
 
 _PROBED: dict[tuple, ProbeReport] = {}
+_ANALYSED: dict[str, TemplateHazards] = {}  # template source -> what reading it found
 
 
-def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
-    """The incremental renderer for `tokenizer`, probed on its template (`probe.py`; this also
-    compiles the template and touches every render path, so a replica's first turn does not pay)."""
+def renderer_for(tokenizer, probe: bool = True, analysis: bool = True) -> IncrementalRenderer:
+    """The incremental renderer for `tokenizer`, its template read for content-dependence
+    (`template_analysis.py`) and probed (`probe.py`; this also compiles the template and touches
+    every render path, so a replica's first turn does not pay)."""
     if getattr(tokenizer, "IS_MISTRAL_TOKENIZER", False):
         renderer = mistral_renderer(tokenizer)
     else:
@@ -108,7 +112,17 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
                                        eos=tokenizer.eos_token, template_source=template)
         renderer.max_token_chars = max_token_chars(tokenizer)
         renderer.min_user_message_tokens = min_user_message_tokens(apply, encode)
+    if analysis and renderer.template_source:  # mistral_common's encoder has no template to read
+        started = time.perf_counter()
+        hazards = _ANALYSED.get(renderer.template_source)
+        if hazards is None:
+            hazards = _ANALYSED[renderer.template_source] = analyze_template(renderer.template_source)
+            for found in hazards.where:
+                log.info("chat template %s: %s", hazards.digest[:12], found)
+        renderer.hazards = hazards
+        renderer.startup_ms["analysis"] = round((time.perf_counter() - started) * 1000, 2)
     if probe:
+        started = time.perf_counter()
         # Once per process for a tokenizer and template: every renderer of them gets the same proof.
         key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), renderer.template_source,
                tuple(sorted(tokenizer.get_added_vocab())) if hasattr(tokenizer, "get_added_vocab") else ())
@@ -117,6 +131,7 @@ def renderer_for(tokenizer, probe: bool = True) -> IncrementalRenderer:
             _PROBED[key] = probe_renderer(renderer)
         else:
             renderer.proven, renderer.probe_report = report.proven, report
+        renderer.startup_ms["probe"] = round((time.perf_counter() - started) * 1000, 2)
     return renderer
 
 

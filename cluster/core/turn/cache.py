@@ -53,6 +53,9 @@ class RenderedPrefix:
     # expanding them (`turn.Rendered`).
     images: tuple[bytes, ...] = ()
     image_tokens: int = 0
+    # The chat roles of `items[:item_count]`: a content-dependent template renders no delta once
+    # the conversation holds some of them (render/template_analysis.py).
+    roles: frozenset = frozenset()
 
 
 @dataclass

@@ -284,6 +284,7 @@ class TurnPreparer:
             job = RenderJob(req.instructions, tools_spec, delta=True, reasoning_effort=effort,
                             anchor_items=ctx.items[pre.anchor_start : pre.item_count],
                             new_items=ctx.items[pre.item_count :], anchor_start=pre.anchor_start,
+                            history_roles=pre.roles,
                             prior=pre.prior if parent.output_start == pre.item_count else None,
                             new_images=st.images is not None and any(image_parts(ctx.items[pre.item_count:])),
                             new_bytes=items_nbytes(ctx.items[pre.item_count :]))

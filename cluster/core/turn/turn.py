@@ -20,6 +20,7 @@ from cluster.core.messages import (  # noqa: F401 - TurnTiming: the driver's exp
     ToolSpec,
     TurnTiming,
 )
+from cluster.core.render.chat_messages import item_roles
 from cluster.core.turn.cache import (
     RenderedPrefix,
     RenderKey,
@@ -335,7 +336,8 @@ class Turn:
             instructions=req.instructions,
             tools=list(req.tools or []),
             rendered=RenderedPrefix(self.render_key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start,
-                                    engine_request_id, prior, rendered.images, rendered.image_tokens),
+                                    engine_request_id, prior, rendered.images, rendered.image_tokens,
+                                    self._roles()),
             known_call_ids=ctx.known_call_ids | frozenset(calls),
             pending_call_ids=ctx.pending_call_ids + tuple(calls),
             store=req.store is not False,
@@ -346,6 +348,14 @@ class Turn:
             engine_replica=replica,
             response=response,
         )
+
+    def _roles(self) -> frozenset:
+        """The chat roles of the rendered context (the parent's, and the new items', when it extends it)."""
+        items = self.context.items
+        base = self.parent.rendered if self.parent is not None and self.rendered.extends_parent else None
+        if base is None or base.item_count > len(items):
+            return item_roles(items)
+        return base.roles | item_roles(items[base.item_count:])
 
     def finish_timing(self) -> TurnTiming:
         t = self.timing

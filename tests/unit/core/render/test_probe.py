@@ -18,6 +18,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
+from cluster.core.render.chat_messages import item_roles
 from cluster.core.render.probe import SCENARIOS, TOOLS, _check, _State, format_step
 from cluster.core.render.tokenizer import renderer_for
 from cluster.core.turn.cache import SessionCache
@@ -63,7 +64,7 @@ def drive(renderer, turns, instructions=None, tools=None):
         res = None
         if st is not None:
             res = renderer.delta(ctx[st.anchor_start: st.item_count], ctx[st.item_count:], st.anchor_start,
-                                 instructions, tools)
+                                 instructions, tools, history_roles=item_roles(ctx[: st.item_count]))
         prefix, prompt = res.assemble(st.prefix) if res is not None else renderer.full(
             ctx, instructions, tools).assemble(None)
         out.append((prompt, want))
@@ -163,6 +164,7 @@ def test_mistral_common_encodings(tmp_path, name, file):
 
     shutil.copy(pathlib.Path(mistral_common.__file__).parent / "data" / file, tmp_path / name)
     r = renderer_for(MistralTokenizer.from_pretrained(str(tmp_path)))
+    assert r.hazards is None  # an encoder, not a Jinja template: the probe alone decides
     summary = r.probe_report.summary()
     if name == "tokenizer.model.v1":  # v1 has no tools at all
         assert not [s for s in summary["proven"] if "tool ->" in s or "-> tool" in s]
@@ -247,8 +249,9 @@ def shortens_old_tool_outputs(limit: int) -> str:
     )
 
 
-def test_the_probe_sees_a_template_that_shortens_long_old_tool_outputs(tiny_model_dir):
-    r = renderer_for(tokenizer_with(tiny_model_dir, shortens_old_tool_outputs(200)))
+@pytest.mark.parametrize("limit", [200, 2000])  # 2,000: past every text but the reasoning tool loop's outputs
+def test_the_probe_sees_a_template_that_shortens_long_old_tool_outputs(tiny_model_dir, limit):
+    r = renderer_for(tokenizer_with(tiny_model_dir, shortens_old_tool_outputs(limit)), analysis=False)
     falls_back = r.probe_report.summary()["falls_back"]
     assert any(step.startswith("tool") for step in falls_back), falls_back
     all_exact(r)  # the long-contents conversation included: every continuation equals a full render
@@ -262,10 +265,12 @@ async def test_a_sampled_full_render_catches_what_the_probe_cannot(tiny_model_di
     from cluster.core.render.audit import RenderAudit
     from cluster.core.turn.post_work import PostWorkQueue
 
-    # Past 2,000 characters: longer than anything in the probe's battery, so the probe proves it.
-    tok = tokenizer_with(tiny_model_dir, shortens_old_tool_outputs(2000))
+    # Past 5,000 characters: longer than anything in the probe's battery, so the probe proves it;
+    # reading the template would refuse it (test_template_analysis.py): off, as for a template
+    # whose dependence the AST cannot show.
+    tok = tokenizer_with(tiny_model_dir, shortens_old_tool_outputs(5000))
     queue = PostWorkQueue(retries=0)
-    stack = InProcessStack(tok, verify=False, post_work=queue)
+    stack = InProcessStack(tok, verify=False, post_work=queue, analysis=False)
     assert not stack.renderer.probe_report.wrong
     preparer = stack.driver.preparer
     audit = RenderAudit(stack.render, 1, decode=stack.renderer.decode, on_mismatch=preparer.render_fully)
@@ -285,7 +290,7 @@ async def test_a_sampled_full_render_catches_what_the_probe_cannot(tiny_model_di
         return [{"type": "function_call_output", "call_id": call["call_id"], "output": text}]
 
     first = await turn("Read the big file.")
-    await turn(tool_output(first, "A" * 3000))
+    await turn(tool_output(first, "A" * 6000))
     assert audit.checked == 1 and audit.mismatches == 0  # one long output alone: rendered in full, exact
     second = await turn("And the other one.")
     await turn(tool_output(second, "B" * 100))
@@ -294,7 +299,7 @@ async def test_a_sampled_full_render_catches_what_the_probe_cannot(tiny_model_di
     assert audit.mismatches == 1 and preparer.deltas_off is not None
     third = await turn("Thanks, now a third.")
     prompt = stack.decode_raw(stack.engine_requests[-1].prompt_token_ids)
-    assert "[cut]" in prompt and "A" * 3000 not in prompt
+    assert "[cut]" in prompt and "A" * 6000 not in prompt
     await turn(tool_output(third, "C"))
     assert audit.mismatches == 1 and stack.driver.metrics.timings[-1].full_render
 
