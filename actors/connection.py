@@ -46,7 +46,7 @@ class ConnectionActor:
         self.loop_watch.start()
         self.limit_reports: Optional[LimitReporter] = None
         if limits is not None:
-            self.limit_reports = LimitReporter(self.services.auth, limits)
+            self.limit_reports = LimitReporter(self.services.auth, limits, verdicts=self.services.verdict)
             await self.limit_reports.report_once()  # the first request counts what the others hold
             self.limit_reports.start()
 

@@ -1,4 +1,5 @@
-"""Keys' limits shared by every connection replica (`cluster/serving/rate_limits.py` says how).
+"""What every connection replica shares: keys' limits (`cluster/serving/rate_limits.py` says how)
+and verdicts on the chat template's delta renders (`cluster/core/render/audit.py`).
 
 `RateLimitLedger` is one small replica per app that sums what the connection replicas report;
 `LimitReporter` is the timer in each connection replica that reports and takes the answer.
@@ -15,6 +16,7 @@ from typing import Any, Optional
 from ray import serve
 
 from cluster.auth import Authenticator
+from cluster.core.render.audit import TemplateVerdicts
 from cluster.serving.rate_limits import REPORT_S, LimitLedger
 
 log = logging.getLogger("loopserve.limits")
@@ -29,9 +31,13 @@ class RateLimitLedger:
 
     def __init__(self) -> None:
         self.ledger = LimitLedger()
+        self.verdicts = TemplateVerdicts()
 
     async def report(self, replica: str, held: dict[str, int]) -> dict[str, int]:
         return self.ledger.report(replica, held, time.monotonic())
+
+    async def template_verdicts(self, found: dict[str, str]) -> dict[str, str]:
+        return self.verdicts.merge(found)
 
     async def stats(self) -> dict[str, Any]:
         return {"replicas": self.ledger.replicas}
@@ -40,8 +46,9 @@ class RateLimitLedger:
 class LimitReporter:
     """Every REPORT_S: this replica's counts to the ledger, the other replicas' back into `auth`."""
 
-    def __init__(self, auth: Authenticator, ledger: Any, period_s: float = REPORT_S) -> None:
+    def __init__(self, auth: Authenticator, ledger: Any, period_s: float = REPORT_S, verdicts: Any = None) -> None:
         self.auth, self.ledger, self.period_s = auth, ledger, period_s
+        self.verdicts = verdicts  # the replica's audit verdict (audit.ReplicaVerdict): reported, and the app's applied
         self.replica = uuid.uuid4().hex  # this process's name in the ledger, never reused
         self._task: Optional[asyncio.Task] = None
 
@@ -55,6 +62,14 @@ class LimitReporter:
             self.auth.shared.unheard(time.monotonic(), exc)
             return
         self.auth.shared.heard(others, time.monotonic())
+        if self.verdicts is not None:
+            try:
+                found = await asyncio.wait_for(self.ledger.template_verdicts.remote(self.verdicts.report()),
+                                               self.period_s * 5)
+            except Exception as exc:  # noqa: BLE001 - heard on the next report
+                log.debug("template verdicts not exchanged: %s", exc)
+                return
+            self.verdicts.apply(found)
 
     async def _run(self) -> None:
         while True:

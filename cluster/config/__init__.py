@@ -78,7 +78,16 @@ class LoopserveConfig(StrictModel):
     render_audit_every: int = Field(64, ge=0)
     """Every this many continuations rendered as deltas, one is rendered again in full after the turn (post-work,
     where full renders run) and compared with what the engine was sent; on a mismatch the connection replica renders
-    every turn in full from then on. 0: off. Needs `inline_delta_render` (its tokenizer compares texts)."""
+    every turn in full from then on, and so does every other connection replica of the app once it hears of it
+    (through the `RateLimitLedger`, deployed whenever there can be more than one). 0: off. Needs
+    `inline_delta_render` (its tokenizer compares texts)."""
+    template_analysis: bool = True
+    """Read the chat template's AST at start-up and render in full the continuations whose exactness depends on
+    message content (docs/behaviour.md, "Exact renders"). Off: only the start-up probe and the render audit decide
+    (for a template the analysis refuses more of than it must)."""
+    render_audit_first: int = Field(32, ge=0)
+    """A replica's first this many continuations rendered as deltas are all checked so (a template's first
+    sessions), before `render_audit_every` samples the rest."""
     verify_renders: bool = False
     """Verify every incremental render against a full render (tests; O(history))."""
 

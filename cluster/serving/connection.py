@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import statistics
 import time
 from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol, TypeVar
@@ -21,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster import telemetry
 from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
-from cluster.core.render.audit import RenderAudit
+from cluster.core.render.audit import RenderAudit, ReplicaVerdict
 from cluster.core.render.images import ImageLimits
 from cluster.core.render.tokenizer import (
     attach_images,
@@ -116,11 +117,16 @@ class ConnectionServices:
             self.post_work.add("output_safety", OutputTailCheck(safety, self.safety_ledger,
                                                                 on_flagged=self.responses.mark_blocked))
         self.render_audit: Optional[RenderAudit] = None
+        self.verdict: Optional[ReplicaVerdict] = None
         if config.render_audit_every and render.local is not None:
             self.render_audit = RenderAudit(render, config.render_audit_every, decode=render.local.decode,
                                             on_mismatch=self.driver.preparer.render_fully,
-                                            on_checked=self.metrics.render_audited)
+                                            on_checked=self.metrics.render_audited, first=config.render_audit_first)
             self.post_work.add("render_audit", self.render_audit)
+            preparer = self.driver.preparer
+            # Shared with the other connection replicas through the ledger (actors/limits.py).
+            self.verdict = ReplicaVerdict(render.local.template_source, lambda: preparer.deltas_off,
+                                          preparer.render_fully)
         for spec in config.post_work.hooks:
             self.post_work.add(spec, load_hook(spec, config))
         self.turns = TurnsService(config, driver=self.driver, responses=self.responses, auth=self.auth,
@@ -136,7 +142,7 @@ class ConnectionServices:
         local_renderer = None
         if config.inline_delta_render:
             tokenizer = await asyncio.to_thread(load_tokenizer, config)
-            local_renderer = renderer_for(tokenizer)
+            local_renderer = renderer_for(tokenizer, analysis=config.template_analysis)
             await asyncio.to_thread(attach_images, local_renderer, config)
         safety_client = None
         if config.safety.runs_inline:  # no hop before the first token
@@ -213,6 +219,7 @@ class ConnectionServices:
                              "failed": self.post_work.failed_by["persist"]},
             "render": await self.render.stats(),
             "render_inline": self.render.local_stats(),
+            "pid": os.getpid(),  # which connection replica answered
             "render_audit": {**(self.render_audit.stats() if self.render_audit else {}),
                              "deltas_off": self.driver.preparer.deltas_off},
             "engine": await self.engine.stats(engine_session),  # one engine replica's counters

@@ -10,6 +10,8 @@ OpenAI's four diagnostics (openai 3.60 `PromptCacheDiagnostics`):
 - `cache_hit`: nothing differs and the engine reused the prefix;
 - `unavailable`: nothing differs, yet the engine did not reuse the prefix (its KV was evicted:
   the API has no reason for that), or the server cannot tell.
+A continuation whose items are unchanged but whose prompt leaves the compared prompt before its
+end (the chat template re-rendered an earlier message: rendered in full) is `input_changed`.
 
 The request-side comparison (`compare`) runs before the engine; the verdict (`diagnostics`) needs
 the engine's cached-token count, so it is made when the turn ends. Plain logic.
@@ -109,8 +111,16 @@ def diagnostics(check: CacheCheck, prompt_ids: Optional[Sequence[int]], prompt_t
         reusable = common_prefix(check.comparison_tokens, prompt_ids)
     else:
         reusable = cached_tokens  # the engine's own count is the best estimate left
-    if check.reason is not None:
-        return {"type": "cache_miss", "reason": check.reason, "cache_missed_tokens": max(0, prompt_tokens - reusable),
+    reason = check.reason
+    if reason is None and check.comparison_tokens is not None and prompt_ids is not None \
+            and reusable < len(check.comparison_tokens):
+        # The items continue the compared context, yet the prompt leaves its prompt before its end: the
+        # chat template rendered an earlier message differently once newer ones came (a content- or
+        # position-dependent template, which this turn therefore rendered in full). The rendered input
+        # changed: the API's reason for that.
+        reason = "input_changed"
+    if reason is not None:
+        return {"type": "cache_miss", "reason": reason, "cache_missed_tokens": max(0, prompt_tokens - reusable),
                 "comparison_reusable_tokens": reusable}
     # Nothing differs: the engine reused what it kept (in whole blocks, the last token computed).
     if cached_tokens > 0 and cached_tokens + max(1, block_size) >= min(reusable, prompt_tokens):

@@ -113,3 +113,31 @@ def test_bad_options_are_a_400_naming_the_field(options):
     with pytest.raises(ApiError) as err:
         parse_request({"model": "m", "input": "x", "prompt_cache_options": options})
     assert err.value.status == 400 and err.value.param.startswith("prompt_cache_options")
+
+
+def test_a_prompt_that_leaves_the_compared_one_before_its_end_is_a_miss():
+    from array import array
+
+    check = CacheCheck("resp_1", True, None, array("i", [1, 2, 3, 4]))
+    assert diagnostics(check, [1, 2, 9, 9, 9], 5, cached_tokens=2) == {
+        "type": "cache_miss", "reason": "input_changed", "cache_missed_tokens": 3, "comparison_reusable_tokens": 2}
+
+
+async def test_a_template_that_rerenders_an_earlier_message_is_named_input_changed(tiny_model_dir):
+    from tests.unit.core.render.test_probe import shortens_old_tool_outputs, tokenizer_with
+
+    # The template cuts an old tool output once a newer one exists: the items continue the compared
+    # response's, its rendered prompt does not (the turn renders in full: content-dependent).
+    stack = InProcessStack(tokenizer_with(tiny_model_dir, shortens_old_tool_outputs(200)))
+    cache = SessionCache()
+
+    def tool_round(call_id: str, output: str) -> list[dict]:
+        return [{"type": "function_call", "call_id": call_id, "name": "read_file", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": call_id, "output": output}]
+
+    first = await run(stack, cache, {**BASE, "input": [{"role": "user", "content": "Read it."}, *tool_round("c1", "A" * 500)]})
+    second = await run(stack, cache, {**BASE, "previous_response_id": first.id, **compare_to(first.id),
+                                      "input": [{"role": "user", "content": "And the other."}, *tool_round("c2", "B")]})
+    assert stack.renderer.fallbacks.get("content_dependent_in_context")
+    diag = second.prompt_cache_diagnostics
+    assert diag.type == "cache_miss" and diag.reason == "input_changed" and diag.cache_missed_tokens > 0
