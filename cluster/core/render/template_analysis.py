@@ -385,9 +385,13 @@ def analyze(source: str) -> TemplateHazards:
     walker.namespaces = {a.target.name for a in tree.find_all(nodes.Assign)
                          if isinstance(a.target, nodes.Name) and isinstance(a.node, nodes.Call)
                          and isinstance(a.node.node, nodes.Name) and a.node.node.name == "namespace"}
-    # Twice: state set late in the template (a reverse pre-pass, a macro) is known on the second pass.
-    for _ in range(2):
-        walker.hazards = TemplateHazards(digest=digest)
-        walker.state_reads = {}
-        walker.walk(tree.body, ROLES, {}, NOTHING)
-    return walker.finish()
+    try:
+        # Twice: state set late in the template (a reverse pre-pass, a macro) is known on the second pass.
+        for _ in range(2):
+            walker.hazards = TemplateHazards(digest=digest)
+            walker.state_reads = {}
+            walker.walk(tree.body, ROLES, {}, NOTHING)
+        return walker.finish()
+    except (RecursionError, AttributeError, TypeError, ValueError) as err:  # a shape this walk does not know
+        return TemplateHazards(followed=False, where=[f"cannot follow the template: {type(err).__name__}"],
+                               digest=digest)

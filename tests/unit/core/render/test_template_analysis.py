@@ -104,6 +104,8 @@ def test_what_the_analysis_cannot_follow_renders_in_full(tiny_model_dir):
     hazards = analyze(CALL_BLOCK)
     assert not hazards.followed and "callblock" in hazards.where[0]
     assert not analyze("{% for m in messages %}{{ m.content }").followed  # a syntax error
+    deep = "{% macro f(x) %}{{ f(x) }}{% endmacro %}{% for m in messages %}{{ f(m.content) }}{% endfor %}"
+    assert analyze(deep).followed  # recursion through a macro is cut off, not followed forever
     r = renderer_for(tokenizer_with(tiny_model_dir, CALL_BLOCK), probe=False)
     r.reset_counters()
     exact_everywhere(r, lengths=(300,))
