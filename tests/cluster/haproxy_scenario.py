@@ -54,7 +54,7 @@ def http_chain(url: str, turns: int) -> dict:
     """A chain of HTTP turns under one `x-session-id`: which connection replica served each?"""
     import httpx
 
-    from cluster.bench.local import admin_headers
+    from tests.support.local_cluster import admin_headers
 
     codes, ids = [], []
     prev = None
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from cluster.bench.local import deploy, free_port
+    from tests.support.local_cluster import deploy, free_port
     from tests.integration.test_drain import agent, drain_args
 
     temp = tempfile.mkdtemp(prefix="loopserve-hap-")

@@ -72,7 +72,7 @@ async def session(url: str, n: int, turns: int, log: list) -> dict:
 
 def engine_nodes(url: str) -> list[str]:
     """The node the engine replica runs on, as it reports itself (`/loopserve/stats`)."""
-    from cluster.bench.local import stats as server_stats
+    from tests.support.local_cluster import stats as server_stats
 
     return [server_stats(url, last=1)["engine"]["node"]]
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster.bench.local import deploy, free_port
+    from tests.support.local_cluster import deploy, free_port
 
     temp = tempfile.mkdtemp(prefix="loopserve-mn-")
     # Ray writes its address file under RAY_TMPDIR/ray: keep it out of the shared /tmp/ray.

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster.bench.local import free_port
+from tests.support.local_cluster import free_port
 from cluster.ingress.stale import holders
 from tests.support.serve_process import Server
 

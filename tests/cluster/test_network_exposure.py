@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster.bench.local import free_port
+from tests.support.local_cluster import free_port
 from tests.support.serve_process import ROOT, Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

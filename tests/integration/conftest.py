@@ -25,7 +25,7 @@ from tests.support.apps import (
 
 @pytest.fixture(scope="session")
 def serve_instance(tmp_path_factory, tiny_model_dir):
-    from cluster.bench.local import start_local_serve, stop_local_serve
+    from tests.support.local_cluster import start_local_serve, stop_local_serve
 
     # Never the shared /tmp/ray, never Redis's port: ray.init() picks free ports.
     try:

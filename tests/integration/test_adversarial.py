@@ -23,7 +23,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from cluster.core.websocket.agent import MAX_INJECTED_BYTES
 from cluster.core.websocket.steering import MAX_STEER_BYTES
 from tests.support.apps import module_app, scripted_app

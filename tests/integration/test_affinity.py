@@ -10,7 +10,7 @@ import pytest
 import ray
 from websockets.asyncio.client import connect
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.ws import TERMINAL as RESPONSE_ENDS
 from tests.support.ws import ws_url
 

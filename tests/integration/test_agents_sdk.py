@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.local import stats
+from tests.support.local_cluster import stats
 from tests.support.apps import SCRIPTED_ANSWER
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -33,7 +33,7 @@ def test_echo_floor(scripted_url):
 
 
 def test_an_app_whose_replica_cannot_start_fails_with_the_replicas_error(serve_instance, tmp_path):
-    from cluster.bench.local import deploy
+    from tests.support.local_cluster import deploy
     from tests.support.apps import delete_in_background, scripted_app
 
     # A model folder with no tokenizer in it: the replicas that load one fail in their constructor,

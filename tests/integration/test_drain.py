@@ -100,7 +100,7 @@ async def agent(url: str, n: int) -> dict:
 
 
 async def test_rolling_redeploy_drains_sockets_cleanly(serve_instance, tmp_path):
-    from cluster.bench.local import deploy
+    from tests.support.local_cluster import deploy
 
     url = await asyncio.to_thread(deploy_app, "drain", "/drain", drain_args(tmp_path, 0), serve_instance, 240)
     try:

@@ -14,7 +14,7 @@ import ray
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.apps import delete_in_background, deploy_app, ensure_pg_database, module_app, scripted_app
 from tests.support.ws import TERMINAL, turn, ws_url
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.bench.local import LOCAL_ADMIN_KEY
+from tests.support.local_cluster import LOCAL_ADMIN_KEY
 from tests.support.apps import CODEX_LISTED, CODEX_MARK, CODEX_SECOND, CODEX_SUMMARY, SCRIPTED_ANSWER
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.bench.local import admin_headers
+from tests.support.local_cluster import admin_headers
 from tests.support.ws import sdk_response, turn, ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

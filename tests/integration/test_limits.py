@@ -5,7 +5,7 @@ connection caches share a 600 KB bound and whose conversations may pin 400 KB ea
 import pytest
 from websockets.asyncio.client import connect
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.apps import module_app, scripted_app
 from tests.support.ws import turn as ws_turn
 from tests.support.ws import ws_url

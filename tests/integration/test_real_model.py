@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from cluster.bench.local import LOCAL_ADMIN_KEY
+from tests.support.local_cluster import LOCAL_ADMIN_KEY
 from tests.support.apps import SMOLLM2
 from tests.support.ws import sdk_response
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.ws import TERMINAL, ws_url
 
 pytestmark = pytest.mark.integration

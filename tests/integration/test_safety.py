@@ -6,7 +6,7 @@ import json
 import pytest
 from websockets.asyncio.client import connect
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.ws import TERMINAL as RESPONSE_ENDS
 from tests.support.ws import ws_url
 

@@ -102,7 +102,7 @@ def test_every_route_has_a_declared_access_rule():
 
 
 def test_stats_need_an_admin_key_not_a_tenant_key(pg_url):
-    from cluster.bench.local import admin_headers
+    from tests.support.local_cluster import admin_headers
 
     for headers, status, code in (({}, 401, "missing_api_key"),
                                   ({"authorization": f"Bearer {KEY_A}"}, 401, "invalid_api_key"),
@@ -115,7 +115,7 @@ def test_stats_need_an_admin_key_not_a_tenant_key(pg_url):
 
 
 def test_ops_routes_are_closed_without_an_admin_key_configured(short_limit_url):
-    from cluster.bench.local import admin_headers
+    from tests.support.local_cluster import admin_headers
 
     for headers in ({}, admin_headers(), {"authorization": "Bearer anything"}):
         r = httpx.get(short_limit_url + "/loopserve/stats", headers=headers, timeout=30)
@@ -128,7 +128,7 @@ def test_health_is_open_and_says_nothing_else(pg_url):
 
 
 async def test_echo_route_is_off_by_default(pg_url):
-    from cluster.bench.local import admin_headers
+    from tests.support.local_cluster import admin_headers
 
     with pytest.raises(InvalidStatus) as off:
         await connect(pg_url.replace("http://", "ws://") + "/loopserve/echo", open_timeout=30,
@@ -137,7 +137,7 @@ async def test_echo_route_is_off_by_default(pg_url):
 
 
 async def test_echo_route_when_enabled_needs_an_admin_key_and_keeps_the_limits(scripted_url):
-    from cluster.bench.local import admin_headers
+    from tests.support.local_cluster import admin_headers
 
     url = scripted_url.replace("http://", "ws://") + "/loopserve/echo"
     with pytest.raises(InvalidStatus) as no_key:

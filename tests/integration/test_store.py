@@ -10,7 +10,7 @@ from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI, 
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.apps import KEY_A, KEY_B, KEY_LIMITED, KEY_READER, KEY_WRITER, LONG_ONE, delete_in_background, deploy_app, pg_app_args
 from tests.support.ws import TERMINAL as RESPONSE_ENDS
 from tests.support.ws import ws_url

@@ -11,7 +11,7 @@ import time
 import pytest
 from websockets.asyncio.client import connect
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.apps import module_app, scripted_app
 from tests.support.ws import turn, ws_url
 from tests.unit.core.render.test_probe import shortens_old_tool_outputs

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.bench.local import LOCAL_ADMIN_KEY
+from tests.support.local_cluster import LOCAL_ADMIN_KEY
 from tests.support.apps import module_app, scripted_app
 from tests.support.ws import sdk_response
 

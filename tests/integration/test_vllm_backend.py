@@ -16,7 +16,7 @@ def test_a_replica_serves_only_once_warm(vllm_url):
     every session started with it (8 sessions: turn 0 took 5.1 s instead of 1.5 s)."""
     import httpx
 
-    from cluster.bench.local import admin_headers
+    from tests.support.local_cluster import admin_headers
 
     engine = httpx.get(vllm_url + "/loopserve/stats", headers=admin_headers(), timeout=30).json()["engine"]
     assert engine["grammar_worker"] == {"ready": True, "refused": 0}, engine["grammar_worker"]

@@ -8,7 +8,7 @@ import openai
 import pytest
 from websockets.asyncio.client import connect
 
-from cluster.bench.local import stats as server_stats
+from tests.support.local_cluster import stats as server_stats
 from tests.support.apps import SCRIPTED_ANSWER
 from tests.support.ws import TERMINAL, ws_url
 from tests.support.ws import sdk_turn as run_turn

@@ -35,7 +35,7 @@ def scripted_app(scripted: dict[str, Any] | None = None, **sections: Any) -> dic
 
 
 def deploy_app(name: str, prefix: str, args: dict, base: str, timeout: float, admin: bool = True) -> str:
-    from cluster.bench.local import deploy
+    from tests.support.local_cluster import deploy
 
     return deploy(base, name, prefix, args, timeout, admin=admin)
 

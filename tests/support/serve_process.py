@@ -11,7 +11,7 @@ from typing import Optional
 
 import httpx
 
-from cluster.bench.local import free_port
+from tests.support.local_cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.local import free_port
+from tests.support.local_cluster import free_port
 from cluster.ingress.haproxy import real_binary, secure_config
 from cluster.ingress.stale import clear_ports, holders
 
