@@ -126,16 +126,18 @@ class _Walker:
         # Whether the branches print (or call a macro that may): else the test only decides state.
         prints = any(True for stmt in [*node.body, *(s for e in node.elif_ for s in e.body), *node.else_]
                      for _ in ([stmt] if isinstance(stmt, self.n.Output) else stmt.find_all((self.n.Output, self.n.Call))))
+        before = conds  # a branch runs under its enclosing tests and every earlier test of its chain
         for test, body in branches:
-            test_flow = self.flow(test, env, roles)
             these, only_role = self._roles_of(test, roles)
-            self._test(test, test_flow, these, prints)
+            under = before | self.flow(test, env, roles)
+            self._test(test, under, these, prints)
             pure = pure and only_role
             taken |= these
-            self.walk(body, these, env, conds | test_flow)
+            self.walk(body, these, env, under)
+            before = under
         if node.else_:
             rest = roles - taken if pure else roles
-            self.walk(node.else_, frozenset(rest), env, conds | self.flow(node.test, env, roles))
+            self.walk(node.else_, frozenset(rest), env, before)
 
     def _for(self, node, roles: frozenset, env: dict, conds: Flow) -> None:
         n = self.n
@@ -154,9 +156,8 @@ class _Walker:
         self.loops.append(_Loop(over, later if over else frozenset()))
         try:
             if node.test is not None:
-                test_flow = self.flow(node.test, inner, roles)
-                self._test(node.test, test_flow, roles, True)
-                conds = conds | test_flow
+                conds = conds | self.flow(node.test, inner, roles)
+                self._test(node.test, conds, roles, True)
             self.walk(node.body, roles, inner, conds)
         finally:
             self.loops.pop()
@@ -188,8 +189,10 @@ class _Walker:
 
     # -- findings ---------------------------------------------------------------------
     def _test(self, test, flow: Flow, roles: frozenset, prints: bool) -> None:
-        """A condition inside a loop over the messages: content tested together with what later
-        messages change decides what a message of `roles` prints (`prints`: the branches print)."""
+        """A condition inside a loop over the messages (`flow`: with its enclosing and earlier tests):
+        content tested together with what any later message changes decides what a message of
+        `roles` prints (`prints`: the branches print). State read there is decided by the messages
+        that set it (`refused_adds`)."""
         if not any(loop.over_messages for loop in self.loops):
             return
         state_content = any(self.state_flow.get(s, NOTHING).content for s in flow.state)
@@ -233,8 +236,8 @@ class _Walker:
                 return Flow(later=True)
             if node.name in env:
                 return env[node.name]
-            if node.name in self.state_flow:
-                return Flow(later=True, state=frozenset({node.name}))
+            if node.name in self.state_flow:  # what any later message changes in it is in its own flow
+                return Flow(later=self.state_flow[node.name].later, state=frozenset({node.name}))
             return NOTHING
         if isinstance(node, (n.Getattr, n.Getitem)):
             attr = node.attr if isinstance(node, n.Getattr) else (
@@ -266,8 +269,7 @@ class _Walker:
             return Flow(later=attr in loop.later_attrs)
         if isinstance(base, n.Name) and base.name in self.namespaces:
             name = f"{base.name}.{attr}"
-            return Flow(later=name in self.state_writers or self.state_flow.get(name, NOTHING).later,
-                        state=frozenset({name}))
+            return Flow(later=self.state_flow.get(name, NOTHING).later, state=frozenset({name}))
         inner = self.flow(base, env, roles)
         return inner | Flow(content=True) if attr in CONTENT_FIELDS else inner
 

@@ -39,6 +39,22 @@ def cut_unless_recent(limit: int) -> str:
             "<|im_start|>user\n{{ m.content[:" + str(limit) + "] }}<|im_end|>\n" + OTHERS)
 
 
+def cut_in_nested_tests(limit: int) -> str:
+    """The same cut, its content test and its position test in two nested `if`s."""
+    return ("{%- for m in messages %}" + ASSISTANT + "{%- elif m.role == 'user' %}<|im_start|>user\n"
+            "{%- if m.content | length > " + str(limit) + " %}{%- if loop.revindex > 3 %}[cut]{%- else %}"
+            "{{ m.content }}{%- endif %}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n" + OTHERS)
+
+
+def cut_in_an_elif(limit: int) -> str:
+    """The same cut, the content test in an `if` and the position test in the `elif` after it."""
+    return ("{%- for m in messages %}" + ASSISTANT +
+            "{%- elif m.role == 'user' and m.content | length <= " + str(limit) + " %}"
+            "<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+            "{%- elif m.role == 'user' and loop.revindex > 3 %}<|im_start|>user\n[cut]<|im_end|>\n"
+            "{%- elif m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n" + OTHERS)
+
+
 # Per-message transforms: a window renders them as a full render does (left incremental).
 LOWERS_AND_SLICES = ("{%- for m in messages %}" + ASSISTANT +
                      "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content[:1200] }}"
@@ -75,6 +91,8 @@ def exact_everywhere(renderer, lengths=(300, 1500, 3000, 6000)) -> None:
 ADVERSARIAL = {f"cut tool outputs over {n}": shortens_old_tool_outputs(n) for n in (200, 1000, 2500)}
 ADVERSARIAL.update({f"cut in a macro over {n}": cut_in_a_macro(n) for n in (200, 1000)})
 ADVERSARIAL["cut long users unless recent"] = cut_unless_recent(1000)
+ADVERSARIAL["cut in nested tests"] = cut_in_nested_tests(1000)
+ADVERSARIAL["cut in an elif"] = cut_in_an_elif(1000)
 
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
@@ -113,14 +131,20 @@ def test_what_the_analysis_cannot_follow_renders_in_full(tiny_model_dir):
 
 
 def test_the_refusals_by_role():
+    # The cut moves with the newest tool output (state tool messages set): a delta adding one is refused.
     h = analyze(shortens_old_tool_outputs(1000))
-    assert h.in_context == {"tool"} and h.refused_adds == {"tool"}
-    assert h.refusal({"user", "tool"}, {"assistant", "user"}, {"user"}, "user") == "content_dependent_in_context"
-    assert h.refusal({"user"}, {"user", "assistant"}, {"assistant"}, "user") is None  # no tool message yet
-    macro = analyze(cut_in_a_macro(1000))
-    assert macro.in_context == {"tool"} and "content tested" in " ".join(macro.where)
-    last = analyze(cut_unless_recent(1000))
-    assert last.in_context == {"user"} and not last.refused_adds
+    assert not h.in_context and h.refused_adds == {"tool"}
+    assert h.refusal({"user", "tool"}, {"tool", "assistant+calls"}, {"assistant", "tool"}, "tool") == \
+        "content_dependent_state"
+    assert h.refusal({"user", "tool"}, {"assistant", "user"}, {"user"}, "user") is None  # no new tool output
+    assert analyze(cut_in_a_macro(1000)).refused_adds == {"tool"}
+    # The cut moves with every message (`loop.revindex`): no delta once a user message is there.
+    for template in (cut_unless_recent(1000), cut_in_nested_tests(1000), cut_in_an_elif(1000)):
+        found = analyze(template)
+        assert found.in_context == {"user"} and not found.refused_adds, found.summary()
+        assert found.refusal({"user"}, {"tool", "assistant"}, {"assistant"}, "assistant") == \
+            "content_dependent_in_context"
+        assert found.refusal({"system"}, {"system", "assistant"}, {"assistant"}, "assistant") is None
 
 
 def test_the_real_templates_lose_no_step(tiny_model_dir):
@@ -144,6 +168,9 @@ def test_the_real_templates_lose_no_step(tiny_model_dir):
     for template in (CHAT_TEMPLATE, smollm2, llama, (folder / "template_chatml.jinja").read_text()):
         h = analyze(template)
         assert h.followed and not h.in_context and not h.refused_adds, h.summary()
+    # Qwen3-style: the last query (the last user message not shaped as a tool response: content)
+    # decides whether an assistant message shows its reasoning, and with no such message it is the
+    # conversation's last index (every message moves it).
     qwen3_like = analyze((folder / "template_minicpmv45.jinja").read_text())
-    assert qwen3_like.refused_adds == {"user"} and not qwen3_like.in_context
+    assert qwen3_like.refused_adds == {"user"} and qwen3_like.in_context == {"assistant"}
     assert qwen3_like.assumes_input_last  # `loop.last` in its assistant branch: constant for an assistant message

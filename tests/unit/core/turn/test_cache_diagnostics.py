@@ -138,6 +138,6 @@ async def test_a_template_that_rerenders_an_earlier_message_is_named_input_chang
     first = await run(stack, cache, {**BASE, "input": [{"role": "user", "content": "Read it."}, *tool_round("c1", "A" * 500)]})
     second = await run(stack, cache, {**BASE, "previous_response_id": first.id, **compare_to(first.id),
                                       "input": [{"role": "user", "content": "And the other."}, *tool_round("c2", "B")]})
-    assert stack.renderer.fallbacks.get("content_dependent_in_context")
+    assert stack.renderer.fallbacks.get("content_dependent_state")  # a new tool output: rendered in full
     diag = second.prompt_cache_diagnostics
     assert diag.type == "cache_miss" and diag.reason == "input_changed" and diag.cache_missed_tokens > 0
