@@ -64,7 +64,7 @@ class RenderAudit:
         if full is None:
             return
         want, sent = full.assemble(None)[0], array("i", rendered.token_ids)
-        exact = self._same(want, sent)
+        exact = want == sent or (self.decode is not None and self.decode(want) == self.decode(sent))
         self.checked += 1
         if self.on_checked is not None:
             self.on_checked(exact)
@@ -79,9 +79,6 @@ class RenderAudit:
             log.error("chat template renders earlier messages depending on later content: %s; this replica "
                       "renders every turn in full from now on", reason)
         self.on_mismatch(reason)
-
-    def _same(self, want: Sequence[int], sent: Sequence[int]) -> bool:
-        return list(want) == list(sent) or (self.decode is not None and self.decode(want) == self.decode(sent))
 
     async def _where(self, job: RenderJob, items: list, sent: array, want: Sequence[int]) -> str:
         """The message of what was sent at which the full render departs from it (a few full

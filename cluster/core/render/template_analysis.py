@@ -124,8 +124,9 @@ class _Walker:
         pure = True  # every test so far only chose a role: an `else` gets the roles left
         branches = [(node.test, node.body)] + [(e.test, e.body) for e in node.elif_]
         # Whether the branches print (or call a macro that may): else the test only decides state.
-        prints = any(True for stmt in [*node.body, *(s for e in node.elif_ for s in e.body), *node.else_]
-                     for _ in ([stmt] if isinstance(stmt, self.n.Output) else stmt.find_all((self.n.Output, self.n.Call))))
+        shown = (self.n.Output, self.n.Call)
+        prints = any(isinstance(stmt, shown) or next(stmt.find_all(shown), None) is not None
+                     for stmt in [*node.body, *(s for e in node.elif_ for s in e.body), *node.else_])
         before = conds  # a branch runs under its enclosing tests and every earlier test of its chain
         for test, body in branches:
             these, only_role = self._roles_of(test, roles)
