@@ -69,13 +69,14 @@ def _served(cmd: list[str], env: dict[str, str], port: int, what: str, log_path:
 @contextmanager
 def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: int = 32, kv_gib: int = 1,
                 dtype: str = "auto", kv_blocks: Optional[int] = None, eager: bool = True,
-                log_path: Optional[str] = None) -> Iterator[str]:
+                log_path: Optional[str] = None, threads_bind: Optional[str] = None) -> Iterator[str]:
     """vLLM's own server (`/v1/responses` with its store on); yields its base URL. `eager`: no graph
-    capture (`--enforce-eager`), as loopserve's engine runs on a CPU unless its config says otherwise."""
+    capture (`--enforce-eager`), as loopserve's engine runs on a CPU unless its config says otherwise.
+    `threads_bind`: its VLLM_CPU_OMP_THREADS_BIND (default: every core; "auto" is vLLM's own default)."""
     from cluster.torch_extras import expand_startup_env
 
     port = free_port()
-    threads = f"0-{(os.cpu_count() or 1) - 1}"
+    threads = threads_bind or f"0-{(os.cpu_count() or 1) - 1}"
     env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
                               "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": threads})
     cmd = [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",

@@ -24,26 +24,18 @@ import asyncio
 import json
 import os
 import secrets
-import subprocess
 import sys
 import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.bench.local import add_ingress_argument, free_port
-from cluster.core.messages import CoreTimeline
-from cluster.core.messages import ENGINE_CORE_TIMINGS
+from cluster.bench.local import add_ingress_argument
+from cluster.core.messages import ENGINE_CORE_TIMINGS, CoreTimeline
 from cluster.models.names import SMOLLM2, TINY
 
 BLOCK = 32
 MAX_LEN = {TINY: 32768, SMOLLM2: 8192}  # max_position_embeddings
-
-# vLLM's own server (its process and its children get the torch-extension guard
-# through `expand_startup_env`).
-_PEER_MAIN = ("import sys, runpy; sys.argv[0] = 'vllm-api-server'; "
-              "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)")
-
 
 def _message(turn: int, chars: int, prefix: str) -> str:
     line = f"[{prefix}] turn {turn}: the file src/mod_{turn}.py reads data, parses it and writes the report. "
@@ -54,10 +46,12 @@ CORE_PARTS = tuple(f.name for f in fields(CoreTimeline))
 
 
 async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int,
-                core: list[dict[str, float]]) -> list[float]:
-    """AsyncLLM fed token ids: each turn's prompt = previous prompt + output + the new message's tokens."""
+                core: list[dict[str, float]], threads: int) -> list[float]:
+    """AsyncLLM fed token ids: each turn's prompt = previous prompt + output + the new message's tokens.
+    The model runs in vLLM's engine core process on `threads` OpenMP threads."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine core process sizes its pool from it
     from cluster.torch_extras import STARTUP_DIR, expand_startup_env
 
     if STARTUP_DIR not in os.environ.get("PYTHONPATH", ""):  # vLLM inspects the model in a subprocess
@@ -141,11 +135,12 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
 
 
 def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy",
-                  executor: str = "auto", core: Optional[list[dict[str, float]]] = None) -> list[float]:
+                  executor: str = "auto", core: Optional[list[dict[str, float]]] = None,
+                  threads: Optional[int] = None) -> list[float]:
     from cluster.bench.local import stats
     from cluster.bench.runner import _local_cluster
 
-    vllm = {"block_size": BLOCK, "default_max_tokens": max_tokens, "executor": executor}
+    vllm = {"block_size": BLOCK, "default_max_tokens": max_tokens, "executor": executor, "cpu_threads": threads}
     url = _local_cluster(ingress=ingress, args={"engine": {"backend": "vllm", "vllm": vllm},
                           "model": {"name": model, "builtin": model, "max_model_len": MAX_LEN[model]},
                           "store": {"backend": "none"}, "safety": {"enabled": False}})
@@ -164,36 +159,15 @@ def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: 
         ray.shutdown()
 
 
-def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int) -> list[float]:
-    import httpx
+def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int,
+             threads_bind: Optional[str] = None) -> list[float]:
+    """vLLM's own server on the same model, dtype, block size and threads (`threads_bind`: its
+    VLLM_CPU_OMP_THREADS_BIND; "auto" is vLLM's default, which keeps a core for its API process)."""
+    from cluster.bench.peers import vllm_server
 
-    port = free_port()
-    from cluster.torch_extras import expand_startup_env
-
-    env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port),
-         "--host", "127.0.0.1", "--served-model-name", "peer", "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", str(max_len), "--enable-prefix-caching", "--block-size", str(BLOCK), "--seed", "0"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError("vLLM's server exited during start-up")
-            time.sleep(0.5)
+    with vllm_server(model_dir, served_name="peer", max_len=max_len, block_size=BLOCK, dtype="float32",
+                     threads_bind=threads_bind) as url:
         return asyncio.run(http_chain(url, turns, chars, max_tokens, "peer"))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _report(name: str, times: list[float], base: float, core: list[dict[str, float]]) -> str:
@@ -221,18 +195,32 @@ def main(argv=None) -> int:
     ap.add_argument("--executors", default="auto",
                     help="loopserve runs, one per CPU executor named (of auto, mp, uni): `mp,uni` compares them")
     ap.add_argument("--model", choices=sorted(MAX_LEN), default=TINY)
+    ap.add_argument("--threads", default="",
+                    help="the model's CPU threads, the same for every system (comma list: each count in turn; "
+                         "default: every core this process may use)")
+    ap.add_argument("--peer-default", action="store_true",
+                    help="also vLLM's server as it starts by default (VLLM_CPU_OMP_THREADS_BIND=auto: a core "
+                         "kept for its API process, the model on the rest)")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
+    from cluster.engines.vllm_engine import cpu_threads_bind
     from cluster.models.builtin import ensure_builtin
 
     model_dir, max_len = str(ensure_builtin(ns.model)), MAX_LEN[ns.model]
     args = (ns.turns, ns.message_chars, ns.max_tokens)
-    systems: list[tuple[str, Any]] = [("floor", lambda core: asyncio.run(floor(model_dir, *args, max_len, core)))]
-    for executor in ns.executors.split(","):
-        name = "loopserve-ws" if executor == "auto" else f"loopserve-{executor}"
-        systems.append((name, lambda core, e=executor: run_loopserve(ns.model, *args, ns.ingress, e, core)))
-    if not ns.skip_peer:
-        systems.append(("vllm-server", lambda core: run_peer(model_dir, *args, max_len)))
+    counts = [int(t) for t in ns.threads.split(",")] if ns.threads else [len(cpu_threads_bind(None, None).split(","))]
+    systems: list[tuple[str, Any]] = []
+    for n in counts:
+        at = f"@{n}t" if len(counts) > 1 else ""
+        systems.append((f"floor{at}", lambda core, n=n: asyncio.run(floor(model_dir, *args, max_len, core, n))))
+        for executor in ns.executors.split(","):
+            name = ("loopserve-ws" if executor == "auto" else f"loopserve-{executor}") + at
+            systems.append((name, lambda core, e=executor, n=n: run_loopserve(ns.model, *args, ns.ingress, e, core, n)))
+        if not ns.skip_peer:
+            bind = cpu_threads_bind(None, n)
+            systems.append((f"vllm-server{at}", lambda core, b=bind: run_peer(model_dir, *args, max_len, b)))
+    if ns.peer_default and not ns.skip_peer:
+        systems.append(("vllm-server-default", lambda core: run_peer(model_dir, *args, max_len, "auto")))
     rounds: list[dict[str, Any]] = []
     for r in range(ns.rounds):
         result: dict[str, Any] = {}
@@ -242,8 +230,9 @@ def main(argv=None) -> int:
         rounds.append(result)
     print(f"\nreal engine (vLLM, {ns.model}, CPU): {ns.turns} turns, +{ns.message_chars} chars/turn, "
           f"{ns.max_tokens} output tokens, {ns.rounds} round(s)")
+    floors = [name for name, _ in systems if name.startswith("floor")]
     for r, result in enumerate(rounds):
-        base = sum(result["floor"]["turn_seconds"])
+        base = sum(result[floors[0]]["turn_seconds"])  # the first thread count's floor
         print(f"round {r + 1}")
         for name, _ in systems:
             print(_report(name, result[name]["turn_seconds"], base, result[name]["core"]))

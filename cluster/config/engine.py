@@ -137,7 +137,8 @@ class VLLMEngineConfig(StrictModel):
     """KV blocks the engine gets, whatever memory would allow (vLLM's own override: tests of KV pressure on a small
     pool)."""
     cpu_threads: Optional[int] = None
-    """CPU engines: threads for the model's kernels (default: all cores)."""
+    """CPU engines: threads for the model's kernels (default: all cores). With `executor: uni` the engine core's
+    OpenMP pool (OMP_NUM_THREADS); with `mp` vLLM's binding of its worker."""
     cpu_threads_bind: Optional[str] = None
     """CPU engines: the cores those threads are pinned to (vLLM's VLLM_CPU_OMP_THREADS_BIND, e.g. "0-3"); default:
     the replica's allowed cores, `cpu_threads` of them. "nobind" leaves them to the OS scheduler. Pinned, as

@@ -158,6 +158,10 @@ def executor_args(config: VLLMEngineConfig, on_cpu: bool, environ: MutableMappin
         # The model in the engine core's process: one hop fewer a step. vLLM turns `uni` into `mp`
         # on CPUs unless its multiprocessing switch is off (the engine core still runs apart).
         environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if config.cpu_threads:
+            # The engine core's own torch pool runs the kernels: vLLM's binding does not reach
+            # it, the standard OpenMP count does (the process inherits this environment).
+            environ["OMP_NUM_THREADS"] = str(config.cpu_threads)
         return {"distributed_executor_backend": "uni"}
     # A worker process of its own, as vLLM's server runs on CPUs: the thread binding applies
     # (the in-process executor ignores it).

@@ -93,6 +93,10 @@ def test_the_executor_is_the_configs_on_cpus_and_vllms_own_on_gpus():
     # vLLM's CPU platform turns `uni` back into `mp` while its multiprocessing switch is on.
     assert executor_args(VLLMEngineConfig(), True, env) == {"distributed_executor_backend": "uni"}
     assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # The in-process executor's kernels run on the engine core's OpenMP pool: the thread count is its size.
+    env = {}
+    assert executor_args(VLLMEngineConfig(cpu_threads=1), True, env) == {"distributed_executor_backend": "uni"}
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     assert executor_args(VLLMEngineConfig(executor="uni"), False, {}) == {}
     assert executor_args(VLLMEngineConfig(tensor_parallel_size=2), False, {}) == {"distributed_executor_backend": "ray"}
 
