@@ -136,14 +136,16 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
 
 def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy",
                   executor: str = "auto", core: Optional[list[dict[str, float]]] = None,
-                  threads: Optional[int] = None) -> list[float]:
+                  threads: Optional[int] = None, config: Optional[dict[str, Any]] = None) -> list[float]:
+    """`config`: the app's config over the benchmark's own (merged key by key)."""
     from cluster.bench.local import stats
     from cluster.bench.runner import _local_cluster
 
     vllm = {"block_size": BLOCK, "default_max_tokens": max_tokens, "executor": executor, "cpu_threads": threads}
-    url = _local_cluster(ingress=ingress, args={"engine": {"backend": "vllm", "vllm": vllm},
-                          "model": {"name": model, "builtin": model, "max_model_len": MAX_LEN[model]},
-                          "store": {"backend": "none"}, "safety": {"enabled": False}})
+    args = _merged({"engine": {"backend": "vllm", "vllm": vllm},
+                    "model": {"name": model, "builtin": model, "max_model_len": MAX_LEN[model]},
+                    "store": {"backend": "none"}, "safety": {"enabled": False}}, config or {})
+    url = _local_cluster(ingress=ingress, args=args)
     try:
         times = asyncio.run(ws_chain(url, turns, chars, max_tokens, model))
         if core is not None:
@@ -157,6 +159,13 @@ def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: 
 
         serve.shutdown()
         ray.shutdown()
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def run_peer(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int,
@@ -198,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="",
                     help="the model's CPU threads, the same for every system (comma list: each count in turn; "
                          "default: every core this process may use)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="also loopserve with this config over the benchmark's own, e.g. "
+                         "si4='{\"engine\": {\"vllm\": {\"stream_interval\": 4}}}' (repeatable)")
     ap.add_argument("--peer-default", action="store_true",
                     help="also vLLM's server as it starts by default (VLLM_CPU_OMP_THREADS_BIND=auto: a core "
                          "kept for its API process, the model on the rest)")
@@ -216,6 +228,10 @@ def main(argv=None) -> int:
         for executor in ns.executors.split(","):
             name = ("loopserve-ws" if executor == "auto" else f"loopserve-{executor}") + at
             systems.append((name, lambda core, e=executor, n=n: run_loopserve(ns.model, *args, ns.ingress, e, core, n)))
+        for variant in ns.variant:
+            name, _, body = variant.partition("=")
+            systems.append((f"loopserve-{name}{at}", lambda core, n=n, c=json.loads(body):
+                            run_loopserve(ns.model, *args, ns.ingress, "auto", core, n, c)))
         if not ns.skip_peer:
             bind = cpu_threads_bind(None, n)
             systems.append((f"vllm-server{at}", lambda core, b=bind: run_peer(model_dir, *args, max_len, b)))

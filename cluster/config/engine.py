@@ -154,6 +154,9 @@ class VLLMEngineConfig(StrictModel):
     keep vLLM's own choice."""
     max_num_seqs: int = 64
     """Requests the engine runs at once."""
+    stream_interval: int = Field(1, ge=1, le=256)
+    """Output tokens vLLM gathers into one streamed piece (its `stream_interval`; the first and the last piece
+    always leave at once): fewer wakeups per token for the replica, the connection and the client."""
     default_max_tokens: int = 256
     """Output tokens a request gets when it sets no `max_output_tokens` (bounded by the context)."""
     grammar_compile_timeout_s: Optional[float] = Field(5.0, gt=0)

@@ -204,6 +204,7 @@ class VLLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             seed=cfg.seed,
             max_num_seqs=cfg.max_num_seqs,
+            stream_interval=cfg.stream_interval,
             tensor_parallel_size=cfg.tensor_parallel_size,
         )
         if self.model.images is not None:  # vLLM counts a prompt's images, its history included
