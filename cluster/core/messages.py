@@ -148,6 +148,9 @@ class EngineRequest:
     # The chain can be continued (stored, or named by `x-session-id` / `prompt_cache_key`): without
     # another sign it is kept softly, and once it came back it is expected back.
     continuable: bool = False
+    # The client reads the output as it comes (a WebSocket, `stream: true`); else one answer at the
+    # end, and the engine sends only its first and last pieces (no per-token wakeups on the way).
+    streamed: bool = True
     # The retention its client asked for (`prompt_cache_options.ttl`, seconds; 0: none).
     cache_ttl_s: float = 0.0
     # The engine replica the chain's last turn ran on (its prefix is there): placed there again,

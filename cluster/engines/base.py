@@ -28,6 +28,7 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    pieces: int = 0  # output pieces handed back (a streamed token each, fewer when gathered)
     # Recently seen session keys, bounded: a stateless client brings a new key per request.
     sessions: "RecentKeys" = field(default_factory=lambda: RecentKeys(4096))
 
@@ -38,6 +39,7 @@ class EngineStats:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "output_tokens": self.output_tokens,
+            "pieces": self.pieces,
             "sessions": len(self.sessions),  # of the last `sessions.limit` requests' keys
         }
 

@@ -207,6 +207,7 @@ class ScriptedEngine:
                 prev = self._decode(emitted)
                 emitted.append(tok)
                 stats.output_tokens += 1
+                stats.pieces += 1
                 last = i == len(out_ids) - 1
                 yield EngineDelta(
                     text=self._decode(emitted)[len(prev) :],
@@ -309,6 +310,7 @@ class ScriptedEngine:
                     prev = self._decode(emitted)
                     emitted.append(out_ids[i])
                     stats.output_tokens += 1
+                    stats.pieces += 1
                     last = i == len(out_ids) - 1
                     yield EngineDelta(text=self._decode(emitted)[len(prev):], new_tokens=1, finished=last,
                                       finish_reason=finish if last else None, prompt_tokens=n_prompt,

@@ -328,6 +328,8 @@ class VLLMEngine:
 
             forced = bool(request.tools) and forces_a_tool_call(request.tool_choice)
             await self.grammar_gate.check(request_schemas(request.text_format, request.tools, forced))
+        if not request.streamed:  # the first and the last piece only (vLLM's per-request interval)
+            sampling["stream_interval"] = max(1, request.max_tokens)
         if request.kv_pin or request.kv_unpin:
             # Read by the retaining scheduler (vllm_retention.py) in the engine core.
             sampling["extra_args"] = {HINT: {"pin": request.kv_pin, "ttl": request.kv_ttl_s,
@@ -360,6 +362,7 @@ class VLLMEngine:
                     stats.prompt_tokens += len(out.prompt_token_ids or ())
                     stats.cached_tokens += cached
                 stats.output_tokens += len(comp.token_ids)
+                stats.pieces += 1
                 finished = out.finished
                 yield EngineDelta(
                     text=comp.text,

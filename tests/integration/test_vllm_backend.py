@@ -54,6 +54,33 @@ def test_http_and_sse_on_vllm(vllm_url, client_for):
     assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
 
 
+def test_a_plain_http_answer_leaves_the_engine_in_two_pieces_and_a_stream_in_a_piece_a_token(vllm_url, client_for):
+    """Nobody reads a plain HTTP answer before its end: vLLM gathers its output (first and last
+    piece only), so the replica, the connection and the client are not woken a token at a time.
+    The same request streamed gets every token as it comes, and the same answer."""
+    import httpx
+
+    from tests.support.local_cluster import admin_headers
+
+    def pieces() -> int:
+        return httpx.get(vllm_url + "/loopserve/stats", headers=admin_headers(), timeout=30).json()["engine"]["pieces"]
+
+    client = client_for(vllm_url)
+    body = dict(model="loopserve-tiny", input=f"pieces {uuid.uuid4().hex}: list the files and read them " * 4,
+                max_output_tokens=8, temperature=0, store=False)
+    before = pieces()
+    plain = client.responses.create(**body)
+    between = pieces()
+    with client.responses.stream(**body) as stream:
+        events = list(stream)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = events[-1].response  # completed or incomplete (max_output_tokens)
+    after = pieces()
+    assert plain.output_text == streamed.output_text and plain.usage.output_tokens >= 3, plain.usage
+    assert between - before <= 2
+    assert after - between == streamed.usage.output_tokens and deltas
+
+
 def test_tenants_do_not_share_the_prefix_cache(vllm_url):
     """`cached_tokens` is exact: with a shared KV cache, tenant B could learn that tenant A
     sent a prompt by sending it too. Each tenant's prompts hash with its own `cache_salt`."""

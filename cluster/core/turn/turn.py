@@ -290,6 +290,7 @@ class Turn:
             base_len=base_len if tail else 0,
             expect_back=self.expect_back,
             continuable=self.expect_back or req.store is not False or bool(req.prompt_cache_key),
+            streamed=self.origin.scope.transport == "websocket" or bool(req.stream),
             cache_ttl_s=self.cache_ttl_s,
             placement=self.parent.engine_replica if self.parent is not None else "",
             images=self.rendered.images,

@@ -194,3 +194,23 @@ async def test_a_turn_ends_at_the_engines_last_word_not_at_the_end_of_its_stream
         response = await asyncio.wait_for(stack.run(body), 10)
         assert response["status"] == "completed"
     assert len(closed) == 1  # and the stream was closed, not left to run
+
+
+@pytest.mark.parametrize("transport,stream,streamed", [("http", None, False), ("http", False, False),
+                                                       ("http", True, True), ("websocket", None, True)])
+async def test_the_engine_is_told_whether_the_client_reads_the_output_as_it_comes(tokenizer, transport, stream,
+                                                                                 streamed):
+    """A plain HTTP response is one answer at the end: the engine may gather its pieces (vLLM then sends
+    only its first and last: no per-token wakeups). A WebSocket or `stream: true` reads every piece."""
+    stack = InProcessStack(tokenizer)
+    engine = stack.driver.services.engine
+    seen = []
+
+    def recording(req, stop=None):
+        seen.append(req.streamed)
+        return engine(req, stop)
+
+    stack.driver.services.engine = recording
+    body = {"model": "loopserve-tiny", "input": "hi", "store": False, **({} if stream is None else {"stream": stream})}
+    events = await run(stack, SessionCache(), body, transport=transport)
+    assert terminal(events)["status"] == "completed" and seen == [streamed]
