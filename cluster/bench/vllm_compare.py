@@ -136,8 +136,10 @@ async def http_chain(url: str, turns: int, chars: int, max_tokens: int, model: s
 
 def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: str = "haproxy",
                   executor: str = "auto", core: Optional[list[dict[str, float]]] = None,
-                  threads: Optional[int] = None, config: Optional[dict[str, Any]] = None) -> list[float]:
-    """`config`: the app's config over the benchmark's own (merged key by key)."""
+                  threads: Optional[int] = None, config: Optional[dict[str, Any]] = None,
+                  transport: str = "ws") -> list[float]:
+    """`config`: the app's config over the benchmark's own (merged key by key); `transport`: `ws`
+    (WebSocket mode) or `http` (plain POSTs chained by previous_response_id, as the peer's)."""
     from cluster.bench.local import stats
     from cluster.bench.runner import _local_cluster
 
@@ -147,7 +149,8 @@ def run_loopserve(model: str, turns: int, chars: int, max_tokens: int, ingress: 
                     "store": {"backend": "none"}, "safety": {"enabled": False}}, config or {})
     url = _local_cluster(ingress=ingress, args=args)
     try:
-        times = asyncio.run(ws_chain(url, turns, chars, max_tokens, model))
+        chain = ws_chain if transport == "ws" else http_chain
+        times = asyncio.run(chain(url, turns, chars, max_tokens, model))
         if core is not None:
             server = [t for t in stats(url)["turns"] if t["prompt_tokens"]][-turns:]
             core.extend({k: t[name] for k, name in zip(CORE_PARTS, ENGINE_CORE_TIMINGS)}
@@ -207,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="",
                     help="the model's CPU threads, the same for every system (comma list: each count in turn; "
                          "default: every core this process may use)")
+    ap.add_argument("--transports", default="ws", help="loopserve's clients: ws (WebSocket mode), http "
+                    "(plain POSTs chained by previous_response_id, as vLLM's server is driven); comma list")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="also loopserve with this config over the benchmark's own, e.g. "
                          "si4='{\"engine\": {\"vllm\": {\"stream_interval\": 4}}}' (repeatable)")
@@ -226,8 +231,10 @@ def main(argv=None) -> int:
         at = f"@{n}t" if len(counts) > 1 else ""
         systems.append((f"floor{at}", lambda core, n=n: asyncio.run(floor(model_dir, *args, max_len, core, n))))
         for executor in ns.executors.split(","):
-            name = ("loopserve-ws" if executor == "auto" else f"loopserve-{executor}") + at
-            systems.append((name, lambda core, e=executor, n=n: run_loopserve(ns.model, *args, ns.ingress, e, core, n)))
+            for transport in ns.transports.split(","):
+                name = f"loopserve-{transport}" + ("" if executor == "auto" else f"-{executor}") + at
+                systems.append((name, lambda core, e=executor, n=n, t=transport:
+                                run_loopserve(ns.model, *args, ns.ingress, e, core, n, transport=t)))
         for variant in ns.variant:
             name, _, body = variant.partition("=")
             systems.append((f"loopserve-{name}{at}", lambda core, n=n, c=json.loads(body):
