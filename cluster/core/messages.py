@@ -281,6 +281,33 @@ def done_of(chunk: EngineChunk) -> Optional[EngineDone]:
     return last if isinstance(last, EngineDone) else None
 
 
+def merged(chunks: list[EngineChunk]) -> EngineChunk:
+    """Chunks that arrived together as one, in order: adjacent text (or reasoning) pieces joined,
+    the token counts summed where the first one was. A consumer that fell behind then sends one
+    delta event for what piled up, not one per token (a busy replica's per-event work is what
+    keeps it behind)."""
+    out: EngineChunk = []
+    progress_at = -1
+    for chunk in chunks:
+        for piece in chunk:
+            kind = type(piece)
+            if kind is TokenProgress:
+                if progress_at < 0:
+                    progress_at = len(out)
+                    out.append(piece)
+                else:
+                    out[progress_at] = TokenProgress(out[progress_at].n + piece.n)
+                continue
+            if kind is TextPiece or kind is ReasoningPiece:
+                j = len(out) - 1
+                j -= j == progress_at  # the count between two texts does not part them
+                if j >= 0 and type(out[j]) is kind:
+                    out[j] = kind(out[j].text + piece.text)
+                    continue
+            out.append(piece)
+    return out
+
+
 def _type_of(event_class: Any) -> str:
     return get_args(event_class.model_fields["type"].annotation)[0]
 

@@ -23,7 +23,7 @@ import ssl
 from collections import Counter
 from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
-from cluster.core.messages import EngineChunk, EngineRequest, done_of
+from cluster.core.messages import EngineChunk, EngineRequest, done_of, merged
 from cluster.engines.channel_codec import (  # noqa: F401 - the wire format, re-exported
     CANCEL,
     CHUNK,
@@ -239,14 +239,24 @@ class _Connection:
         ended = False
         try:
             self.writer.write(_frame([START, n, encode_request(req)]))
+            pending = None
             while True:
-                msg = await queue.get()
+                msg, pending = (pending, None) if pending is not None else (await queue.get(), None)
                 if msg is _STOPPED:
                     return
                 if msg is None:
                     raise ChannelError("the engine channel closed")
                 if msg[0] == CHUNK:
                     chunk = decode_chunk(msg[2])
+                    if not queue.empty():  # this consumer fell behind: what piled up goes on as one
+                        chunks = [chunk]
+                        while not queue.empty() and pending is None:
+                            later = queue.get_nowait()
+                            if later is not None and later is not _STOPPED and later[0] == CHUNK:
+                                chunks.append(decode_chunk(later[2]))
+                            else:
+                                pending = later
+                        chunk = merged(chunks)
                     if done_of(chunk) is not None:
                         # The engine's last word: its END is on the way, the request needs no CANCEL
                         # (that could cut the replica's own work after it, e.g. its KV budget's).

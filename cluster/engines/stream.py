@@ -8,7 +8,7 @@ from contextlib import aclosing
 from dataclasses import astuple, dataclass
 from typing import AsyncIterator, Callable, Optional
 
-from cluster.core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress
+from cluster.core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress, merged
 from cluster.engines.base import Engine
 from cluster.engines.grammar_gate import GrammarBusy
 from cluster.engines.output_parser import StreamingOutputParser, ToolCallExtractor
@@ -136,16 +136,16 @@ async def coalesce(chunks: AsyncIterator[list], min_interval_s: float = 0.0) -> 
             while True:
                 if item is done:
                     if batch:
-                        yield batch
+                        yield merged(batch)
                     return
                 if isinstance(item, BaseException):
                     raise item
-                batch.extend(item)
+                batch.append(item)
                 if queue.empty():
                     break
                 item = queue.get_nowait()
             last = loop.time()
-            yield batch
+            yield merged(batch) if len(batch) > 1 else batch[0]
     finally:
         task.cancel()
         try:

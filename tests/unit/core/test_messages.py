@@ -50,3 +50,17 @@ def test_an_incomplete_response_is_terminal():
     events = a.start() + a.text("Hello") + a.finish(usage_object(3, 0, 1), incomplete_reason="max_output_tokens")
     progress, steps = observe(events)
     assert steps[-1] is Milestone.TERMINAL and progress.status == "incomplete"
+
+
+def test_chunks_that_piled_up_go_on_as_one_with_their_text_joined_and_their_tokens_counted():
+    from cluster.core.messages import EngineDone, EngineQueued, ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece
+    from cluster.core.messages import merged
+
+    done = EngineDone(10, 4, 5, "stop", replica="r", engine_s=0.5, first_token_s=0.1)
+    chunks = [[EngineQueued(2, 900)], [ReasoningPiece("hm"), TokenProgress(1)], [ReasoningPiece(" ok"), TokenProgress(1)],
+              [TextPiece("hel"), TokenProgress(1)], [TextPiece("lo"), TokenProgress(2)],
+              [ToolCallPiece("read", '{"p": 1}'), TokenProgress(3)], [TextPiece("!"), done]]
+    assert merged(chunks) == [EngineQueued(2, 900), ReasoningPiece("hm ok"), TokenProgress(8), TextPiece("hello"),
+                              ToolCallPiece("read", '{"p": 1}'), TextPiece("!"), done]
+    assert merged([[TextPiece("a"), TokenProgress(1)]]) == [TextPiece("a"), TokenProgress(1)]  # one chunk: itself
+    assert merged([]) == []
