@@ -77,7 +77,10 @@ def vllm_server(model_dir: str, *, served_name: str, max_len: int, block_size: i
 
     port = free_port()
     threads = threads_bind or f"0-{(os.cpu_count() or 1) - 1}"
-    env = expand_startup_env({**os.environ, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+    # As vLLM's server starts on its own: no OpenMP count from the benchmark's process (vLLM sizes its
+    # worker's pool from the binding; one inherited would also size its other processes' pools).
+    inherited = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = expand_startup_env({**inherited, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
                               "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": threads})
     cmd = [sys.executable, "-c", _PEER_MAIN, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
            "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(max_len),

@@ -29,6 +29,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
+from unittest import mock
 
 from cluster.bench.local import add_ingress_argument
 from cluster.core.messages import ENGINE_CORE_TIMINGS, CoreTimeline
@@ -51,7 +52,14 @@ async def floor(model_dir: str, turns: int, chars: int, max_tokens: int, max_len
     The model runs in vLLM's engine core process on `threads` OpenMP threads."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine core process sizes its pool from it
+    # The engine core process sizes its pool from it; the systems started after this one (loopserve's
+    # Ray, vLLM's server) do not inherit it.
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": str(threads)}):
+        return await _floor_loop(model_dir, turns, chars, max_tokens, max_len, core)
+
+
+async def _floor_loop(model_dir: str, turns: int, chars: int, max_tokens: int, max_len: int,
+                      core: list[dict[str, float]]) -> list[float]:
     from cluster.torch_extras import STARTUP_DIR, expand_startup_env
 
     if STARTUP_DIR not in os.environ.get("PYTHONPATH", ""):  # vLLM inspects the model in a subprocess

@@ -239,9 +239,10 @@ class _Connection:
         ended = False
         try:
             self.writer.write(_frame([START, n, encode_request(req)]))
-            pending = None
+            pending = None  # a message read while merging, handled next
             while True:
-                msg, pending = (pending, None) if pending is not None else (await queue.get(), None)
+                msg = pending if pending is not None else await queue.get()
+                pending = None
                 if msg is _STOPPED:
                     return
                 if msg is None:
@@ -250,12 +251,12 @@ class _Connection:
                     chunk = decode_chunk(msg[2])
                     if not queue.empty():  # this consumer fell behind: what piled up goes on as one
                         chunks = [chunk]
-                        while not queue.empty() and pending is None:
+                        while pending is None and not queue.empty():
                             later = queue.get_nowait()
-                            if later is not None and later is not _STOPPED and later[0] == CHUNK:
-                                chunks.append(decode_chunk(later[2]))
-                            else:
+                            if later is None or later is _STOPPED or later[0] != CHUNK:
                                 pending = later
+                            else:
+                                chunks.append(decode_chunk(later[2]))
                         chunk = merged(chunks)
                     if done_of(chunk) is not None:
                         # The engine's last word: its END is on the way, the request needs no CANCEL

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from cluster.core.messages import Piece, ReasoningPiece, TextPiece, ToolCallPiece
+from cluster.core.messages import Piece, ReasoningPiece, TextPiece, ToolCallPiece, merged
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class StreamingOutputParser:
                 self._mode = "think"
             else:
                 self._mode = "text"
-        return _merge(out)
+        return merged([out])  # type: ignore[return-value]  # pieces in, pieces out
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
@@ -102,7 +102,7 @@ class StreamingOutputParser:
             out.append(self._piece(self._buf))
         self._buf = ""
         self._mode = "text"
-        return _merge(out)
+        return merged([out])  # type: ignore[return-value]  # pieces in, pieces out
 
     def _piece(self, text: str) -> Piece:
         return ReasoningPiece(text) if self._mode == "think" else TextPiece(text)
@@ -134,16 +134,6 @@ def _partial_tag_suffix(buf: str, tags: list[str]) -> int:
                 longest = max(longest, n)
                 break
     return longest
-
-
-def _merge(pieces: list[Piece]) -> list[Piece]:
-    merged: list[Piece] = []
-    for p in pieces:
-        if merged and type(p) is type(merged[-1]) and not isinstance(p, ToolCallPiece):
-            merged[-1] = type(p)(merged[-1].text + p.text)  # type: ignore[union-attr,call-arg]
-        else:
-            merged.append(p)
-    return merged
 
 
 @dataclass(frozen=True)
