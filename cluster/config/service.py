@@ -136,6 +136,10 @@ class SafetyConfig(StrictModel):
     positives out of agent loops."""
     output_chunk_chars: int = Field(256, ge=16)
     """Generated text is classified in chunks of this many characters, before the client sees them."""
+    max_unverified_chars: Optional[int] = Field(None, ge=16)
+    """The most generated characters a client may hold before the classifier's verdict on them (a flagged answer
+    is cut within this many characters of the flagged chunk's start, however large the engine's pieces and however
+    late the verdicts). Default: two chunks; never below one chunk."""
     guard: GuardConfig = Field(default_factory=GuardConfig)
     placement: Literal["inline", "actor"] = "inline"
     """Where the `default`/`policy` classifiers run: `inline` in the connection replica (~0.1 ms a check; no handle

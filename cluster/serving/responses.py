@@ -135,7 +135,7 @@ class ResponsesService:
         state = await self.lookup(response_id, tenant)
         if state is None or state.response is None:
             raise not_found(response_id)
-        return state.response
+        return withheld(state.response, state.blocked)
 
     async def replay(self, response_id: str, tenant: str, starting_after: Optional[int]) -> list[dict[str, Any]]:
         events = replay_events(await self.retrieve(response_id, tenant))
@@ -353,3 +353,12 @@ def _listed_part(part: dict[str, Any]) -> dict[str, Any]:
     if part.get("type") == "input_image":
         return {"detail": "auto", **part}
     return part
+
+
+def withheld(response: dict[str, Any], blocked: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A response as it is read back: one whose output was flagged after its terminal event (its
+    tail's check is post-inference work on a streamed answer) keeps no output, as a response cut by
+    the content filter while it streamed does."""
+    if not (blocked and blocked.get("flagged")):
+        return response
+    return {**response, "status": "incomplete", "incomplete_details": {"reason": "content_filter"}, "output": []}

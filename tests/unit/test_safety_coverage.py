@@ -42,7 +42,8 @@ async def test_instructions_are_classified_once_per_change(counted):
     safety.calls.clear()
     await run(stack, {"input": "more", "instructions": "Be brief.",
                       "previous_response_id": first[-1]["response"]["id"]}, cache)
-    assert safety.calls == [["more"]]  # the same instructions are not classified again
+    # The same instructions are not classified again (the second check is the answer's own text).
+    assert safety.calls == [["more"], ["Done. The task is complete."]]
 
 
 @pytest.mark.parametrize("item", [
@@ -71,7 +72,7 @@ async def test_function_call_arguments_are_classified_in_input_and_output(counte
     queue.add("output_safety", OutputTailCheck(safety, ledger))
     stack = InProcessStack(tokenizer, safety=safety, post_work=queue)
     cache = SessionCache()
-    evs = await run(stack, {"input": "list the files", "tools": TOOLS}, cache)
+    evs = await run(stack, {"input": "list the files", "tools": TOOLS, "stream": True}, cache)
     call = next(o for o in evs[-1]["response"]["output"] if o["type"] == "function_call")
     assert "command value" in call["arguments"]
     await queue.drain()
@@ -96,7 +97,8 @@ async def test_a_late_flag_survives_a_restart(tokenizer, tmp_path):
     queue.add("persist", service.persist)
     queue.add("output_safety", OutputTailCheck(safety, SafetyLedger(), on_flagged=service.mark_blocked))
     stack.driver.services.post_work = queue
-    evs = await run(stack, {"input": "status?"}, on_state=service.remember, owner="t1")
+    evs = await run(stack, {"input": "status?", "stream": True}, on_state=service.remember, owner="t1")
+    assert evs[-1]["response"]["output"]  # streamed, the tail was classified after the terminal event
     rid = evs[-1]["response"]["id"]
     await queue.drain()
     await store.close()
@@ -108,7 +110,10 @@ async def test_a_late_flag_survives_a_restart(tokenizer, tmp_path):
     with pytest.raises(ApiError) as e:
         await run(fresh, {"input": "go on", "previous_response_id": rid}, lookup=service2.lookup_for("t1"), owner="t1")
     assert e.value.code == "previous_response_blocked"
-    assert (await service2.retrieve(rid, "t1"))["status"] == "completed"  # still readable
+    # still readable, without the flagged text
+    got = await service2.retrieve(rid, "t1")
+    assert got["status"] == "incomplete" and got["incomplete_details"] == {"reason": "content_filter"}
+    assert got["output"] == [] and got["id"] == rid
     await store2.close()
 
 

@@ -73,6 +73,11 @@ class OutputMonitor:
     def flush(self) -> Optional[str]:
         return self._cut() if self._pending else None
 
+    @property
+    def room(self) -> int:
+        """Characters the current chunk takes before it is cut."""
+        return self.chunk_chars - len(self._pending)
+
     def _cut(self) -> str:
         chunk = self._tail + self._pending
         self.classified_chars += len(self._pending)
@@ -92,18 +97,22 @@ class TurnSafety:
     overlaps prefill instead of holding the request back: local classifiers run on the
     replica's event loop, and a task made earlier ran before the engine request was sent
     (~1 ms for a 2 KB tool output). The driver awaits `gate()` before releasing the first
-    output event. Output
-    chunks are classified concurrently with streaming; a flag stops the stream.
-    At most `max_unverified` chunks may be out for classification while more
-    text is released: past that, `release_check()` waits for the oldest verdict.
-    Without the bound, a slow classifier (a loaded safety replica, an engine that
-    bursts a backlog of tokens) would let the whole answer out before a flag
-    lands; with it, a flagged answer is cut within the flagged chunk and
-    `max_unverified` more, however late the verdicts come.
+    output event. Output chunks are classified concurrently with streaming; a flag stops
+    the stream.
+
+    What the client may hold unverified is bounded in characters, whatever size the
+    engine's pieces come in (a consumer that fell behind gets what piled up as one
+    piece; a plain answer comes in two): the stream releases a piece in `parts` that end
+    where the monitor cuts its chunks, and `release_check(len(part))` waits for the
+    oldest verdicts until the released-but-unverified text plus the part stays within
+    `max_unverified_chars` (default: two chunks). A flagged answer is therefore cut
+    within `max_unverified_chars` of where the flagged chunk begins, however late the
+    verdicts come.
     """
 
     def __init__(self, port: Optional[SafetyPort], input_texts: list[str], chunk_chars: int = 256, *,
-                 tracer: Any = None, trace_parent: Any = None, max_unverified: int = 1) -> None:
+                 tracer: Any = None, trace_parent: Any = None, max_unverified_chars: Optional[int] = None,
+                 hold_tail: bool = False) -> None:
         import asyncio
 
         self._asyncio = asyncio
@@ -114,8 +123,14 @@ class TurnSafety:
         self._input: Optional[Any] = None
         self.input_seconds = 0.0
         self.monitor = OutputMonitor(chunk_chars)
-        self._outputs: list[Any] = []
-        self.max_unverified = max_unverified
+        self._outputs: list[tuple[Any, int]] = []  # (verdict task, released characters its chunk ends at)
+        # Never below one chunk: a part never waits on its own chunk's verdict.
+        self.max_unverified_chars = max(chunk_chars, max_unverified_chars or 2 * chunk_chars)
+        self.released_chars = 0  # generated characters handed to the client so far
+        self.verified_chars = 0  # of those, the ones whose chunks' verdicts came back clean
+        # Nobody reads a non-streamed or background answer before its end: classify its tail
+        # before the terminal event too, so what it returns never holds unclassified text.
+        self.hold_tail = hold_tail
         self.flag: Optional[dict[str, Any]] = None
         self.tail_text = ""  # generated text left for post-inference classification
 
@@ -159,45 +174,71 @@ class TurnSafety:
                 self.flag = {**hit, "stage": "input"}
         return self.flag
 
+    @property
+    def unverified_chars(self) -> int:
+        return self.released_chars - self.verified_chars
+
+    def parts(self, text: str) -> list[str]:
+        """`text` cut where the monitor cuts its chunks: each part fills at most the current
+        chunk, so every part can wait for the verdicts on all text before it."""
+        room = self.monitor.room
+        if self._port is None or len(text) <= room:
+            return [text]
+        size = self.monitor.chunk_chars
+        return [text[:room]] + [text[i:i + size] for i in range(room, len(text), size)]
+
     def on_output(self, text: str) -> None:
+        """`text` went out: count it unverified and classify the chunk it completes."""
         if self._port is None:
             return
+        self.released_chars += len(text)
         chunk = self.monitor.feed(text)
         if chunk:
-            self._outputs.append(self._asyncio.ensure_future(self._traced("safety.output", self._port, [chunk])))
+            task = self._asyncio.ensure_future(self._traced("safety.output", self._port, [chunk]))
+            self._outputs.append((task, self.released_chars))
 
-    async def release_check(self) -> Optional[dict[str, Any]]:
-        """Before an output piece goes out: the input verdict, and the output
-        verdicts that have come, waiting for the oldest while too many are out."""
+    async def release_check(self, size: int = 0) -> Optional[dict[str, Any]]:
+        """Before `size` more generated characters go out: the input verdict, and the output
+        verdicts that have come, waiting for the oldest while the unverified text would pass
+        `max_unverified_chars`."""
         flag = await self.gate()
-        while flag is None and len(self._outputs) > self.max_unverified:
-            await self._asyncio.wait([self._outputs[0]])
+        while flag is None and self._outputs and self.unverified_chars + size > self.max_unverified_chars:
+            await self._asyncio.wait([self._outputs[0][0]])
             flag = self.check_output()
         return flag or self.check_output()
 
     def check_output(self) -> Optional[dict[str, Any]]:
-        while self._outputs and self._outputs[0].done():
-            hit = first_flag(self._outputs.pop(0).result())
+        while self._outputs and self._outputs[0][0].done():
+            task, ends_at = self._outputs.pop(0)
+            hit = first_flag(task.result())
             if hit and self.flag is None:
                 self.flag = {**hit, "stage": "output"}
+            if self.flag is None:
+                self.verified_chars = ends_at
         return self.flag
 
     async def finish(self) -> Optional[dict[str, Any]]:
         """At the end of generation: the input verdict and the chunks already sent.
 
         The unclassified tail (shorter than a chunk, e.g. a whole tool-call
-        turn) is *not* awaited here: it is classified as post-inference work
-        (`tail_text`), so a clean turn's terminal event waits for nothing.
+        turn) is *not* awaited here when the answer streams: it is classified as
+        post-inference work (`tail_text`), so a clean turn's terminal event waits
+        for nothing. A `hold_tail` answer (nobody reads it before its end) has its
+        tail classified now, with the rest.
         """
         await self.gate()
-        if self._port is not None:
-            self.tail_text = self.monitor.flush() or ""
+        tail = self.monitor.flush() if self._port is not None else None
+        if tail and self.hold_tail:
+            task = self._asyncio.ensure_future(self._traced("safety.output", self._port, [tail]))
+            self._outputs.append((task, self.released_chars))
+        elif tail:
+            self.tail_text = tail
         if self._outputs:
-            await self._asyncio.gather(*self._outputs)
+            await self._asyncio.gather(*(task for task, _ in self._outputs))
         return self.check_output()
 
     def cancel(self) -> None:
-        for task in ([self._input] if self._input else []) + self._outputs:
+        for task in ([self._input] if self._input else []) + [task for task, _ in self._outputs]:
             task.cancel()
 
     def summary(self) -> dict[str, Any]:

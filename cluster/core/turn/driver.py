@@ -234,7 +234,10 @@ class TurnDriver:
         new_texts = turn_input_texts(ctx.items[ctx.new_start :], req.instructions,
                                      parent.instructions if parent is not None else None,
                                      st.classify_tool_outputs) if self._safety else []
-        safety = TurnSafety(self._safety, new_texts, st.output_chunk_chars, tracer=self.tracer, trace_parent=tctx)
+        # Nobody reads a plain or background answer before its end: its tail is classified before it too.
+        safety = TurnSafety(self._safety, new_texts, st.output_chunk_chars, tracer=self.tracer, trace_parent=tctx,
+                            max_unverified_chars=st.max_unverified_chars,
+                            hold_tail=not t.streamed or bool(req.background))
         response_id = t.response_id or new_id("resp")
         timing.response_id = response_id
         root.set_attribute("loopserve.response_id", response_id)

@@ -65,6 +65,7 @@ class TurnSettings:
     max_model_len: int
     verify_renders: bool = False
     output_chunk_chars: int = 256
+    max_unverified_chars: Optional[int] = None  # None: two chunks (TurnSafety)
     classify_tool_outputs: bool = False
     max_input_items: Optional[int] = None
     max_context_tokens: Optional[int] = None

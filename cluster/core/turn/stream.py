@@ -67,7 +67,10 @@ class TurnStream:
                             reasoning_tokens)
 
     def _blocked(self, flag: dict[str, Any]) -> list[Event]:
-        # Content filter: end `incomplete`, cache nothing (no continuation of it).
+        # Content filter: end `incomplete` with no output (what was released before the verdict
+        # is not kept: the final, stored or background response never carries flagged text),
+        # cache nothing (no continuation of it).
+        self.asm.discard_output()
         self.turn.status = "incomplete"
         self.services.metrics.safety_blocked(str(flag.get("stage", "")))
         self.services.metrics.turn_timed(self.turn.finish_timing())
@@ -267,31 +270,13 @@ class TurnStream:
                         raise piece.error()
                     if stop is not None and stop.is_set():
                         break  # nothing more goes out once stopped (a steer keeps what went out)
-                    # An output piece: released only after the input verdict,
-                    # while no output chunk has been flagged and the verdicts
-                    # lag the stream by at most one chunk.
-                    flag = await safety.release_check()
+                    # An output piece: released only after the input verdict, while no
+                    # output chunk has been flagged, in parts the unverified bound admits.
+                    for ev in await self._release(piece, call_limit):
+                        yield ev
+                    flag = safety.flag
                     if flag:
                         break
-                    if not timing.first_token:
-                        timing.first_token = time.perf_counter() - timing.started
-                    if isinstance(piece, TextPiece):
-                        events = asm.text(piece.text)
-                        safety.on_output(piece.text)
-                    elif isinstance(piece, ReasoningPiece):
-                        events = asm.reasoning(piece.text)
-                        safety.on_output(piece.text)
-                    elif isinstance(piece, ToolCallPiece):
-                        if call_limit is not None and self.tool_calls >= call_limit:
-                            continue
-                        self.tool_calls += 1
-                        events = asm.tool_call(piece.name, piece.arguments)
-                        # Arguments are generated text too (a command, a file's new contents).
-                        safety.on_output(f"{piece.name}({piece.arguments})\n")
-                    else:
-                        continue
-                    for ev in events:
-                        yield ev
                 if flag or done is not None:
                     break  # EngineDone is the engine's last word: its stream's end is not waited for
             if not flag:
@@ -334,6 +319,44 @@ class TurnStream:
                 yield ev
             return
         step.ended, step.done = False, done
+
+    async def _release(self, piece: Any, call_limit: Optional[int]) -> list[Event]:
+        """One output piece's events. A piece can be thousands of characters (what piled up
+        behind a consumer that fell behind, a plain answer's last piece): it is cut into parts
+        no larger than a classifier chunk, each taken once the text before it is verified enough
+        (`TurnSafety.release_check`); a flag keeps the parts from there on. A tool call goes out
+        whole once its arguments' parts pass. (A list, not a generator: one layer less per piece.)"""
+        safety, asm = self.safety, self.asm
+        events: list[Event] = []
+        if isinstance(piece, ToolCallPiece):
+            if call_limit is not None and self.tool_calls >= call_limit:
+                return events
+            # Arguments are generated text too (a command, a file's new contents).
+            for part in safety.parts(f"{piece.name}({piece.arguments})\n"):
+                if await safety.release_check(len(part)):
+                    return events
+                safety.on_output(part)
+            self.tool_calls += 1
+            self._first_token()
+            return asm.tool_call(piece.name, piece.arguments)
+        if isinstance(piece, TextPiece):
+            emit = asm.text
+        elif isinstance(piece, ReasoningPiece):
+            emit = asm.reasoning
+        else:
+            return events
+        for part in safety.parts(piece.text):
+            if await safety.release_check(len(part)):
+                break
+            self._first_token()
+            events += emit(part)
+            safety.on_output(part)
+        return events
+
+    def _first_token(self) -> None:
+        timing = self.turn.timing
+        if not timing.first_token:
+            timing.first_token = time.perf_counter() - timing.started
 
     def _stopped(self, done: Optional[EngineDone], *, discard: bool) -> list[Event]:
         """Stopped from outside. `response.interrupt` (Codex, mode discard_partial_items): the

@@ -290,7 +290,7 @@ class Turn:
             base_len=base_len if tail else 0,
             expect_back=self.expect_back,
             continuable=self.expect_back or req.store is not False or bool(req.prompt_cache_key),
-            streamed=self.origin.scope.transport == "websocket" or bool(req.stream),
+            streamed=self.origin.streamed,
             cache_ttl_s=self.cache_ttl_s,
             placement=self.parent.engine_replica if self.parent is not None else "",
             images=self.rendered.images,
@@ -407,3 +407,8 @@ class TurnRequest:
     stop: Optional[Stop] = None  # interrupt or steer
     keep_parent: bool = False  # a failed fork from another lane leaves that lane's response cached
     agent: Optional[ToolOutputInbox] = None  # a multi-agent response's inbox of injected tool outputs
+
+    @property
+    def streamed(self) -> bool:
+        """Read as it is generated (a socket, or SSE): a plain or background answer is read at its end."""
+        return self.scope.transport == "websocket" or bool(self.request.stream)

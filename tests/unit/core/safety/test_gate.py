@@ -114,7 +114,9 @@ async def test_the_input_check_starts_after_the_engine_request_went_out(tokenize
             events.append(ev)
             await asyncio.sleep(0)  # a transport's send gives the loop away between events
         assert events[-1]["type"] == "response.completed"
-    assert port.seen == [1]
+    # The input check came once the request was out; a plain (unstreamed) answer's tail is also
+    # classified before it is returned, a streamed one's after its terminal event.
+    assert port.seen == ([1] if transport == "websocket" else [1, 1])
 
 
 @pytest.mark.parametrize("classifier_delay", [0.0, 0.3], ids=["prompt-verdicts", "verdicts-lag-the-engine"])
@@ -260,7 +262,7 @@ async def test_short_output_is_checked_after_the_terminal_event_and_blocks_conti
     queue.add("output_safety", OutputTailCheck(safety, ledger))
     stack = InProcessStack(tokenizer, safety=safety, post_work=queue)
     cache = SessionCache()
-    evs = await run(stack, {"input": "status?"}, cache)
+    evs = await run(stack, {"input": "status?", "stream": True}, cache)
     # the answer (shorter than a chunk) streamed without waiting for its check
     assert evs[-1]["type"] == "response.completed"
     assert safety.calls == [["status?"]]
@@ -272,3 +274,64 @@ async def test_short_output_is_checked_after_the_terminal_event_and_blocks_conti
     with pytest.raises(ApiError) as again:  # every retry gets the same answer (not a replayable not-found)
         await run(stack, {"input": "go on", "previous_response_id": evs[-1]["response"]["id"]}, cache)
     assert again.value.code == "previous_response_blocked"
+
+
+async def test_a_plain_answers_short_flagged_output_is_withheld_before_it_returns(tokenizer):
+    """Nobody reads a plain (unstreamed) answer before its end: its tail is classified first, and a
+    flag there returns `incomplete` with no output (no post-inference window for it to leak in)."""
+    safety = CountingSafety(PolicyClassifier({"leak": [r"task is complete"]}))
+    stack = InProcessStack(tokenizer, safety=safety)
+    evs = await run(stack, {"input": "status?"})
+    resp = evs[-1]["response"]
+    assert evs[-1]["type"] == "response.incomplete" and resp["incomplete_details"] == {"reason": "content_filter"}
+    assert resp["output"] == []
+    assert len(safety.calls) == 2 and "task is complete" in safety.calls[1][0]
+
+
+class PiledUpStack(InProcessStack):
+    """The engine's pieces as a consumer that fell behind receives them (`messages.merged`, as the
+    channel's reader and the handle stream's coalesce join them): the whole answer in one piece, or
+    in two (first and last: a plain vLLM answer)."""
+
+    def __init__(self, tokenizer, *, split: str, **kw) -> None:
+        super().__init__(tokenizer, **kw)
+        self.split = split
+
+    async def engine_stream(self, req):
+        from cluster.core.messages import merged
+
+        chunks = [chunk async for chunk in super().engine_stream(req)]
+        if self.split == "two":
+            yield merged(chunks[:1])
+            chunks = chunks[1:]
+        yield merged(chunks)
+
+
+@pytest.mark.parametrize("classifier_delay", [0.0, 0.2], ids=["inline", "slow-actor"])
+@pytest.mark.parametrize("split", ["one", "two"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+async def test_a_piled_up_piece_goes_out_no_further_than_the_unverified_bound(tokenizer, classifier_delay, split,
+                                                                               stream):
+    """audit-3 F1: a piece of any size is released in chunk-sized parts, each after the verdicts
+    that keep the unverified text within `max_unverified_chars` (two 32-character chunks here); the
+    final response of a flagged answer carries none of it."""
+    safety = CountingSafety(POLICY, delay=classifier_delay)
+    stack = PiledUpStack(tokenizer, split=split, safety=safety, chunk_chars=32, answer_text=ANSWER,
+                         max_output_tokens=400)
+    evs = await run(stack, {"input": "what is the plan?", "max_output_tokens": 400, "stream": stream})
+    resp = evs[-1]["response"]
+    assert evs[-1]["type"] == "response.incomplete" and resp["incomplete_details"] == {"reason": "content_filter"}
+    assert resp["output"] == []
+    released = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
+    assert ANSWER.startswith(released)
+    flagged_end = ANSWER.index("build a bomb") + len("build a bomb")
+    assert len(released) <= flagged_end + 2 * 32 < len(ANSWER) - 100
+    # every chunk before the flag was classified before the text after it went out
+    assert sum(len(t) for call in safety.calls[1:] for t in call) >= len(released) - 2 * 32
+
+
+async def test_safety_off_keeps_a_piled_up_piece_whole(tokenizer):
+    stack = PiledUpStack(tokenizer, split="one", answer_text=ANSWER, max_output_tokens=400)
+    evs = await run(stack, {"input": "what is the plan?", "max_output_tokens": 400, "stream": True})
+    deltas = [e["delta"] for e in evs if e["type"] == "response.output_text.delta"]
+    assert deltas == [ANSWER]
