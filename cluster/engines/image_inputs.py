@@ -35,12 +35,14 @@ class DecodedImages:
         if any(key not in self._known for key in keys):
             async with self._decoding:
                 missing = {key: data for key, data in zip(keys, images) if key not in self._known}
+                # Taken before the new images are kept: keeping them may evict one this request needs.
+                found = {key: self._known[key] for key in keys if key in self._known}
                 opened = await asyncio.to_thread(lambda: {key: open_rgb(data, self.max_pixels)
                                                           for key, data in missing.items()})
                 for key, img in opened.items():
                     self._keep(key, img)
                 self.decoded += len(opened)
-                out = [opened.get(key) or self._known[key] for key in keys]
+                out = [opened[key] if key in opened else found[key] for key in keys]
         else:
             out = [self._known[key] for key in keys]
         for key in keys:

@@ -149,7 +149,7 @@ def peek_create(data: Frame) -> Optional[dict[str, Any]]:
     frame is not one the peek reads exactly as `load_event` would (the caller parses it whole)."""
     try:
         raw = _TOP_LEVEL.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # deep nesting: the full path's 400
         return None
     if "input" not in raw or "type" not in raw:
         return None  # the nested form (`{"type", "response": {...}}`) and the malformed: the full path

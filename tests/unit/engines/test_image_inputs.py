@@ -37,6 +37,17 @@ async def test_kept_images_are_bounded_by_their_rgb_bytes():
     assert images.decoded == 5
 
 
+async def test_a_request_never_evicts_an_image_it_needs():
+    """audit-3 F5: the kept image a request reuses is not lost to the new image it brings."""
+    images = DecodedImages(max_pixels=4096 * 4096, max_bytes=3 * 100 * 100 * 2)  # two 100x100 images
+    a, b, c = png(100, 100), png(100, 99), png(99, 100)
+    kept_a = (await images.rgb([a]))[0]
+    await images.rgb([b])  # kept: a (oldest), b
+    out = await images.rgb([a, c])  # keeping c evicts a, which this very request needs
+    assert out[0] is kept_a and [img.size for img in out] == [(100, 100), (99, 100)]
+    assert images.kept_bytes <= images.max_bytes
+
+
 async def test_the_engine_refuses_an_image_past_its_pixel_bound_or_of_another_format():
     images = DecodedImages(max_pixels=1000 * 1000)
     with pytest.raises(ImageRefused):

@@ -453,3 +453,15 @@ def test_steerability_and_the_multi_agent_inbox_are_decided_from_the_request():
     p.turn_ended("", 2.0)
     agent = started(p, create("hi", multi_agent={"enabled": True}), "resp_a")
     assert agent.steerable and agent.inbox is not None
+
+
+def test_a_large_frame_nested_past_the_parsers_recursion_is_a_400_and_the_socket_stays():
+    """audit-3 F8: over the peek's size, nesting ~3000 deep raised RecursionError out of receive()
+    (the route then ended the socket silently); it now gets the full path's 400 `invalid_json`."""
+    p = protocol()
+    deep = ('{"type":"response.create","instructions":"' + "a" * 70_000 + '","input":'
+            + "[" * 3000 + "]" * 3000 + "}")
+    p.receive(deep, 0.0)
+    [item] = p.lanes[""].pending
+    assert isinstance(item, DeferredError) and item.error.code == "invalid_json"
+    assert p.state is State.OPEN
