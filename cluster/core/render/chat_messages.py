@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator, Sequence
 
+from cluster.protocol.request_bounds import json_depth_error
+
 Message = dict[str, Any]
 
 
@@ -58,11 +60,13 @@ def content_parts(items: Sequence[dict[str, Any]]) -> Iterator[tuple[int, str, i
 
 def _arguments(raw: str) -> Any:
     """A call's arguments as the template wants them: parsed when they are JSON, else as sent (a
-    client's nesting too deep for the parser is text too, never a 500)."""
+    client's nesting deeper than a request may nest is text too: a template's `tojson` would
+    overflow a few frames past what the parser takes, a 500)."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (ValueError, RecursionError):
         return raw
+    return raw if json_depth_error(value) is not None else value
 
 
 def messages_from_items(items: Sequence[dict[str, Any]],

@@ -1,4 +1,5 @@
 """Responses items -> chat messages (cluster/core/render/chat_messages.py): what a template is given."""
+import json
 
 from cluster.core.render.chat_messages import (
     COMPACTION_SUMMARY,
@@ -59,3 +60,20 @@ def test_arguments_nested_deeper_than_the_parser_goes_are_passed_as_text_not_an_
     msgs, _ = messages_from_items([{"type": "message", "role": "user", "content": "hi"},
                                    {"type": "function_call", "call_id": "a", "name": "f", "arguments": deep}])
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == deep
+
+
+def test_arguments_nested_past_a_requests_depth_are_text_and_the_template_renders_them(tokenizer):
+    """audit-3 F9: ~990 levels parsed, then overflowed the template's `tojson` (a 500); past the
+    request depth bound they are text, as arguments the parser refuses are."""
+    from cluster.protocol.request_bounds import MAX_JSON_DEPTH
+
+    deep = "[" * 200 + "]" * 200  # json.loads takes it; a template with a deeper stack overflows near 990
+    ok = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    items = [{"type": "message", "role": "user", "content": "hi"},
+             {"type": "function_call", "call_id": "a", "name": "f", "arguments": deep},
+             {"type": "function_call", "call_id": "b", "name": "f", "arguments": ok}]
+    msgs, _ = messages_from_items(items)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == deep
+    assert msgs[1]["tool_calls"][1]["function"]["arguments"] == json.loads(ok)
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False)  # the served ChatML + Hermes template
+    assert deep in rendered
