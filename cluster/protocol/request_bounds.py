@@ -123,6 +123,23 @@ Frame = Union[str, bytes]
 _TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
+class _Typed(msgspec.Struct):
+    type: str
+
+
+_TYPE_ONLY = msgspec.json.Decoder(_Typed)  # every other field skipped in C, never built
+
+
+def frame_type(data: Frame) -> Optional[str]:
+    """A frame's `type`, read without building anything else (~0.1 ms for 64 KiB of `[[],[],...]`,
+    which json.loads and a walk took 7 + 17 ms to build); None when the frame is not an object
+    with a string `type` the full path would read the same way (it then answers it)."""
+    try:
+        return _TYPE_ONLY.decode(data).type
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+
+
 def load_event(data: Frame, counted: bool = False) -> tuple[dict[str, Any], int]:
     """A client event and what it holds parsed (bytes, an upper bound), or an ApiError (400) for
     a frame opening too many containers (unless the caller `counted` them), not JSON, not an

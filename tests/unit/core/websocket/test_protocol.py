@@ -465,3 +465,25 @@ def test_a_large_frame_nested_past_the_parsers_recursion_is_a_400_and_the_socket
     [item] = p.lanes[""].pending
     assert isinstance(item, DeferredError) and item.error.code == "invalid_json"
     assert p.state is State.OPEN
+
+
+def test_ignored_frames_are_dropped_unparsed(monkeypatch):
+    """audit-3 F2: a `response.processed` of 64 KiB `[[],[],...]` was parsed and walked (7 + 17 ms)
+    to be dropped; its type is read without building the rest, and nothing else runs."""
+    from cluster.core.websocket import protocol as module
+
+    def parsed(*args, **kw):
+        raise AssertionError("an ignored frame was parsed")
+
+    monkeypatch.setattr(module, "load_event", parsed)
+    monkeypatch.setattr(module, "json_containers_error", parsed)
+    p = protocol()
+    frame = '{"type":"response.processed","x":[' + ",".join(["[]"] * 21_800) + "]}"
+    for kind in ("response.processed", "response.append"):
+        assert p.receive(frame.replace("response.processed", kind), 0.0) == []
+    assert p.state is State.OPEN and not p.lanes
+    monkeypatch.undo()
+    # a frame whose type cannot be read that way still gets the full path's answer
+    p.receive('{"type": 5}', 0.0)
+    [item] = p.lanes[""].pending
+    assert isinstance(item, DeferredError) and item.error.param == "type"
