@@ -147,8 +147,7 @@ class WebSocketProtocol:
             # Invalid frames faster than their errors are read: nothing more is held for this client.
             return self._close(End.FLOOD)
         if self.waiting_creates + self.deferred_errors >= cfg.max_queued_creates:
-            return [SendError(ApiError(429, "Too many queued requests on this connection.",
-                                       code="rate_limit_exceeded"))]
+            return [SendError(ApiError(429, "Too many queued requests on this connection.", code="rate_limit_exceeded"))]
         self.last_activity = now
         size = frame_bytes(data)
         if size > cfg.max_frame_bytes:  # never parsed nor held; its error keeps its FIFO place
@@ -159,13 +158,12 @@ class WebSocketProtocol:
                      "responses in flight.", code="rate_limit_exceeded"))]
         if frame_type(data) in IGNORED_TYPES:
             return []  # dropped unparsed: building what nobody reads cost ~15x a create's byte budget
-        admitted = False
-        if size > ADMIT_BEFORE_PARSE_BYTES and self.admit is not None:
+        admitted = size > ADMIT_BEFORE_PARSE_BYTES and self.admit is not None
+        if admitted:
             try:
                 self.admit(size)
             except ApiError as err:
                 return [SendError(err)]  # nothing held: the frame is dropped at once
-            admitted = True
         too_complex = json_containers_error(data)
         if too_complex is not None:
             return self._defer(too_complex)
