@@ -1,4 +1,4 @@
-"""GET /v1/responses/{id}/input_items through ResponsesService, no Ray: pages cost the page."""
+"""ResponsesService (cluster/serving/responses.py) without Ray: GET input_items pages cost the page."""
 
 import pytest
 
