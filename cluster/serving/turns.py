@@ -190,7 +190,9 @@ class TurnsService:
         self.sockets.discard(socket)
         self.auth.close_connection(socket.principal)
         await socket.session.shutdown()
-        if not socket.session.stored:  # all `store: false`: nothing can continue from its KV
+        # All `store: false` turns of its own: nothing can continue from its KV (audit-3 F11: a socket
+        # that ran nothing leaves the session's KV to whoever ran it).
+        if socket.session.ran and not socket.session.stored:
             await self.engine.release(socket.session.session_key, cache_salt(socket.principal.tenant))
 
     async def drain(self) -> None:

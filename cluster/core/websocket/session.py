@@ -93,6 +93,9 @@ class WebSocketSession:
         self._lane_tasks: dict[str, asyncio.Task] = {}
         self._slots = asyncio.Semaphore(MAX_ACTIVE)
         self.responses = 0
+        # A turn of this socket reached the engine path: only then is the session's KV its to free (anyone
+        # of the tenant may open a socket naming someone's `x-session-id` and close it at once).
+        self.ran = False
 
     @property
     def stored(self) -> bool:
@@ -236,6 +239,7 @@ class WebSocketSession:
                                depth_checked=True,  # the protocol bounded every frame's nesting as it parsed it
                                floor=self.driver.preparer.check_body_floor)
             self.protocol.turn_admitted(create, req, body)
+            self.ran = True
             async for ev in self.driver.run(TurnRequest(
                 req,
                 self.scope,

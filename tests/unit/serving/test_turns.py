@@ -164,6 +164,11 @@ async def test_a_closed_socket_gives_back_its_connection_and_unstored_kv(tokeniz
     assert sent[-1]["type"] == "response.completed"
     assert len(engine.released) == 1  # a stored response may be continued: KV kept
     assert turns.responses.registry.get(sent[-1]["response"]["id"]) is not None
+    # audit-3 F11: a socket naming the same session that runs nothing does not free its KV
+    socket = await turns.open_socket(turns.admit_socket(headers), headers, lambda ev: asyncio.sleep(0),
+                                     lambda code, reason: asyncio.sleep(0))
+    await turns.close_socket(socket)
+    assert len(engine.released) == 1
 
 
 async def test_a_socket_opened_while_draining_is_drained(tokenizer):
