@@ -194,8 +194,12 @@ class TurnSafety:
         self.released_chars += len(text)
         chunk = self.monitor.feed(text)
         if chunk:
-            task = self._asyncio.ensure_future(self._traced("safety.output", self._port, [chunk]))
-            self._outputs.append((task, self.released_chars))
+            self._classify_output(chunk)
+
+    def _classify_output(self, chunk: str) -> None:
+        """A verdict task for `chunk`, which ends at what was released so far."""
+        task = self._asyncio.ensure_future(self._traced("safety.output", self._port, [chunk]))
+        self._outputs.append((task, self.released_chars))
 
     async def release_check(self, size: int = 0) -> Optional[dict[str, Any]]:
         """Before `size` more generated characters go out: the input verdict, and the output
@@ -229,8 +233,7 @@ class TurnSafety:
         await self.gate()
         tail = self.monitor.flush() if self._port is not None else None
         if tail and self.hold_tail:
-            task = self._asyncio.ensure_future(self._traced("safety.output", self._port, [tail]))
-            self._outputs.append((task, self.released_chars))
+            self._classify_output(tail)
         elif tail:
             self.tail_text = tail
         if self._outputs:
