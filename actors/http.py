@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.protocol.errors import ApiError, loc_to_param, server_error
-from cluster.protocol.request_bounds import json_containers_error
+from cluster.protocol.request_bounds import json_bounds
 
 log = logging.getLogger("loopserve.connection")
 
@@ -103,7 +103,7 @@ def declared_bytes(request: Request) -> int:
 
 async def json_body(request: Request, limit: int = 16 * 1024 * 1024,
                     charge: Optional[Callable[[int], None]] = None) -> Any:
-    """The parsed body, at most `limit` bytes; `charge` is told its size once read."""
+    """The parsed body, at most `limit` bytes, nesting at most MAX_JSON_DEPTH; `charge` is told its size once read."""
     declared = declared_bytes(request)
     if declared > limit:
         raise _too_large(declared, limit)
@@ -116,7 +116,7 @@ async def json_body(request: Request, limit: int = 16 * 1024 * 1024,
             raise _too_large(len(body), limit)
     if charge is not None:
         charge(len(body))
-    too_complex = json_containers_error(body)  # before the parse, which holds the event loop
+    too_complex, _ = json_bounds(body)  # containers and nesting, before the parse, which holds the event loop
     if too_complex is not None:
         raise too_complex
     try:

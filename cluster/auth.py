@@ -150,6 +150,13 @@ class Authenticator:
         self._add(p.key_id, 1, now)
         self.charge_input(p, nbytes, now)
 
+    def admit_bytes(self, p: Principal, nbytes: int, now: Optional[float] = None) -> None:
+        """Bytes a client sent outside a create (a WebSocket frame of any type, charged before it is
+        read): the key's input-bytes window alone; 429 past it."""
+        now = time.monotonic() if now is None else now
+        self._check(p.key_id + "/input_bytes", p.input_bytes_per_minute, "input bytes sent", now, adding=nbytes)
+        self.charge_input(p, nbytes, now)
+
     def charge_input(self, p: Principal, nbytes: int, now: Optional[float] = None) -> None:
         """Bytes of an admitted create learnt only as its body was read (chunked)."""
         if p is not ANONYMOUS and nbytes:

@@ -21,13 +21,15 @@ class ApiKey(StrictModel):
     """WebSockets the tenant may hold open at once."""
     requests_per_minute: int = Field(600, ge=1)
     """Responses the tenant may create per minute."""
-    input_bytes_per_minute: int = Field(64 * 1024 * 1024, ge=1024)
-    """Request bytes the tenant may send per minute in creates (HTTP bodies, WebSocket
-    `response.create` frames; `input_tokens` and `compact` too), counted before the body is
-    parsed: a create's cost to the server grows with its size (10,000 small items are ~25 ms of
-    a replica's event loop), so a count alone lets one key fill the loop with large creates.
-    64 MiB is ~16M tokens a minute: a stateless client resending a 128k-token history every turn
-    fits ~100 turns a minute. A create larger than the limit is admitted when the minute is empty."""
+    input_bytes_per_minute: int = Field(48 * 1024 * 1024, ge=1024)
+    """Request bytes the tenant may send per minute (HTTP create bodies, `input_tokens` and `compact`;
+    every WebSocket frame, whatever its type), counted before the body is parsed: reading a body
+    holds a replica's event loop by the byte. Calibrated on the worst shapes (bench/adversarial.py,
+    `shapes`): parsing and validating a create of 10,000 one-part messages is ~64 ms a MiB, and
+    json.loads of `[[],[],...]` up to the container bound ~55; 48 MiB is then at most ~3 s of one
+    replica's loop a minute per key (5%). That is ~12M tokens a minute: a stateless client
+    resending a 128k-token history every turn fits ~90 turns a minute. A create larger than the
+    limit is admitted when the minute is empty."""
     reads_per_minute: int = Field(3000, ge=1)
     """Reads and deletes the tenant may make per minute (GET a response or its input items, DELETE,
     cancel): a read of a response no longer in memory loads its chain from the store."""

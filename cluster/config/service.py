@@ -26,6 +26,11 @@ class WebSocketConfig(StrictModel):
     otherwise); with keys, any Origin. Requests without an Origin (SDKs, CLIs) are not affected."""
     max_frame_bytes: int = 15 * 1024 * 1024
     """Frames above this get an error event (the proxy itself closes above 16 MiB)."""
+    max_frame_bytes_per_minute: int = Field(48 * 1024 * 1024, ge=1024 * 1024)
+    """Bytes of frames one socket may send a minute, every type (a token bucket), charged before a frame is read
+    (and to its key's `input_bytes_per_minute` as well, which bounds a key's sockets together): reading a frame
+    holds the replica's event loop by the byte, up to ~64 ms a MiB for the worst shapes. Past it a frame is
+    dropped with a 429, and a client that keeps sending spends its error budget and is closed."""
     max_queued_creates: int = 64
     """Creates and unread errors one socket may have waiting; more are refused at once (429)."""
     max_queued_bytes: int = 32 * 1024 * 1024

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from cluster.protocol.errors import ApiError, from_validation_error, invalid_request
-from cluster.protocol.request_bounds import MAX_JSON_DEPTH, echo_error, json_depth_error, json_shape  # noqa: F401
+from cluster.protocol.request_bounds import MAX_JSON_DEPTH, echo_error, json_depth_error  # noqa: F401
 
 
 class _Tolerant(BaseModel):

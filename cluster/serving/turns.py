@@ -79,6 +79,7 @@ class TurnsService:
         limits = self.config.limits
         # The key's rate limit was applied before the body was read (routes.py).
         req = admit_create(body, transport="http", admit=None, max_input_items=limits.max_input_items,
+                           depth_checked=True,  # json_body bounded its nesting before parsing it
                            floor=self.driver.preparer.check_body_floor)
         parsed_at = time.perf_counter()
         session_key = ids.session_key(session_header(headers) or req.prompt_cache_key or req.previous_response_id,
@@ -172,6 +173,7 @@ class TurnsService:
             send=send,
             close=close,
             admit=lambda nbytes: self.auth.admit_request(principal, nbytes),
+            charge=lambda nbytes: self.auth.admit_bytes(principal, nbytes),
             betas=frozenset(b.strip() for b in headers.get("openai-beta", "").split(",") if b.strip()),
             shared=self.shared,
         )

@@ -48,8 +48,8 @@ from cluster.core.websocket.agent import AgentInbox
 from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate, create_body
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
-from cluster.protocol.request_bounds import (ReplicaQueue, frame_bytes, frame_too_large, frame_type,
-                                             json_containers_error, load_event, peek_create)
+from cluster.protocol.request_bounds import (MinuteBudget, ReplicaQueue, frame_bytes, frame_too_large, frame_type,
+                                             json_bounds, load_event, peek_create)
 from cluster.protocol.requests import ResponsesRequest, multi_agent_enabled, parse_request
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
@@ -88,7 +88,7 @@ class WebSocketProtocol:
     def __init__(self, config: WebSocketConfig, *, model_name: str, max_input_items: Optional[int],
                  cache: SessionCache, now: float, sampling: Optional[dict[str, float]] = None,
                  replica_queue: Optional[ReplicaQueue] = None, admit: Optional[Callable[[int], None]] = None,
-                 replica_held: Optional[ReplicaHeld] = None) -> None:
+                 replica_held: Optional[ReplicaHeld] = None, charge: Optional[Callable[[int], None]] = None) -> None:
         self.config = config
         self.model_name = model_name
         self.sampling = sampling or {}  # the model's sampling defaults (a queued response reports them)
@@ -101,8 +101,10 @@ class WebSocketProtocol:
         self.queued_bytes = 0  # creates waiting on their lanes (parsed) and errors waiting to be sent
         self.replica_queue = replica_queue if replica_queue is not None else ReplicaQueue(1 << 62)
         self.admit = admit  # the key's rate limits, told the frame's bytes (raises its 429)
+        self.charge = charge or (lambda nbytes: None)  # the key's input bytes alone (raises its 429)
         self._answer_bytes = 0  # errors and failure events the frame being handled made
-        self._answer_budget, self._answer_at = float(config.max_error_bytes_per_minute), now
+        self._answers = MinuteBudget(config.max_error_bytes_per_minute, now)
+        self._frames = MinuteBudget(config.max_frame_bytes_per_minute, now)
         self.waiting_creates = 0
         self.deferred_errors = 0
         self.started_at = now
@@ -130,16 +132,9 @@ class WebSocketProtocol:
                 self._answer_bytes += 256 + len(action.error.message)
             elif isinstance(action, SendEvent) and str(action.event.get("type", "")).endswith(".failed"):
                 self._answer_bytes += 256 + frame_bytes(data)
-        if self._answer_bytes and self.state is State.OPEN and not self._spend_answers(self._answer_bytes, now):
+        if self._answer_bytes and self.state is State.OPEN and not self._answers.spend(self._answer_bytes, now):
             return self._close(End.FLOOD)
         return actions
-
-    def _spend_answers(self, nbytes: int, now: float) -> bool:
-        """A token bucket of `max_error_bytes_per_minute`, refilled over a minute: False once it is spent."""
-        cap = self.config.max_error_bytes_per_minute
-        self._answer_budget = min(cap, self._answer_budget + (now - self._answer_at) * cap / 60.0) - nbytes
-        self._answer_at = now
-        return self._answer_budget >= 0
 
     def _receive(self, data: Union[str, bytes], now: float, received_at: Optional[float]) -> list[Action]:
         cfg = self.config
@@ -156,15 +151,18 @@ class WebSocketProtocol:
             return [SendError(ApiError(
                 429, f"Too many bytes queued on this connection (limit {cfg.max_queued_bytes}); wait for the "
                      "responses in flight.", code="rate_limit_exceeded"))]
-        if frame_type(data) in IGNORED_TYPES:
+        # Every frame is paid for before it is read (audit-3 F2): the socket's bucket, then the key's
+        # window (a large frame as a request too: it is not counted again when it starts).
+        try:
+            self._frames.take(size, now) or self._frames.refuse(size, "bytes of frames on this connection")
+            kind = frame_type(data)
+            admitted = kind not in IGNORED_TYPES and size > ADMIT_BEFORE_PARSE_BYTES and self.admit is not None
+            (self.admit if admitted else self.charge)(size)
+        except ApiError as err:
+            return [SendError(err)]  # nothing held: the frame is dropped at once
+        if kind in IGNORED_TYPES:
             return []  # dropped unparsed: building what nobody reads cost ~15x a create's byte budget
-        admitted = size > ADMIT_BEFORE_PARSE_BYTES and self.admit is not None
-        if admitted:
-            try:
-                self.admit(size)
-            except ApiError as err:
-                return [SendError(err)]  # nothing held: the frame is dropped at once
-        too_complex = json_containers_error(data)
+        too_complex, held = json_bounds(data)
         if too_complex is not None:
             return self._defer(too_complex)
         if size > ADMIT_BEFORE_PARSE_BYTES:
@@ -172,7 +170,7 @@ class WebSocketProtocol:
             if body is not None and self._waits(body.get("stream_id")):
                 return self._enqueue(body, 0, received_at, admitted, data, peeked=True)  # parsed when its lane starts it
         try:
-            event, held = load_event(data, counted=True)  # steers and injects too are bounded before anything holds them
+            event, _ = load_event(data, counted=True)  # steers and injects too are bounded before anything holds them
         except ApiError as err:
             return self._defer(err)
         # Counted as what the parsed event holds (~10x a frame of small items), not the frame.

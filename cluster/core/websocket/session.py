@@ -39,6 +39,9 @@ from cluster.protocol.request_bounds import ReplicaQueue
 from cluster.protocol.requests import admit_create
 
 log = logging.getLogger(__name__)
+# How long a server close may take to go out (its error, then its close frame, half each): the
+# WebSocket library's own close handshake drops the TCP connection after 10 s of a client reading nothing.
+CLOSE_TIMEOUT_S = 24.0
 
 Send = Callable[[Event], Awaitable[None]]
 CloseSocket = Callable[[int, str], Awaitable[None]]
@@ -67,6 +70,7 @@ class WebSocketSession:
         send: Send,
         close: CloseSocket,
         admit: Optional[Callable[[int], None]] = None,
+        charge: Optional[Callable[[int], None]] = None,
         betas: frozenset[str] = frozenset(),
         shared: Optional[ReplicaShared] = None,
     ) -> None:
@@ -81,7 +85,8 @@ class WebSocketSession:
         self.protocol = WebSocketProtocol(config, model_name=driver.model_name,
                                           max_input_items=driver.settings.max_input_items, cache=scope.cache,
                                           now=time.monotonic(), sampling=driver.settings.sampling_defaults,
-                                          replica_queue=shared.queue, admit=admit, replica_held=shared.held)
+                                          replica_queue=shared.queue, admit=admit, replica_held=shared.held,
+                                          charge=charge)
         self._send = send
         self._close = close
         self._admit = admit  # per-key rate limits for each response.create, told its bytes (raises ApiError)
@@ -150,33 +155,56 @@ class WebSocketSession:
     # -- performing the protocol's actions -------------------------------------------------
     async def _perform(self, actions: list[Action]) -> None:
         if any(isinstance(a, Close) for a in actions):
-            self._closing = True
-            # Every server close sends the client to reconnect (drain: 1001; the connection's
-            # lifetime: 1000), maybe to another replica that reads its `previous_response_id`
-            # from the store: this socket's last responses are stored before it is told to go.
-            if self._settle is not None and self.protocol.finished:
-                await self._settle(list(self.protocol.finished))
+            await self._closing_with(actions)
+            return
         for action in actions:
-            if isinstance(action, SendEvent):
-                await self._send_quietly(action.event)
-            elif isinstance(action, SendError):
-                await self._send_error(action.error, action.stream_id)
-            elif isinstance(action, Enqueued):
+            await self._perform_one(action)
+
+    async def _closing_with(self, actions: list[Action]) -> None:
+        """The closing error and close frame. Every server close sends the client to reconnect
+        (drain: 1001; the connection's lifetime: 1000), maybe to another replica that reads its
+        `previous_response_id` from the store: this socket's last responses are stored before it is
+        told to go. A lane sending to a client that reads nothing holds the socket's send: the close
+        waited behind it for ever, and the socket stayed open (audit-3, 200,000 invalid frames through
+        HAProxy). The lanes stop first, and each send of the close is bounded."""
+        self._closing = True
+        if self._settle is not None and self.protocol.finished:
+            await self._settle(list(self.protocol.finished))
+        await self._stop_lanes()
+        try:
+            for action in actions:
                 try:
-                    if action.announce is not None:
-                        await self._send(action.announce)
-                finally:  # a failed send (the client left) must not leave its lane waiting forever
-                    action.create.announced.set()
-            elif isinstance(action, RunLane):
-                task = self._lane_tasks.get(action.key)
-                if task is None or task.done():
-                    self._lane_tasks[action.key] = asyncio.create_task(
-                        self._run_lane(action.key), name=f"ws-lane-{self.session_key}-{action.key}")
-            elif isinstance(action, Close):
-                try:
-                    await self._close(action.code, action.reason)
-                finally:
-                    self._close_sent = True
+                    await asyncio.wait_for(self._perform_one(action), CLOSE_TIMEOUT_S / 2)
+                except asyncio.TimeoutError:
+                    log.warning("websocket close: a send took over %.0f s (the client reads nothing)", CLOSE_TIMEOUT_S / 2)
+        finally:
+            self._close_sent = True
+
+    async def _perform_one(self, action: Action) -> None:
+        if isinstance(action, SendEvent):
+            await self._send_quietly(action.event)
+        elif isinstance(action, SendError):
+            await self._send_error(action.error, action.stream_id)
+        elif isinstance(action, Enqueued):
+            try:
+                if action.announce is not None:
+                    await self._send(action.announce)
+            finally:  # a failed send (the client left) must not leave its lane waiting forever
+                action.create.announced.set()
+        elif isinstance(action, RunLane):
+            task = self._lane_tasks.get(action.key)
+            if task is None or task.done():
+                self._lane_tasks[action.key] = asyncio.create_task(
+                    self._run_lane(action.key), name=f"ws-lane-{self.session_key}-{action.key}")
+        elif isinstance(action, Close):
+            await self._close(action.code, action.reason)
+
+    async def _stop_lanes(self) -> None:
+        """Cancel the lanes still running (not the one closing, when a lane closes): the connection is ending."""
+        tasks = [t for t in self._lane_tasks.values() if not t.done() and t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each turn's cleanup runs first
 
     async def _tick(self) -> None:
         while True:
@@ -233,7 +261,8 @@ class WebSocketSession:
         try:
             # A held frame is parsed here, its input's errors raised.
             body, keep_parent = self.protocol.begin_turn(create, create.start_body())
-            admit = None if create.admitted or self._admit is None else partial(self._admit, create.size)
+            # Its frame's bytes were charged as it arrived (the protocol): the request alone counts now.
+            admit = None if create.admitted or self._admit is None else partial(self._admit, 0)
             req = admit_create(body, transport="websocket", admit=admit,
                                max_input_items=self.driver.settings.max_input_items, betas=self._betas,
                                depth_checked=True,  # the protocol bounded every frame's nesting as it parsed it

@@ -40,12 +40,12 @@ def test_ordinary_echo_and_large_function_tools_pass():
 @pytest.mark.parametrize("shape", ["small items", "non-ascii text", "numbers", "nested tool schema"])
 def test_what_a_parsed_body_holds_is_bounded_above_from_its_text(shape):
     """A waiting create is counted as what it holds parsed (audit-2 N3); the estimate weighs its
-    containers from the value and its leaves from the text, and must not fall below what
+    containers and its leaves from the text, and must not fall below what
     json.loads allocates, for any shape a client can send."""
     import json
     import tracemalloc
 
-    from cluster.protocol.request_bounds import json_shape
+    from cluster.protocol.request_bounds import json_bounds
 
     value = {
         "small items": {"input": [{"role": "user", "content": "a"} for _ in range(5_000)]},
@@ -60,7 +60,7 @@ def test_what_a_parsed_body_holds_is_bounded_above_from_its_text(shape):
     parsed = json.loads(raw)
     allocated = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    error, held = json_shape(parsed, raw)
+    error, held = json_bounds(raw)
     assert error is None and held >= allocated
     assert held <= 8 * allocated + 4 * len(raw)  # an upper bound, not a refusal of everything
 
@@ -89,6 +89,7 @@ def test_the_peek_builds_every_field_of_a_create_but_its_input():
     '{"type": 3, "input": "a"}',
     '{"type": "response.create", "input": "a", "temperature": NaN}',  # json.loads reads it; the peek does not
     json.dumps({"type": "response.create", "input": "a", "tools": nested(80)}),  # nested too deeply
+    '{"type":"response.create","input":' + "[" * 3000 + "]" * 3000 + "}",  # past msgspec's recursion (audit-3 F8)
 ])
 def test_what_the_peek_cannot_read_as_the_full_path_would_goes_the_full_path(frame):
     assert peek_create(frame) is None
@@ -110,3 +111,58 @@ def test_a_frame_the_full_read_refuses_is_a_400_naming_why(frame, code):
 def test_the_full_read_weighs_what_it_holds():
     event, held = load_event(json.dumps({"type": "response.create", "input": [{"role": "user", "content": "a"}] * 1000}))
     assert len(event["input"]) == 1000 and held > 1000 * 100
+
+
+def test_nesting_is_read_from_the_text_as_json_loads_reads_it():
+    """audit-3 F2: the depth bound is read from the bytes before parsing, brackets inside strings
+    (escaped quotes, escaped backslashes) not counted; it must agree with the parsed value's depth."""
+    import random
+
+    from cluster.protocol.request_bounds import json_nesting
+
+    def depth(v):
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        return 0 if inner is None else 1 + max((depth(x) for x in inner), default=0)
+
+    rng = random.Random(7)
+
+    def value(d):
+        r = rng.random()
+        if d > 6 or r < 0.3:
+            return rng.choice(['a\\"[', "\\", "]}", 1, None, "x" * rng.randint(0, 5) + '\\"{', "語[", "\\\\"])
+        if r < 0.65:
+            return [value(d + 1) for _ in range(rng.randint(0, 4))]
+        return {rng.choice(["[", "k", '\\"{']) + str(i): value(d + 1) for i in range(rng.randint(0, 4))}
+
+    for _ in range(2000):
+        v = value(0)
+        text = json.dumps(v, ensure_ascii=rng.random() < 0.5)
+        assert json_nesting(text) == depth(v) == json_nesting(text.encode()), text
+
+
+@pytest.mark.parametrize("raw", [
+    "[" + "[]," * 21_800 + "[]]",  # 64 KiB of the worst shape for a walk of the parsed value
+    json.dumps({"input": [{"role": "user", "content": "hello"}] * 2_000}).encode(),
+])
+def test_the_bounds_of_a_frame_are_read_without_building_it(raw, monkeypatch):
+    """audit-3 F2: the per-container Python walk of the parsed value cost ~15x a create's byte
+    budget on `[[],[],...]` (17 ms a 64 KiB frame); the bounds come from the text alone, before
+    anything is built (timings: bench/adversarial.py)."""
+    from cluster.protocol import request_bounds
+
+    def built(*args, **kw):
+        raise AssertionError("the bounds built the value")
+
+    monkeypatch.setattr(request_bounds.json, "loads", built)
+    monkeypatch.setattr(request_bounds, "_levels", built)
+    error, held = request_bounds.json_bounds(raw)
+    assert error is None and held > len(raw)
+
+
+def test_a_body_nesting_too_deeply_is_refused_from_its_text_naming_the_field():
+    from cluster.protocol.request_bounds import json_bounds
+
+    error, _ = json_bounds(json.dumps({"input": "hi", "tools": nested(65)}))
+    assert error is not None and error.param == "tools" and error.code == "invalid_value"
+    assert json_bounds(json.dumps({"input": "hi", "tools": nested(63)}))[0] is None
+    assert json_bounds(json.dumps({"input": "hi", "tools": '"' + "[" * 500}))[0] is None  # inside a string

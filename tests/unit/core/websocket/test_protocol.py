@@ -349,22 +349,20 @@ def test_a_large_create_that_waits_is_parsed_once_when_its_lane_starts_it(monkey
     assert len(waiting.create.start_body()["input"]) == 10_000 and parsed == [len(frame)]
 
 
-def test_a_waiting_create_whose_input_nests_too_deeply_is_refused_when_it_starts():
+def test_a_waiting_create_whose_input_nests_too_deeply_is_refused_on_arrival_in_its_place():
+    """The nesting is read from the frame's text before anything is parsed or held (audit-3 F2):
+    a large create that would wait is refused at once, its error behind the response in flight."""
     deep: object = "a"
     for _ in range(80):
         deep = [deep]
     frame = create([{"role": "user", "content": "x" * 70_000}, deep])
     p = protocol()
     p.receive(create("in flight"), now=1.0)
-    waiting = enqueued(p.receive(frame, now=1.0)).create
-    p.next_on_lane("")
-    assert p.next_on_lane("") is waiting
-    try:
-        waiting.start_body()
-    except ApiError as err:
-        assert err.code == "invalid_value" and "nested too deeply" in err.message
-    else:
-        raise AssertionError("a too-deep input was started")
+    p.receive(frame, now=1.0)
+    assert p.waiting_creates == 1 and isinstance(p.next_on_lane(""), WsCreate)
+    refused = p.next_on_lane("")
+    assert isinstance(refused, DeferredError) and refused.error.code == "invalid_value"
+    assert "nested too deeply" in refused.error.message and refused.error.param == "input"
 
 
 # -- a create's turn: what the protocol decides around it (the session only runs it) ------
@@ -463,7 +461,7 @@ def test_a_large_frame_nested_past_the_parsers_recursion_is_a_400_and_the_socket
             + "[" * 3000 + "]" * 3000 + "}")
     p.receive(deep, 0.0)
     [item] = p.lanes[""].pending
-    assert isinstance(item, DeferredError) and item.error.code == "invalid_json"
+    assert isinstance(item, DeferredError) and item.error.code == "invalid_value"  # read from its text first
     assert p.state is State.OPEN
 
 
@@ -476,7 +474,7 @@ def test_ignored_frames_are_dropped_unparsed(monkeypatch):
         raise AssertionError("an ignored frame was parsed")
 
     monkeypatch.setattr(module, "load_event", parsed)
-    monkeypatch.setattr(module, "json_containers_error", parsed)
+    monkeypatch.setattr(module, "json_bounds", parsed)
     p = protocol()
     frame = '{"type":"response.processed","x":[' + ",".join(["[]"] * 21_800) + "]}"
     for kind in ("response.processed", "response.append"):
@@ -487,3 +485,48 @@ def test_ignored_frames_are_dropped_unparsed(monkeypatch):
     p.receive('{"type": 5}', 0.0)
     [item] = p.lanes[""].pending
     assert isinstance(item, DeferredError) and item.error.param == "type"
+
+
+def test_every_frame_is_paid_for_before_it_is_read(monkeypatch):
+    """audit-3 F2: frames under 64 KiB were parsed and walked before any limit, and
+    `response.processed`/`response.append` were charged to nothing. Each frame's bytes now go to
+    the key's window before it is parsed (a large one as a request), whatever its type."""
+    charged, admitted = [], []
+    p = WebSocketProtocol(WebSocketConfig(), model_name="m", max_input_items=None, cache=SessionCache(), now=0.0,
+                          admit=admitted.append, charge=charged.append)
+    small, ignored, invalid = create("a"), '{"type":"response.processed","x":[[],[]]}', "x"
+    large = create("b" * 70_000)
+    for frame in (small, ignored, invalid, large):
+        p.receive(frame, 0.0)
+    assert charged == [len(small), len(ignored), len(invalid)] and admitted == [len(large)]
+
+    def refused(nbytes):
+        raise ApiError(429, "Rate limit reached", code="rate_limit_exceeded")
+
+    def parsed(*args, **kw):
+        raise AssertionError("a frame past the key's limit was parsed")
+
+    from cluster.core.websocket import protocol as module
+    monkeypatch.setattr(module, "load_event", parsed)
+    monkeypatch.setattr(module, "json_bounds", parsed)
+    p.charge = refused
+    assert errors(p.receive(small, 1.0)) == ["rate_limit_exceeded"] and errors(p.receive(ignored, 1.0)) == [
+        "rate_limit_exceeded"]
+
+
+def test_a_socket_past_its_frame_bytes_a_minute_is_refused_unread_then_closed(monkeypatch):
+    """Keyless too: the socket's own bucket. A client that keeps sending past it spends its error
+    budget on the 429s and is closed (1008); one that slows down is served again."""
+    from cluster.core.websocket import protocol as module
+
+    p = protocol(max_frame_bytes_per_minute=1 << 20, max_error_bytes_per_minute=64 * 1024)
+    frame = '{"type":"response.append","x":"' + "a" * 60_000 + '"}'
+    sent = [p.receive(frame, 0.0) for _ in range(17)]
+    assert all(actions == [] for actions in sent) and p.state is State.OPEN  # 1 MiB passed
+    monkeypatch.setattr(module, "frame_type", lambda *a: (_ for _ in ()).throw(AssertionError("read")))
+    later = p.receive(frame, 0.0)
+    assert errors(later) == ["rate_limit_exceeded"] and later[0].error.retry_after_s > 0
+    monkeypatch.undo()
+    assert p.receive(frame, 10.0) == []  # 10 s refill 170 KiB: served again
+    flood = [p.receive(frame, 10.0) for _ in range(400)]
+    assert p.state is State.CLOSED and flood[-1] == [] and any(Close(1008, "too many errors not read") in f for f in flood)

@@ -519,3 +519,30 @@ async def test_a_held_large_create_is_parsed_inside_its_tenants_gate(tokenizer, 
         assert [e["type"] for e in p.sent if e["type"] in ("response.completed", "error")][:1] == ["response.completed"]
         await p.session.shutdown()
     assert inside == [True, True, True]
+
+
+async def test_a_client_that_reads_nothing_is_closed_though_a_send_to_it_is_stuck(stack, monkeypatch):
+    """audit-3 item 6: a client sent 200,000 invalid frames through HAProxy and never read; the
+    socket stayed open. The errors' sends blocked (its buffers were full), and the 1008 close
+    waited behind them for the socket's send lock (the route's, as here) for ever."""
+    from cluster.core.websocket import session as module
+
+    monkeypatch.setattr(module, "CLOSE_TIMEOUT_S", 1.0)  # the closing error's send is stuck too: 0.5 s, then the close
+    lock, stuck = asyncio.Lock(), asyncio.Event()
+    peer = Peer(stack)
+
+    async def send(ev):
+        async with lock:
+            await stuck.wait()  # TCP and the ingress's buffers are full: never returns
+
+    async def close(code, reason):
+        async with lock:
+            peer.closed = code
+
+    peer.session._send, peer.session._close = send, close
+    for _ in range(200):
+        await asyncio.wait_for(peer.frame("x"), 5)
+        if peer.session.closed:
+            break
+    assert peer.closed == 1008 and peer.session.closed
+    assert all(t.done() for t in peer.session._lane_tasks.values())  # nothing left waiting on the client
