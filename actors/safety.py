@@ -16,7 +16,9 @@ from ray.serve.handle import DeploymentHandle
 from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import EngineRequest, TextPiece
-from cluster.core.safety.classifiers import SafetyService, Verdict, guard_prompt, guard_verdict, local_classifier
+from cluster.core.render.chat_messages import ContentGuard
+from cluster.core.safety.classifiers import (SafetyService, Verdict, guard_prompt_ids, guard_verdict,
+                                             local_classifier)
 
 log = logging.getLogger("loopserve.safety")
 
@@ -31,10 +33,12 @@ class SafetyActor:
         self.guard = guard.options(stream=True) if (cfg.classifier == "guard" and guard is not None) else None
         self.guard_tokenizer = None
         if self.guard is not None:
-            from cluster.core.render.tokenizer import load_tokenizer
+            from cluster.core.render.tokenizer import load_tokenizer, token_codec
 
             guard_cfg = LoopserveConfig(model=cfg.guard.model, engine=cfg.guard.engine, safety={"enabled": False})
             self.guard_tokenizer = await asyncio.to_thread(load_tokenizer, guard_cfg)
+            self._content = ContentGuard(list(self.guard_tokenizer.get_added_vocab()),
+                                         token_codec(self.guard_tokenizer).encode)
         self.service = SafetyService(local, guard=self._guard_all if self.guard is not None else None,
                                      tracer=telemetry.tracer())
 
@@ -46,10 +50,7 @@ class SafetyActor:
         return list(await asyncio.gather(*[self._guard_one(t) for t in texts]))
 
     async def _guard_one(self, text: str) -> Verdict:
-        tok = self.guard_tokenizer
-        prompt = tok.apply_chat_template([{"role": "user", "content": guard_prompt(text)}], tokenize=False,
-                                         add_generation_prompt=True)
-        ids = tok.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = guard_prompt_ids(self.guard_tokenizer, self._content, text)
         req = EngineRequest(f"guard-{uuid.uuid4().hex}", "guard", array("i", ids),
                             self.config.safety.guard.max_tokens, temperature=0.0, tool_choice="none")
         out = []

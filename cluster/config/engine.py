@@ -194,9 +194,16 @@ class KvBudgetConfig(StrictModel):
                                 "seconds per thousand tokens, so set it above a session's life to time-share by "
                                 "sessions rather than by turns).")
     ttl_client_max_s: float = Field(
-        43200.0, ge=0, description="The longest `prompt_cache_options.ttl` honoured (`30m`, `12h`): a declared lifetime "
-                                   "keeps the session's prefix at least that long unless KV pressure ends it by the "
-                                   "cost rules (declared ones last). 0: declared lifetimes are not honoured.")
+        1800.0, ge=0, description="The longest `prompt_cache_options.ttl` honoured (`30m`; a `12h` asks more than the "
+                                  "default gives): a declared lifetime keeps the session's prefix at least that long "
+                                  "unless KV pressure ends it by the cost rules (declared ones last). 0: declared "
+                                  "lifetimes are not honoured. Raise it where every key may pin KV that long.")
+    declared_share: float = Field(
+        0.25, gt=0, le=1, description="Fraction of the replica's KV one tenant's idle sessions may keep under a "
+                                      "declared lifetime (with `ttl_client_max_s`, the token-seconds a key can pin by "
+                                      "declaring); past it a turn's declared lifetime is not honoured and its "
+                                      "retention is learned from its pauses like any other's. Idle declared "
+                                      "retention never counts as autoscaling demand.")
     compute_bound: Optional[bool] = Field(
         None, description="Prefills share one compute unit (a CPU engine): a turn waiting while another runs loses "
                           "no engine time, so it may wait up to `max_queue_wait_s` for retained prefixes. Otherwise "

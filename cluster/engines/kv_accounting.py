@@ -132,6 +132,8 @@ class Totals:
     # (each holds a prefix), where the sessions tracked for their pauses are up to `max_sessions`.
     _idle: "OrderedDict[str, None]"
     _idle_tokens: int
+    _tenant_declared: "Counter[str]"  # tenant -> tokens idle under a declared lifetime
+    _declared_idle_tokens: int
 
     def reconcile(self, engine_in_use: int) -> int:
         """The engine's own count of KV in use: what it holds beyond the budget (requests the
@@ -176,6 +178,13 @@ class Totals:
         self._resident += now_resident - resident
         idle_after = hold.retained if hold.idle_retained else 0
         self._idle_tokens += idle_after - idle_before
+        declared = idle_after if hold.min_ttl > 0 else 0
+        if declared != hold.declared_idle:
+            self._tenant_declared[hold.tenant] += declared - hold.declared_idle
+            self._declared_idle_tokens += declared - hold.declared_idle
+            if not self._tenant_declared[hold.tenant]:
+                del self._tenant_declared[hold.tenant]
+            hold.declared_idle = declared
         if idle_after and not idle_before:
             self._idle[hold.key] = None
         elif idle_before and not idle_after:

@@ -83,6 +83,8 @@ class KvBudget(Evictions, Totals):
     _waiting: "Counter[str]" = field(default_factory=Counter)  # session -> its waiting turns
     _idle: "OrderedDict[str, None]" = field(default_factory=OrderedDict)  # retained between turns (Totals)
     _idle_tokens: int = 0
+    _tenant_declared: "Counter[str]" = field(default_factory=Counter)
+    _declared_idle_tokens: int = 0
     # (expiry, seq, session) of retentions: expiring is O(log n) a retention, not a walk. Entries
     # of sessions that came back or were evicted meanwhile are dropped when they surface.
     _expiries: list = field(default_factory=list)
@@ -163,6 +165,10 @@ class KvBudget(Evictions, Totals):
             return self.cancel(ticket, now)
         hold = self._hold(session)
         hold.finished_at = now
+        if hold.min_ttl and self._tenant_declared[hold.tenant] - hold.declared_idle + held > \
+                self.policy.declared_share * self.capacity:
+            hold.min_ttl = 0.0  # past its tenant's declared share: retained (or not) as any other session
+            self.counters.declared_over_share += 1
         firm = expect_back or (continuable and (hold.returns > 0 or hold.min_ttl > 0))
         if self.policy.retention and (firm or continuable) and held > 0:
             hold.soft = not firm
@@ -235,11 +241,14 @@ class KvBudget(Evictions, Totals):
 
     def demand(self) -> float:
         """(running + retained + queued) / capacity: what autoscaling follows. Each tenant's
-        retained prefixes count up to its fair share only: one key's retention alone does not
-        scale the engines up."""
+        retained prefixes count up to its fair share only, and idle ones kept for a declared
+        lifetime not at all: one key's retention alone does not scale the engines up (audit-3 F3:
+        ten `12h` prewarms held demand at 1.0 for 11 idle hours)."""
         fair = self.fair_share()
-        over = sum(max(0.0, held - fair) for held in self._tenant_retained.values())
-        return max(0.0, self.used + self.queued_tokens - over) / max(1, self.capacity)
+        over = sum(max(0.0, held - self._tenant_declared[tenant] - fair)
+                   for tenant, held in self._tenant_retained.items())
+        left_out = over + self._declared_idle_tokens
+        return max(0.0, self.used + self.queued_tokens - left_out) / max(1, self.capacity)
 
     def session_tokens(self) -> int:
         """Tokens a session typically holds here (its footprint; what one more costs a placement)."""
@@ -265,7 +274,7 @@ class KvBudget(Evictions, Totals):
                 "max_queue_wait_s": round(c.max_queue_wait_s, 3), "retained": c.retained,
                 "returned_in_time": c.returned_in_time, "expired": c.expired, "released": c.released,
                 "evicted": c.evicted, "evicted_soft": c.evicted_soft, "reprefills": c.reprefills,
-                "refused": c.refused, "over_share": c.over_share,
+                "refused": c.refused, "over_share": c.over_share, "declared_over_share": c.declared_over_share,
                 "prefill_tokens_per_s": round(self.prefill_tps or 0.0, 1),
                 "growth_per_turn": round(self.growth_per_turn, 1),
                 "growth_room_tokens": self.growth_room(), "engine_excess_tokens": self.engine_excess,

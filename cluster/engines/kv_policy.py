@@ -48,7 +48,10 @@ class BudgetPolicy:
     ttl_min_s: float = 2.0
     ttl_max_s: float = 60.0
     ttl_pause_multiple: float = 2.0  # TTL = this x the session's long pauses (decayed maximum)
-    ttl_client_max_s: float = 43200.0  # the longest `prompt_cache_options.ttl` honoured
+    ttl_client_max_s: float = 1800.0  # the longest `prompt_cache_options.ttl` honoured
+    # Of the capacity, what one tenant's sessions may keep idle under a declared lifetime: with
+    # `ttl_client_max_s` the bound on the token-seconds a key pins by declaring (audit-3 F3).
+    declared_share: float = 0.25
     max_queue_wait_s: float = 60.0  # then the head of the queue may end other sessions' retention
     max_sessions: int = 100_000  # sessions tracked for their pause statistics (LRU)
     # Prefills share one compute unit (a CPU engine): a turn waiting while another runs loses
@@ -71,7 +74,7 @@ class BudgetPolicy:
                    ttl_client_max_s=config.ttl_client_max_s, max_queue_wait_s=config.max_queue_wait_s,
                    compute_bound=compute_bound if config.compute_bound is None else config.compute_bound,
                    max_queued_turns=config.max_queued_turns, max_queued_per_tenant=config.max_queued_per_tenant,
-                   tenant_share=config.tenant_share,
+                   tenant_share=config.tenant_share, declared_share=config.declared_share,
                    lower_tier_tokens_per_s=config.lower_tier_tokens_per_s or lower_tier_tokens_per_s)
 
 
@@ -94,6 +97,7 @@ class SessionHold:
     # Retained on the chance it returns (continuable, but no sign yet: no open socket, no tool
     # calls, never came back, no declared lifetime): its room goes to the first turn that needs it.
     soft: bool = False
+    declared_idle: int = 0  # its tokens counted as idle under a declared lifetime (Totals._change)
 
     key: str = ""  # the session's key in the budget
     shared: int = 0  # of its tokens, a head its tenant's sessions share (counted once for all of them)
@@ -133,6 +137,7 @@ class BudgetCounters:
     reprefills: int = 0  # turns of a session whose retention had ended (its prefix may be gone)
     refused: int = 0  # turns refused: the queue (or the tenant's share of it) was full
     over_share: int = 0  # retentions ended because their tenant held more than its share
+    declared_over_share: int = 0  # declared lifetimes not honoured: their tenant held its declared share
 
 
 class PrefillRate:

@@ -8,6 +8,7 @@ start), so this runs in its own process and Ray cluster, started the way
 - WebSocket mode: upgrades work, a `store: false` loop continues from the socket's cache;
 - HTTP: a `store: false` chain keyed by `x-session-id` stays on one connection replica
   (its in-memory registry), so every continuation finds its parent;
+- a client flooding invalid frames and reading nothing is closed;
 - drain: a rolling redeploy under live sockets tells each to reconnect after its turn
   (`websocket_connection_limit_reached`, close 1001) and the chain continues.
 Writes a JSON report; `test_haproxy.py` asserts on it.
@@ -24,7 +25,7 @@ import tempfile
 import time
 from typing import Optional
 
-from tests.support.ws import TERMINAL, ws_url
+from tests.support.ws import TERMINAL, flood_until_closed, ws_url
 
 
 async def websocket_loop(url: str, turns: int, extensions: Optional[list] = None) -> list[str]:
@@ -110,6 +111,11 @@ def main(argv=None) -> int:
         report["websocket"] = asyncio.run(websocket_loop(url, 5, extensions))
         report["websocket_extensions"] = extensions
         report["http_chain"] = http_chain(url, 8)
+        try:  # a client flooding invalid frames it never reads (audit-3 item 6)
+            sent, seconds = asyncio.run(flood_until_closed(ws_url(url)))
+            report["flood"] = {"closed": True, "frames": sent, "seconds": round(seconds, 1)}
+        except AssertionError as exc:
+            report["flood"] = {"closed": False, "why": str(exc)}
 
         async def drain() -> list:
             agents = [asyncio.create_task(agent(url, n)) for n in range(3)]

@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from tests.support.apps import ALLOWED_ORIGIN, KEY_A
-from tests.support.ws import ws_url
+from tests.support.ws import flood_until_closed, ws_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -171,5 +171,19 @@ async def test_oversized_frames_are_refused_in_order_and_the_socket_keeps_workin
                                     "store": False}))
         while (ev := json.loads(await asyncio.wait_for(sock.recv(), 60)))["type"] not in ("response.completed",
                                                                                         "error"):
+            pass
+        assert ev["type"] == "response.completed"
+
+
+async def test_a_client_flooding_invalid_frames_it_never_reads_is_closed(scripted_url):
+    """audit-3 item 6 (Serve's proxy here; HAProxy in tests/cluster/haproxy_scenario.py): each
+    frame costs an error event; once the socket's error budget (16 MiB a minute) is spent, or its
+    unread errors pile up, the server ends it (its close no longer waits behind a send nobody
+    reads), and the server goes on serving others."""
+    sent, seconds = await flood_until_closed(ws_url(scripted_url), deadline_s=120)  # raises if still open
+    # (`sent` counts what the kernel's buffers took as well: ~870k frames in the 15 s it took here.)
+    async with connect(ws_url(scripted_url), open_timeout=30) as sock:
+        await sock.send(json.dumps({"type": "response.create", "model": "loopserve-tiny", "input": "hi", "store": False}))
+        while (ev := json.loads(await asyncio.wait_for(sock.recv(), 60)))["type"] not in ("response.completed", "error"):
             pass
         assert ev["type"] == "response.completed"

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable, Optional
 
 from cluster.bench.client import ws_turn, ws_url
 from cluster.core.events import TERMINAL_EVENTS
 
-__all__ = ["MODEL", "TERMINAL", "sdk_response", "sdk_turn", "turn", "ws_url"]
+__all__ = ["MODEL", "TERMINAL", "flood_until_closed", "sdk_response", "sdk_turn", "turn", "ws_url"]
 
 TERMINAL = tuple(sorted(TERMINAL_EVENTS))
 MODEL = "loopserve-tiny"
@@ -39,3 +40,22 @@ def sdk_response(conn, **body):
     last = sdk_turn(conn, **body)[-1]
     assert last.type in ("response.completed", "response.incomplete"), last
     return last.response
+
+
+async def flood_until_closed(url: str, headers: Optional[dict] = None, deadline_s: float = 120.0) -> tuple[int, float]:
+    """Send one-byte invalid frames on a socket that reads nothing (its library stops reading its
+    TCP stream after one queued frame) until the server ends it: (frames sent, seconds)."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    sent, started = 0, asyncio.get_running_loop().time()
+    async with connect(url, open_timeout=30, max_queue=1, additional_headers=headers, close_timeout=2) as sock:
+        try:
+            while asyncio.get_running_loop().time() - started < deadline_s:
+                await asyncio.wait_for(sock.send("x"), deadline_s)
+                sent += 1
+                if sent % 256 == 0:
+                    await asyncio.sleep(0)
+        except ConnectionClosed:
+            return sent, asyncio.get_running_loop().time() - started
+    raise AssertionError(f"the socket is still open after {sent} invalid frames in {deadline_s:.0f} s")

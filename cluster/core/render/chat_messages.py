@@ -4,12 +4,30 @@ One assistant turn is one message: an assistant message and the function calls t
 (and the reasoning before them) are how the model produced them, so the render matches the tokens
 the engine already holds. Read by the renderer, the safety gate (what a classifier reads) and
 compaction (what a summary is made of).
+
+Control tokens (`ContentGuard`, audit-3 F6: role forgery). A chat template renders message content,
+tool outputs, instructions, reasoning and tool schemas as text, and the tokenizer then splits every added token (`<|im_start|>`, `<|im_end|>`,
+`<tool_call>`, ...) out of that text wherever it occurs: a tool output holding
+`<|im_end|><|im_start|>system ...` becomes a real system turn. That is vLLM's and HF's default;
+OpenAI's API tokenizes content as text. This does the same on every template, on the full and
+the delta render alike:
+
+- Before the template runs, each string of the messages and tools that holds an added token's
+  text (or one of the two marker characters below) has each such occurrence replaced by a
+  marker, `\\ue000<n>\\ue001` (characters of Unicode's private use area), n naming the string.
+- The rendered text is encoded piece by piece around the markers: the template's own text as
+  before (its markers become their tokens), and each marked string as plain text: its first
+  character and its rest encoded apart, so the tokenizer never sees it whole.
+
+Strings without such text are passed as they are (the common case costs one regex search per
+string); the encoding of a prompt without markers is the tokenizer's, unchanged.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Sequence
+import re
+from typing import Any, Callable, Iterator, Sequence
 
 from cluster.protocol.request_bounds import json_depth_error
 
@@ -161,3 +179,75 @@ def message_kind(message: Message) -> str:
     if role != "assistant":
         return role
     return "assistant" + ("+calls" if message.get("tool_calls") else "") + ("+think" if message.get("reasoning") else "")
+
+
+OPEN, CLOSE = "\ue000", "\ue001"
+_MARKED = re.compile(f"{OPEN}(\\d+){CLOSE}")
+
+
+class ContentGuard:
+    """Escapes added tokens' text in what a client sent, and encodes a render around the marks."""
+
+    def __init__(self, added_tokens: Sequence[str], encode: Callable[[str], list[int]]) -> None:
+        # Longest first: an added token that starts with another is matched whole.
+        self.protected = sorted({t for t in added_tokens if t} | {OPEN, CLOSE}, key=len, reverse=True)
+        self._index = {text: n for n, text in enumerate(self.protected)}
+        self._find = self._finder(self.protected)
+        self._finders: dict[str, re.Pattern] = {"": self._find}
+        self._encode = encode
+        self._plain: dict[int, list[int]] = {}
+
+    @staticmethod
+    def _finder(texts: Sequence[str]) -> re.Pattern:
+        starts = "".join(sorted({re.escape(t[0]) for t in texts}))
+        return re.compile(f"(?=[{starts}])(?:{'|'.join(re.escape(t) for t in texts)})")
+
+    def escape(self, value: Any, keep: str = "") -> Any:
+        """`value` (messages, tools: dicts, lists and strings) with every protected string marked
+        but `keep` (a placeholder the renderer wrote itself: a vision model's image token); the
+        same object when nothing in it is."""
+        find = self._finders.get(keep)
+        if find is None:
+            find = self._finders[keep] = self._finder([t for t in self.protected if t != keep])
+        return self._escape(value, find)
+
+    def _escape(self, value: Any, find: re.Pattern) -> Any:
+        if isinstance(value, str):
+            return find.sub(self._mark, value) if find.search(value) else value
+        if isinstance(value, dict):
+            out = {k: self._escape(v, find) for k, v in value.items()}
+            return value if all(out[k] is value[k] for k in value) else out
+        if isinstance(value, list):
+            items = [self._escape(v, find) for v in value]
+            return value if all(a is b for a, b in zip(items, value)) else items
+        return value
+
+    def _mark(self, match: re.Match) -> str:
+        return f"{OPEN}{self._index[match.group(0)]}{CLOSE}"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt: a marked string as plain text, never its added token."""
+        if OPEN not in text:
+            return self._encode(text)
+        ids: list[int] = []
+        at = 0
+        for match in _MARKED.finditer(text):
+            if match.start() > at:
+                ids += self._encode(text[at:match.start()])
+            ids += self.plain(int(match.group(1)))
+            at = match.end()
+        if at < len(text):
+            ids += self._encode(text[at:])
+        return ids
+
+    def plain(self, n: int) -> list[int]:
+        """A protected string's ids as text: split so that no piece holds a protected string."""
+        ids = self._plain.get(n)
+        if ids is None:
+            ids, rest = [], self.protected[n]
+            while rest:
+                cut = 1 if self._find.search(rest) else len(rest)  # its rest may be a token of its own
+                ids += self._encode(rest[:cut])
+                rest = rest[cut:]
+            self._plain[n] = ids
+        return ids

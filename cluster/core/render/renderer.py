@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from cluster.core.messages import PriorOutput, RenderJob
+from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.chat_messages import Message, message_kind, messages_from_items
 from cluster.core.render.images import ImageTokens, context_images
 from cluster.protocol.errors import ApiError
@@ -121,8 +122,11 @@ class IncrementalRenderer:
 
     def __init__(self, apply_template: ApplyTemplate, encode: Encode, special_tokens: Sequence[str],
                  decode: Optional[Callable[[Sequence[int]], str]] = None, eos: Optional[Template] = None,
-                 template_source: str = "") -> None:
+                 template_source: str = "", guard: Optional[ContentGuard] = None) -> None:
         self._apply = apply_template
+        # Added tokens' text in what a client sent stays text (`guard.py`); `encode` is then the
+        # guard's, which encodes a marked string as plain text.
+        self.guard = guard
         self.template_source = template_source  # what `reasoning.effort` is looked up in
         self._encode = encode
         self.decode = decode  # raw (special tokens kept): the probe's stand-in for a model's output text
@@ -162,7 +166,9 @@ class IncrementalRenderer:
         self.fallbacks = {}
 
     def _system(self, instructions: Optional[str]) -> list[Message]:
-        return [{"role": "system", "content": instructions}] if instructions else []
+        if not instructions:
+            return []
+        return [{"role": "system", "content": self.guard.escape(instructions) if self.guard else instructions}]
 
     def _safe_cut(self, before: Template, after: Template) -> bool:
         """A cut the tokenizer cannot merge across: at a special token (token ids always)."""
@@ -180,7 +186,10 @@ class IncrementalRenderer:
         return self.images.extra_tokens(ids, images) if self.images is not None else 0
 
     def _messages(self, items: Sequence[dict[str, Any]]) -> tuple[list[Message], list[int]]:
-        return messages_from_items(items, self.images.placeholder if self.images is not None else "[image]")
+        placeholder = self.images.placeholder if self.images is not None else "[image]"
+        messages, starts = messages_from_items(items, placeholder)
+        # The image placeholders it wrote stay tokens (one typed as text is refused by the image count).
+        return (self.guard.escape(messages, keep=placeholder) if self.guard else messages), starts
 
     def _images(self, items: Sequence[dict[str, Any]]) -> list[bytes]:
         # Checked at the edge (size, type) before a render is asked for.
@@ -194,6 +203,8 @@ class IncrementalRenderer:
 
     def _applier(self, tools: Optional[list[dict[str, Any]]], effort: Optional[str]) -> Callable[..., Template]:
         kwargs = template_effort_kwargs(self.template_source, effort)
+        if tools and self.guard:
+            tools = self.guard.escape(tools)
         return lambda messages, add_generation_prompt: self._apply(messages, tools or None, add_generation_prompt,
                                                                    **kwargs)
 

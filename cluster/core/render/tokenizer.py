@@ -34,6 +34,7 @@ from cluster.core.render.images import (
     load_processor,
     processor_image_tokens,
 )
+from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
 from cluster.core.render.renderer import IncrementalRenderer, TemplateHazards
@@ -106,10 +107,12 @@ def renderer_for(tokenizer, probe: bool = True, analysis: bool = True) -> Increm
                 messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
 
-        encode, decode = codec.encode, codec.decode_raw
+        added = list(tokenizer.get_added_vocab().keys())
+        guard = ContentGuard(added, codec.encode)
+        encode, decode = guard.encode, codec.decode_raw
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-        renderer = IncrementalRenderer(apply, encode, list(tokenizer.get_added_vocab().keys()), decode=decode,
-                                       eos=tokenizer.eos_token, template_source=template)
+        renderer = IncrementalRenderer(apply, encode, added, decode=decode, eos=tokenizer.eos_token,
+                                       template_source=template, guard=guard)
         renderer.max_token_chars = max_token_chars(tokenizer)
         renderer.min_user_message_tokens = min_user_message_tokens(apply, encode)
     if analysis and renderer.template_source:  # mistral_common's encoder has no template to read

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from cluster.core.render.chat_messages import ContentGuard
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,14 @@ def guard_prompt(text: str, role: str = "User") -> str:
         "message in the above conversation:\n - First line must read 'safe' or 'unsafe'.\n"
         " - If unsafe, a second line must include a comma-separated list of violated categories."
     )
+
+
+def guard_prompt_ids(tokenizer: Any, content: "ContentGuard", text: str) -> list[int]:
+    """The guard model's prompt for `text`, as token ids: the text a client or the model wrote stays
+    text (`<|eot_id|>` in it must not end the guard's user turn and forge its answer)."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": content.escape(guard_prompt(text))}],
+                                           tokenize=False, add_generation_prompt=True)
+    return content.encode(prompt)
 
 
 def parse_guard_output(text: str) -> Optional[Verdict]:

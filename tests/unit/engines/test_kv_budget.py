@@ -525,3 +525,40 @@ def test_retention_beyond_a_tenant_s_fair_share_does_not_drive_autoscaling():
     budget.finish(t, 500, expect_back=True, now=10.0)
     # two tenants: each counts up to half the capacity; A's 9,000 retained count as 5,000
     assert budget.demand() == pytest.approx((5_000 + 500) / 10_000)
+
+
+def test_a_key_declaring_long_lifetimes_pins_at_most_its_declared_share_for_at_most_30_minutes():
+    """audit-3 F3: ten `12h` prewarms of one key held a replica's whole KV for 12 hours and its
+    autoscaling demand at 1.0. A declared lifetime is clamped to `ttl_client_max_s` (30 min by
+    default); one tenant's idle declared retention is capped at `declared_share` of the capacity
+    (past it, a session is retained as any other: by its pauses); and idle declared retention is
+    no autoscaling demand."""
+    b = budget(100_000)  # the shipped defaults
+    for i in range(10):
+        ticket, admitted = b.request(f"pin{i}", 10_000, 0.0, tenant="T", min_ttl_s=12 * 3600)
+        assert ticket in admitted
+        b.finish(ticket, 10_000, expect_back=False, now=0.0, continuable=True)
+    declared = {k: v for k, v in b.retained_sessions().items() if v > 60}
+    assert declared == {"pin0": 1800.0, "pin1": 1800.0}  # 20,000 of a 25,000 share; clamped to 30 min
+    assert b.counters.declared_over_share == 8
+    assert b.demand() == pytest.approx(0.8)  # the 8 kept for their learned 10 s count; the declared do not ...
+    b.tick(120.0)
+    assert b.retained_tokens == 20_000 and b.demand() == pytest.approx(0.0)
+    other, admitted = b.request("newcomer", 70_000, 120.0, tenant="U")
+    assert other in admitted  # ... and the rest of the replica serves others at once
+    assert b.demand() == pytest.approx(0.7)
+    b.tick(1801.0)
+    assert set(b.retained_sessions()) == set()  # the declared ones end at 30 min
+
+
+def test_a_session_back_under_its_declared_lifetime_is_counted_as_running_then_idle_again():
+    b = budget(100_000)
+    t = b.request("a", 10_000, 0.0, tenant="T", min_ttl_s=1800)[0]
+    b.finish(t, 10_000, expect_back=False, now=0.0, continuable=True)
+    assert b._declared_idle_tokens == 10_000 and b._tenant_declared["T"] == 10_000
+    t = b.request("a", 12_000, 5.0, tenant="T", min_ttl_s=1800)[0]
+    assert b._declared_idle_tokens == 0 and b.demand() == pytest.approx(0.12)  # running: demand again
+    b.finish(t, 12_000, expect_back=False, now=6.0, continuable=True)
+    assert b._declared_idle_tokens == 12_000 and b._tenant_declared["T"] == 12_000
+    b.release("a", 7.0)
+    assert b._declared_idle_tokens == 0 and not b._tenant_declared
