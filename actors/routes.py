@@ -55,10 +55,10 @@ Conn = Depends(replica)
 @router.get("/health")
 async def health(conn: "ConnectionServices" = Conn) -> JSONResponse:
     """Ready only when every deployment a turn needs answers (not just this ingress). Reveals nothing else."""
-    try:
-        await conn.health()
-    except Exception:
-        return JSONResponse({"status": "starting"}, status_code=503)
+    starting = await conn.not_ready()
+    if starting is not None:
+        return JSONResponse({"status": "starting"}, status_code=503,
+                            headers={"retry-after": str(int(starting.retry_after_s or 1))})
     return JSONResponse({"status": "ok"})
 
 
@@ -116,8 +116,13 @@ async def echo(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
 
 # -- the Responses API ------------------------------------------------------------
 @router.get("/v1/models")
-async def models(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
+async def models(request: Request, conn: "ConnectionServices" = Conn) -> Any:
     conn.principal(request.headers)
+    # A model is listed once a turn can run on it: clients (and probes) read this as readiness, and
+    # a listed model whose engine still loaded held the first request ~100 s (audit-3).
+    starting = await conn.not_ready()
+    if starting is not None:
+        return error_response(starting, request)
     name = conn.config.model.name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "loopserve"}]}
 

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 OUTPUT_DECAY = 0.8  # a turn's weight in the session's decaying maximum of outputs
 OUTPUT_MARGIN = 1.25  # reserved over that maximum
+# A session with no turns here yet reserves at least this share of its own `max_output_tokens`:
+# the replica's recent outputs are other clients' (audit-3 F13: tiny outputs taught it to reserve
+# ~nothing, then 30,000-token turns overran the budget and the engine preempted).
+NEW_SESSION_SHARE = 0.25
 
 
 class OutputReserve:
@@ -43,10 +47,12 @@ class OutputReserve:
         self._replica: Optional[float] = None  # the same over every session's turns here
 
     def reserve(self, session: str, max_tokens: int, block: int = 1) -> int:
-        high = self._sessions.get(session, self._replica)
+        own = self._sessions.get(session)
+        high = own if own is not None else self._replica
         if high is None:
             return max_tokens  # nothing produced here yet: the full budget
-        return max(1, min(max_tokens, max(block, math.ceil(OUTPUT_MARGIN * high))))
+        floor = block if own is not None else max(block, math.ceil(NEW_SESSION_SHARE * max_tokens))
+        return max(1, min(max_tokens, max(floor, math.ceil(OUTPUT_MARGIN * high))))
 
     def observe(self, session: str, output_tokens: int) -> None:
         self._sessions[session] = self._decayed(self._sessions.pop(session, None), output_tokens)

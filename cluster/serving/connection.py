@@ -57,6 +57,7 @@ from cluster.serving.turns import TurnsService
 from cluster.store import ResponseStore, open_store
 
 HEALTH_TTL_S = 1.0
+READY_RETRY_S = 5.0  # what a 503 of a starting server tells clients and probes to wait
 
 
 class SharedCheck:
@@ -196,6 +197,16 @@ class ConnectionServices:
 
     def frame_too_large(self, size: int) -> ApiError:
         return frame_too_large(size, self.config.websocket.max_frame_bytes)
+
+    async def not_ready(self) -> Optional[ApiError]:
+        """None once every deployment a turn needs answers; else the 503 (with Retry-After) that
+        `/health` and `/v1/models` answer while the app starts (or an engine replica restarts)."""
+        try:
+            await self.health()
+        except Exception:  # noqa: BLE001 - a deployment not answering, whatever the cause
+            return ApiError(503, "The server is starting: its engine is not ready to run a turn yet. Retry shortly.",
+                            code="server_starting", type="server_error", retry_after_s=READY_RETRY_S)
+        return None
 
     async def _check_health(self) -> None:
         """Raises unless every deployment a turn needs answers."""

@@ -67,7 +67,39 @@ def test_a_request_reaches_the_replicas_services_without_a_thread_hop(monkeypatc
         return await real(func, *args, **kwargs)
 
     monkeypatch.setattr(deps, "run_in_threadpool", counting)
-    conn = SimpleNamespace(principal=lambda headers: "principal", config=SimpleNamespace(model=SimpleNamespace(name="m")))
+    async def ready():
+        return None
+
+    conn = SimpleNamespace(principal=lambda headers: "principal", config=SimpleNamespace(model=SimpleNamespace(name="m")),
+                           not_ready=ready)
     r = TestClient(build_app(conn)).get("/v1/models")
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
     assert hops == []
+
+
+def test_until_a_turn_can_run_health_and_the_model_list_say_so_with_a_retry_after():
+    """audit-3 item 7: `/v1/models` answered 200 while the engine still loaded, and a request sent
+    then waited ~100 s. Both it and `/health` read the same check of every deployment a turn
+    needs: 503 with Retry-After until it passes, then 200, together."""
+    from fastapi.testclient import TestClient
+
+    from actors.routes import build_app
+    from cluster.serving.connection import ConnectionServices
+
+    engine_up = False
+
+    async def health():
+        if not engine_up:
+            raise TimeoutError("the engine replica is not answering yet")
+
+    state = SimpleNamespace(health=health)
+    conn = SimpleNamespace(principal=lambda headers: "principal", config=SimpleNamespace(model=SimpleNamespace(name="m")),
+                           not_ready=lambda: ConnectionServices.not_ready(state))
+    client = TestClient(build_app(conn))
+    for path in ("/health", "/v1/models"):
+        r = client.get(path)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, path
+    assert client.get("/v1/models").json()["error"]["code"] == "server_starting"
+    engine_up = True
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "m"

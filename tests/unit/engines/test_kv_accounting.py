@@ -36,4 +36,16 @@ def test_output_reservations_forget_old_sessions():
     reserve.MAX_SESSIONS = 3
     for s in "abcd":
         reserve.observe(s, 10)
-    assert len(reserve._sessions) == 3 and reserve.reserve("a", 500) == 13  # a: the replica's figure
+    assert len(reserve._sessions) == 3 and reserve.reserve("a", 500) == 125  # a: new again (a quarter of its budget)
+    assert reserve.reserve("d", 500) == 13  # d: its own outputs
+
+
+def test_a_new_session_reserves_a_share_of_its_own_budget_whatever_others_produced():
+    """audit-3 F13: a new session reserved 1.25x the replica's recent outputs, so clients sending
+    tiny outputs taught the budget to reserve ~nothing for a `max_output_tokens: 30000` turn."""
+    reserve = OutputReserve()
+    for i in range(50):
+        reserve.observe(f"tiny{i}", 2)
+    assert reserve.reserve("newcomer", 30_000) == 7_500
+    reserve.observe("newcomer", 40)
+    assert reserve.reserve("newcomer", 30_000) == 50  # once it has turns, its own outputs decide
