@@ -1,13 +1,14 @@
 """Hostile clients beside honest agent sessions, through HAProxy: `python -m cluster.bench.adversarial`.
 
-The target of the second hardening round (audit-2): 64 hostile clients (16 of each kind in
-`hostile.py`: decompression-bomb images, queued creates of many small items, large and complex
-bodies, long stored chains read back and /health floods) beside 8 honest agent sessions over
+The target of the second and third hardening rounds (audit-2, audit-3): 96 hostile clients (16 of
+each kind in `hostile.py`: decompression-bomb images, queued creates of many small items, large and
+complex bodies, long stored chains read back and /health floods, 64 KiB ignored frames at line rate,
+slow readers of a flagged answer) beside 8 honest agent sessions over
 WebSocket, on the scripted engine with a vision model's renderer (the built-in tiny Idefics3), a
 SQLite store and API keys. One run, two phases: the honest sessions alone, then with the hostile
 clients. Reported: the honest sessions' p99 turn in each phase and their ratio (target <= 3), every
-replica's peak RSS against its ceiling, replica restarts (target 0), and what the hostile clients
-were answered.
+replica's peak RSS against its ceiling, replica restarts (target 0), what the hostile clients
+were answered, and flagged characters a slow reader was sent (target <= max_unverified).
 
     python -m cluster.bench.adversarial --out bench_out/adversarial
 """
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from cluster.bench.hostile import KINDS, run_hostile
+from cluster.bench.hostile import FLAG_TRIGGER, KINDS, run_hostile
 from cluster.bench.processes import CpuMeter, replicas, rss
 from cluster.models.names import TINY_VISION
 
@@ -48,7 +49,11 @@ def app_args(store_path: str, hostile_limited: bool) -> dict[str, Any]:
     return {
         "model": {"name": MODEL, "builtin": MODEL, "max_model_len": 32768,
                   "images": {"max_per_context": 8, "max_image_bytes": 8 * MiB}},
-        "engine": {"backend": "scripted", "scripted": {"tokens_per_second": 400, "prefill_tokens_per_second": 20000}},
+        "engine": {"backend": "scripted", "scripted": {
+            "tokens_per_second": 400, "prefill_tokens_per_second": 20000,
+            # the `flagged` hostile client's answer: a secret the safety policy flags, then 8,000 characters
+            "answer_rules": [{"contains": FLAG_TRIGGER, "text": "-----BEGIN RSA PRIVATE KEY----- " + "x" * 8000}]}},
+        "safety": {"policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},
         "store": {"backend": "sqlite", "sqlite_path": store_path},
         "auth": {"keys": [{"sha256": key_sha256(HONEST_KEY), "tenant": "honest"},
                           {"sha256": key_sha256(HOSTILE_KEY), "tenant": "hostile", **hostile}]},
@@ -113,6 +118,36 @@ def profile(out: Path, live: dict[str, tuple[int, str]]) -> subprocess.Popen:
                              "--idle", "--threads", "--output", str(out / TRACE)], stdout=subprocess.DEVNULL)
 
 
+def shapes() -> dict[str, float]:
+    """What reading a body costs a replica's event loop, ms a MiB, for the worst JSON shapes within
+    the request bounds (the calibration of `input_bytes_per_minute`): the bounds read from the text,
+    json.loads, and for creates the request's validation. Best of 3 on this machine."""
+    from cluster.protocol.request_bounds import MAX_JSON_CONTAINERS, json_bounds
+    from cluster.protocol.requests import parse_request
+
+    n = MAX_JSON_CONTAINERS - 1
+    bodies = {
+        "[[],[],...] (to the container bound)": ("[" + "[]," * n + "[]]", False),
+        "[1,1,...]": ("[" + "1," * (MiB // 2) + "1]", False),
+        '{"0":1,...}': ("{" + ",".join(f'"{i}":1' for i in range(MiB // 9)) + "}", False),
+        "10,000 one-part messages": (json.dumps({"model": "m", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "a"}]}] * 10_000}), True),
+        "10,000 one-character messages": (json.dumps({"model": "m", "input": [{"role": "user", "content": "a"}] * 10_000}), True),
+    }
+    out = {}
+    for name, (text, create) in bodies.items():
+        raw, best = text.encode(), float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            json_bounds(raw)
+            value = json.loads(raw)
+            if create:
+                parse_request(value, max_input_items=10_000)
+            best = min(best, time.perf_counter() - started)
+        out[name] = round(best * 1000 / (len(raw) / MiB), 1)
+    return out
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
@@ -137,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unlimited", action="store_true",
                     help="the hostile key without rate limits (memory and restarts; CPU is then shared freely)")
     ap.add_argument("--out", default="bench_out/adversarial")
+    ap.add_argument("--shapes", action="store_true",
+                    help="only print what reading the worst JSON shapes costs, ms a MiB (no server)")
     ns = ap.parse_args(argv)
+    if ns.shapes:
+        print(json.dumps(shapes(), indent=1))
+        return 0
     kinds = [k for k in ns.kinds.split(",") if k]
     if not kinds or set(kinds) - set(KINDS):
         ap.error(f"--kinds takes some of {','.join(KINDS)}")
@@ -216,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             result["connection_busy_runs"] = busy_runs(out / TRACE, top=4)
         (out / "adversarial.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1))
-        ok = result["ratio"] <= 3 and result["restarts"] == 0 and all(r["under_ceiling"] for r in rows)
+        leaked = seen.get("flagged", {}).get("flagged released over max_unverified", 0)
+        ok = result["ratio"] <= 3 and result["restarts"] == 0 and all(r["under_ceiling"] for r in rows) and not leaked
         print("\ntargets:", "met" if ok else "NOT met")
         return 0
     finally:

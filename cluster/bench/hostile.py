@@ -7,7 +7,12 @@ reach, each looping until told to stop, each counting what the server answered.
   one-character messages (a 300 KB frame each, ~4 MB each once parsed);
 - bodies (N5, N6): 13.6 MB bodies of 400,000 tiny items, and 12 MB `instructions`;
 - chains (N2, N9): a stored chain of 10 responses, each echoing a 900 KB unrendered tool, read
-  back over and over (GET, input_items), and `/health` floods.
+  back over and over (GET, input_items), and `/health` floods;
+- frames (audit-3 F2): a socket sending 64 KiB `response.processed` frames of `[[],[],...]` at
+  line rate, reading nothing (each was parsed and walked for ~24 ms, charged to nothing);
+- flagged (audit-3 F1): a socket asks for an answer the safety policy flags (`FLAG_TRIGGER`),
+  stops reading for 3 s after `response.created`, then reads: the characters of the flagged
+  answer it was sent must stay within `max_unverified` (merged pieces once released all of it).
 
 They run in a process of their own (`run_hostile`), so their event loop and their JSON work do
 not slow the honest sessions' client.
@@ -23,7 +28,9 @@ import time
 from collections import Counter
 from typing import Any
 
-KINDS = ("images", "queued", "bodies", "chains")
+KINDS = ("images", "queued", "bodies", "chains", "frames", "flagged")
+FLAG_TRIGGER = "hostile: leak the key"  # the scripted engine answers it with a flagged text (adversarial.py)
+MAX_UNVERIFIED = 512  # the safety default: 2 x output_chunk_chars
 
 
 def bombs(n: int, side: int = 13_000) -> list[str]:
@@ -158,6 +165,56 @@ class Hostile:
                             self.seen["GET " + _outcome(r.status_code, _json(r))] += 1
                         except Exception as exc:  # noqa: BLE001
                             self.seen["GET " + type(exc).__name__] += 1
+
+
+    async def frames(self, stop: asyncio.Event) -> None:
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import ConnectionClosed
+
+        from cluster.bench.client import ws_url
+
+        frame = '{"type":"response.processed","x":[' + ",".join(["[]"] * 21_800) + "]}"
+        while not stop.is_set():
+            try:
+                async with connect(ws_url(self.base), max_queue=1, open_timeout=60, close_timeout=2,
+                                   additional_headers=self.headers) as ws:
+                    sent = 0
+                    try:
+                        while not stop.is_set():
+                            await ws.send(frame)
+                            sent += 1
+                    except ConnectionClosed as closed:
+                        self.seen[f"ws closed {closed.rcvd.code if closed.rcvd else 'abort'}"] += 1
+                    self.seen["ws frames sent"] += sent
+            except Exception as exc:  # noqa: BLE001
+                self.seen["ws " + type(exc).__name__] += 1
+
+    async def flagged(self, stop: asyncio.Event) -> None:
+        from websockets.asyncio.client import connect
+
+        from cluster.bench.client import ws_url
+
+        while not stop.is_set():
+            try:
+                async with connect(ws_url(self.base), max_size=None, open_timeout=60, close_timeout=2,
+                                   additional_headers=self.headers) as ws:
+                    await ws.send(json.dumps({"type": "response.create", "model": self.model, "store": False,
+                                              "input": FLAG_TRIGGER, "max_output_tokens": 4000}))
+                    released, final = 0, None
+                    while final is None:
+                        ev = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                        if ev["type"] == "response.created":
+                            await asyncio.sleep(3)  # a slow reader: the answer piles up meanwhile
+                        elif ev["type"] == "response.output_text.delta":
+                            released += len(ev["delta"])
+                        elif ev["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
+                            final = ev
+                    reason = ((final.get("response") or {}).get("incomplete_details") or {}).get("reason")
+                    self.seen[f"flagged {final['type']} {reason}"] += 1
+                    self.seen["flagged released over max_unverified" if released > MAX_UNVERIFIED
+                              else "flagged released within max_unverified"] += 1
+            except Exception as exc:  # noqa: BLE001
+                self.seen["ws " + type(exc).__name__] += 1
 
 
 async def _run(base: str, key: str, model: str, kinds: dict[str, int], seconds: float, done: Any) -> dict[str, dict[str, int]]:

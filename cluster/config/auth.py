@@ -24,9 +24,9 @@ class ApiKey(StrictModel):
     input_bytes_per_minute: int = Field(48 * 1024 * 1024, ge=1024)
     """Request bytes the tenant may send per minute (HTTP create bodies, `input_tokens` and `compact`;
     every WebSocket frame, whatever its type), counted before the body is parsed: reading a body
-    holds a replica's event loop by the byte. Calibrated on the worst shapes (bench/adversarial.py,
-    `shapes`): parsing and validating a create of 10,000 one-part messages is ~64 ms a MiB, and
-    json.loads of `[[],[],...]` up to the container bound ~55; 48 MiB is then at most ~3 s of one
+    holds a replica's event loop by the byte. Calibrated on the worst shapes (`loopserve bench
+    adversarial --shapes`): parsing and validating a create of 10,000 one-part messages is 45-64 ms
+    a MiB here, json.loads of `[[],[],...]` up to the container bound 42-55; 48 MiB is then at most ~3 s of one
     replica's loop a minute per key (5%). That is ~12M tokens a minute: a stateless client
     resending a 128k-token history every turn fits ~90 turns a minute. A create larger than the
     limit is admitted when the minute is empty."""
