@@ -51,6 +51,7 @@ def app_args(store_path: str, hostile_limited: bool) -> dict[str, Any]:
                   "images": {"max_per_context": 8, "max_image_bytes": 8 * MiB}},
         "engine": {"backend": "scripted", "scripted": {
             "tokens_per_second": 400, "prefill_tokens_per_second": 20000,
+            "max_output_tokens": 2048,  # the `queued` clients' long answers, the `flagged` ones' 8,000 characters
             # the `flagged` hostile client's answer: a secret the safety policy flags, then 8,000 characters
             "answer_rules": [{"contains": FLAG_TRIGGER, "text": "-----BEGIN RSA PRIVATE KEY----- " + "x" * 8000}]}},
         "safety": {"policy": {"secrets": ["BEGIN RSA PRIVATE KEY"]}},

@@ -2,7 +2,7 @@
 
 Serve runs HAProxy as a child of its proxy actor, with a config rendered from Ray's own
 template (`RAY_SERVE_HAPROXY_BINARY_PATH` names the binary it runs). `loopserve serve`, the
-image and the RayService point that variable at this command, which changes three things and
+image and the RayService point that variable at this command, which changes four things and
 then execs the real binary with the same arguments (so Serve's own process checks, which
 read the config path from /proc, still find it):
 
@@ -16,6 +16,12 @@ read the config path from /proc, still find it):
   limit could refuse them (a socket's burst held the event loop ~100 ms, 16 of them together
   1.1 s). `LOOPSERVE_HAPROXY_WS_COMPRESSION=on` keeps Ray's behaviour (clients offering it get
   it); without compression, a client sends every byte it makes the replica read.
+- **A WebSocket's frames are read as the app takes them.** Ray's replica watches every request
+  for its client's disconnect by draining the ASGI receive into a queue of its own, unbounded
+  (`ASGIDIReceiveProxy`): uvicorn's read pausing then never acts, and a client sending 64 KiB
+  frames faster than the app read them grew a connection replica by 13 GB in 10 s (audit-3 F2's
+  hostile client). The frontend sets Ray's own `x-request-disconnect-disabled: ?1` on upgrades:
+  the app reads the socket itself (and sees its disconnect), 323 MiB at most in the same run.
 - **HAProxy dies with the process that started it** (a watcher on Linux pidfds). Otherwise a
   SIGKILL of the server's process group, a crashed node or a container runtime's grace period
   running out re-parents HAProxy to init, and it keeps the ports: the next start fails with
@@ -42,11 +48,17 @@ _METRICS_SECTION = re.compile(r"^frontend prometheus\n(?:[ \t]+.*(?:\n|$))*", re
 _WILDCARD_BIND = re.compile(r"^([ \t]+bind )(?:\*|0\.0\.0\.0)?:(\d+)", re.MULTILINE)
 _HTTP_FRONTEND_BIND = re.compile(r"^(frontend http_frontend\n([ \t]+)bind [^\n]*\n)", re.MULTILINE)
 NO_WS_COMPRESSION = "http-request del-header sec-websocket-extensions"
+# A WebSocket's frames are read by the app as it takes them, never ahead of it: without this Ray's
+# replica drains uvicorn's receive into an unbounded queue (its disconnect watch, ASGIDIReceiveProxy),
+# defeating uvicorn's read pausing, so a client sending 64 KiB frames faster than the app reads them
+# grew a connection replica by 13 GB in 10 s. The app sees the socket's disconnect itself.
+WS_READ_AS_TAKEN = "http-request set-header x-request-disconnect-disabled ?1 if { hdr(upgrade) -i websocket }"
 
 
 def secure_config(text: str, stats: str = "loopback") -> str:
-    """Ray's rendered HAProxy config with its stats section bound to loopback, or removed, and
-    WebSocket compression not negotiated (unless asked for)."""
+    """Ray's rendered HAProxy config with its stats section bound to loopback, or removed,
+    WebSocket compression not negotiated (unless asked for), and WebSocket frames read by the app
+    as it takes them."""
     def loopback(m: re.Match) -> str:
         return _WILDCARD_BIND.sub(r"\g<1>127.0.0.1:\2", m.group(0))
 
@@ -54,6 +66,8 @@ def secure_config(text: str, stats: str = "loopback") -> str:
         text = _METRICS_SECTION.sub(loopback, text)
     if os.environ.get(WS_COMPRESSION_ENV, "off") != "on" and NO_WS_COMPRESSION not in text:
         text = _HTTP_FRONTEND_BIND.sub(lambda m: f"{m.group(1)}{m.group(2)}{NO_WS_COMPRESSION}\n", text, count=1)
+    if WS_READ_AS_TAKEN not in text:
+        text = _HTTP_FRONTEND_BIND.sub(lambda m: f"{m.group(1)}{m.group(2)}{WS_READ_AS_TAKEN}\n", text, count=1)
     if stats == "public":
         return text
     if stats == "off":

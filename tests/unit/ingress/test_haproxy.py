@@ -57,10 +57,20 @@ def test_websocket_compression_is_not_negotiated_at_the_frontend_unless_asked_fo
     text = RAY_STATS.format(http=8000, stats=8404, metrics=9101)
     safe = secure_config(text)
     frontend = safe.split("frontend http_frontend\n")[1].split("backend none")[0]
-    assert frontend.splitlines()[1].strip() == "http-request del-header sec-websocket-extensions"
+    assert "http-request del-header sec-websocket-extensions" in [line.strip() for line in frontend.splitlines()]
     assert secure_config(safe) == safe  # a reload rewrites the file again: one rule, not two
     monkeypatch.setenv("LOOPSERVE_HAPROXY_WS_COMPRESSION", "on")
     assert "sec-websocket-extensions" not in secure_config(text)
+
+
+def test_a_websocket_s_frames_are_not_read_ahead_of_the_app():
+    """Ray's replica drained a socket's frames into an unbounded queue ahead of the app (its
+    disconnect watch); the frontend tells it not to, for upgrades only."""
+    text = RAY_STATS.format(http=8000, stats=8404, metrics=9101)
+    safe = secure_config(text)
+    frontend = [line.strip() for line in safe.split("frontend http_frontend\n")[1].split("backend none")[0].splitlines()]
+    assert "http-request set-header x-request-disconnect-disabled ?1 if { hdr(upgrade) -i websocket }" in frontend
+    assert secure_config(safe).count("x-request-disconnect-disabled") == 1
 
 
 def wait_for(predicate, timeout=10.0):
