@@ -57,7 +57,7 @@ def test_http_and_sse_on_vllm(vllm_url, client_for):
 def test_a_plain_http_answer_leaves_the_engine_in_two_pieces_and_a_stream_in_a_piece_a_token(vllm_url, client_for):
     """Nobody reads a plain HTTP answer before its end: vLLM gathers its output (first and last
     piece only), so the replica, the connection and the client are not woken a token at a time.
-    The same request streamed gets every token as it comes, and the same answer."""
+    The same request streamed gets its tokens as they come, and the same answer."""
     import httpx
 
     from tests.support.local_cluster import admin_headers
@@ -78,7 +78,9 @@ def test_a_plain_http_answer_leaves_the_engine_in_two_pieces_and_a_stream_in_a_p
     after = pieces()
     assert plain.output_text == streamed.output_text and plain.usage.output_tokens >= 3, plain.usage
     assert between - before <= 2
-    assert after - between == streamed.usage.output_tokens and deltas
+    # A token a piece, unless tokens piled up behind a busy consumer meanwhile: those leave merged
+    # (engines/channel.py), so a loaded machine sees a few pieces fewer (7 for 8 tokens, seen here).
+    assert streamed.usage.output_tokens // 2 < after - between <= streamed.usage.output_tokens and deltas
 
 
 def test_tenants_do_not_share_the_prefix_cache(vllm_url):
