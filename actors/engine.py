@@ -14,7 +14,7 @@ from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import EngineChunk, EngineRequest, done_of
 from cluster.engines.channel import ChannelServer, tls_contexts
-from cluster.engines.kv_budget import KV_METRICS
+from cluster.engines.kv.budget import KV_METRICS
 from cluster.engines.service import EngineService
 
 

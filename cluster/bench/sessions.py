@@ -24,7 +24,7 @@ Systems: `loopserve` (WebSocket mode, `store: false`, the config as shipped),
 the same model, KV size and CPU threads, one after the other in one run (`--rounds R`: R
 times, interleaved, each on fresh servers; medians reported). With
 `--engine scripted` the engine is the scripted stand-in with its modelled KV cache
-(engines/kv_model.py), and the comparison is loopserve with its KV budget against
+(engines/scripted/kv_model.py), and the comparison is loopserve with its KV budget against
 loopserve without it (hash-only placement, no retention): `loopserve-nobudget`.
 `vllm-beside-ray`: vLLM's server while an idle loopserve cluster (Ray, Serve and loopserve's
 actors, on the scripted engine so no second vLLM) runs on the same machine: what the
@@ -332,7 +332,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                                                       "killed_replica": getattr(kill, "killed", None)})
             else:
                 from cluster.bench.peers import agentic_api, vllm_metrics, vllm_server
-                from cluster.engines.vllm_engine import _on_cpu, resolve_dtype, resolve_enforce_eager
+                from cluster.engines.vllm.engine import _on_cpu, resolve_dtype, resolve_enforce_eager
                 from cluster.models.builtin import ensure_builtin
 
                 if system == BESIDE_RAY:  # an idle cluster, up before vLLM's server starts

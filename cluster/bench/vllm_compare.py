@@ -70,7 +70,7 @@ async def _floor_loop(model_dir: str, turns: int, chars: int, max_tokens: int, m
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from cluster.engines.vllm_engine import PreemptionCounter, core_timeline
+    from cluster.engines.vllm.engine import PreemptionCounter, core_timeline
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     # A stat logger keeps vLLM's request stats on (the core's marks), as in loopserve's engine.
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                          "kept for its API process, the model on the rest)")
     add_ingress_argument(ap)
     ns = ap.parse_args(argv)
-    from cluster.engines.vllm_engine import cpu_threads_bind
+    from cluster.engines.vllm.engine import cpu_threads_bind
     from cluster.models.builtin import ensure_builtin
 
     model_dir, max_len = str(ensure_builtin(ns.model)), MAX_LEN[ns.model]

@@ -94,7 +94,7 @@ class ScriptedEngineConfig(StrictModel):
     tool_result_marker: str = "<tool_response>"
     """The tag that marks a tool result in the prompt (see `turn_marker`)."""
     kv_capacity_tokens: Optional[int] = Field(None, ge=1)
-    """A modelled KV cache (engines/kv_model.py, a stand-in for vLLM's block pool): tokens of KV this engine holds,
+    """A modelled KV cache (engines/scripted/kv_model.py, a stand-in for vLLM's block pool): tokens of KV this engine holds,
     in blocks; evicts least recently freed blocks and preempts running requests that do not fit, as vLLM does.
     None: no model (every session's last prompt is remembered, bounded only by MAX_CACHED_TOKENS)."""
     kv_block_size: int = Field(32, ge=1)
@@ -116,7 +116,7 @@ class VLLMEngineConfig(StrictModel):
     dtype: str = "auto"
     """`auto`: vLLM's own choice (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX: twice the KV tokens of float32
     in the same memory), except float32 on CPUs without native bf16 (AVX2 only), where vLLM's bfloat16 runs
-    emulated, ~3x slower (engines/vllm_engine.py)."""
+    emulated, ~3x slower (engines/vllm/engine.py)."""
     enforce_eager: Optional[bool] = None
     """vLLM's `enforce_eager`. Unset: vLLM's own choice on GPUs (CUDA graphs), eager on CPUs, where vLLM's graph
     capture takes ~65 s of a 2-core machine at an engine's first start (cached in `~/.cache/vllm` for the next).
@@ -161,7 +161,7 @@ class VLLMEngineConfig(StrictModel):
     """Output tokens a request gets when it sets no `max_output_tokens` (bounded by the context)."""
     grammar_compile_timeout_s: Optional[float] = Field(5.0, gt=0)
     """Each new structured-output schema is compiled in a worker process first; one that takes longer than this is
-    a 400 and never reaches the engine (engines/grammar_gate.py). None: off."""
+    a 400 and never reaches the engine (engines/vllm/grammar_gate.py). None: off."""
     kv_offloading_gib: Optional[float] = Field(None, gt=0)
     """GPU engines: a KV tier in host memory below the GPU's (vLLM's `kv_offloading_size`): retained prefixes that
     do not fit on the GPU are copied there instead of dropped and copied back on a hit (docs/operations.md). None:
@@ -171,12 +171,12 @@ class VLLMEngineConfig(StrictModel):
     """`native`: vLLM's own offloading connector, in the engine's processes. `lmcache`: LMCache's connector, which
     needs an LMCache server beside each engine (its capacity is set there, not by `kv_offloading_gib`)."""
     session_pins: bool = True
-    """Load the retaining scheduler (engines/vllm_retention.py): sessions the KV budget retains keep their blocks
+    """Load the retaining scheduler (engines/vllm/retention.py): sessions the KV budget retains keep their blocks
     while other sessions run. Inert without pins."""
 
 
 class KvBudgetConfig(StrictModel):
-    """The engine replica's KV budget (engines/kv_budget.py): turns start when their tokens
+    """The engine replica's KV budget (engines/kv/budget.py): turns start when their tokens
     fit beside what runs and what is retained; sessions expected back keep their prefix."""
 
     enabled: bool = Field(True, description="Admit turns by KV tokens (else: everything goes to the engine at once).")

@@ -143,7 +143,7 @@ class EngineRequest:
     trace: Optional[TraceCarrier] = None
     sent_at_ns: int = 0  # wall clock when sent: the replica reports the dispatch time from it
     # The session will very likely send another turn soon (its WebSocket is open): the engine
-    # replica keeps its prefix in the KV budget through the pause (`engines/kv_budget.py`).
+    # replica keeps its prefix in the KV budget through the pause (`engines/kv/budget.py`).
     expect_back: bool = False
     # The chain can be continued (stored, or named by `x-session-id` / `prompt_cache_key`): without
     # another sign it is kept softly, and once it came back it is expected back.

@@ -12,10 +12,10 @@ from cluster.engines.base import Engine, EngineDelta, EngineRequest
 
 def engine_class(config: EngineConfig) -> type[Engine]:
     if config.backend == "scripted":
-        from cluster.engines.scripted import ScriptedEngine
+        from cluster.engines.scripted.engine import ScriptedEngine
 
         return ScriptedEngine
-    from cluster.engines.vllm_engine import VLLMEngine
+    from cluster.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine
 

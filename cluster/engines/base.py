@@ -67,7 +67,7 @@ class RecentKeys:
 @dataclass(frozen=True)
 class KvFacts:
     """What an engine says about its KV cache once started: what the replica's KV budget
-    (engines/kv_admission.py) is sized and timed by."""
+    (engines/kv/admission.py) is sized and timed by."""
 
     capacity_tokens: int  # 0: not known (nothing to budget)
     block_size: int

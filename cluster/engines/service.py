@@ -19,7 +19,7 @@ from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, 
 from cluster.core.render.tokenizer import load_tokenizer, token_codec
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
-from cluster.engines.kv_admission import KvAdmission
+from cluster.engines.kv.admission import KvAdmission
 from cluster.engines.output_parser import reasoning_tags, tool_format, vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks

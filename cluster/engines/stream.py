@@ -10,7 +10,7 @@ from typing import AsyncIterator, Callable, Optional
 
 from cluster.core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress, merged
 from cluster.engines.base import Engine
-from cluster.engines.grammar_gate import GrammarBusy
+from cluster.engines.vllm.grammar_gate import GrammarBusy
 from cluster.engines.output_parser import StreamingOutputParser, ToolCallExtractor
 
 

@@ -26,7 +26,7 @@ from cluster.core.turn.prepare import TurnSettings
 from cluster.core.turn.turn import until_stopped
 from cluster.engines.output_parser import vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
-from cluster.engines.scripted import ScriptedEngine
+from cluster.engines.scripted.engine import ScriptedEngine
 from cluster.engines.stream import stream_chunks
 from cluster.protocol.sealing import Sealer
 

@@ -5,7 +5,7 @@ the engine, its scheduler and the KV budget are the real ones."""
 
 from typing import Optional
 
-from cluster.engines.vllm_engine import VLLMEngine
+from cluster.engines.vllm.engine import VLLMEngine
 
 FUTURE_VLLM = "0.99.0"
 
@@ -16,7 +16,7 @@ class VLLMEngineOnUntestedVersion(VLLMEngine):
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from cluster.engines.retention_guard import unsupported_reason
+        from cluster.engines.vllm.retention_guard import unsupported_reason
 
         return unsupported_reason(FUTURE_VLLM, {"Scheduler": Scheduler, "KVCacheManager": KVCacheManager,
                                                 "BlockPool": BlockPool})

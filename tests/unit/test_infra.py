@@ -90,7 +90,7 @@ def _prometheus_names() -> set[str]:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from cluster import telemetry
-    from cluster.engines.kv_budget import KV_METRICS
+    from cluster.engines.kv.budget import KV_METRICS
 
     reader = InMemoryMetricReader()
     m = telemetry.Metrics(MeterProvider(metric_readers=[reader]).get_meter("t"))

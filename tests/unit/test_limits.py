@@ -11,7 +11,7 @@ from cluster.core.turn.cache import CacheMemory, ResponseState, SessionCache
 from cluster.core.turn.turn import TurnScope
 from cluster.core.websocket.session import WebSocketSession
 from cluster.engines.base import EngineRequest, RecentKeys
-from cluster.engines.scripted import MAX_CACHED_SESSIONS, ScriptedEngine
+from cluster.engines.scripted.engine import MAX_CACHED_SESSIONS, ScriptedEngine
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import parse_request
 from tests.support.harness import InProcessStack

@@ -27,7 +27,7 @@ SOURCES = (str(ROOT / "cluster"), str(ROOT / "actors"))
 # response state with its cache, sealed items with the context, admission with request
 # validation, the tool-call formats with the output parser, prompt bounds with the tokenizer,
 # TurnProgress with the typed messages): 20 on the connection's side and 4 of the scripted
-# engine's (engines/scripted.py, stream.py, prompts.py, base.py). Still 24 once items -> chat
+# engine's (engines/scripted/engine.py, stream.py, prompts.py, base.py). Still 24 once items -> chat
 # messages left the renderer (render/chat_messages.py, with content_parts from render/images.py).
 # 25 on 2026-12-04: the bounds a request or frame is held to before it is validated (nesting,
 # containers counted unparsed, what it holds parsed, echoed-only fields: audit 2) are one module,
@@ -94,7 +94,7 @@ async def test_a_chained_websocket_turn_stays_on_a_short_path(tokenizer):
     # the deepest stack of async generators where the engine makes a chunk, and where the turn
     # makes an event of it (the two sides run in different tasks)
     layers = {"engine": 0, "turn": 0}
-    engine_generate = str(ROOT / "cluster/engines/scripted.py"), "generate"
+    engine_generate = str(ROOT / "cluster/engines/scripted/engine.py"), "generate"
     turn_event = str(ROOT / "cluster/core/events.py"), "_ev"
 
     def on_call(frame, event, arg):

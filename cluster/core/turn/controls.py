@@ -2,7 +2,7 @@
 request a model cannot honour gets a 400 instead of being silently ignored.
 
 - `tool_choice` "required" / a named function / `allowed_tools` (mode required): forced
-  through vLLM structural tags (`cluster/engines/constraints.py`); needs a tool to call
+  through vLLM structural tags (`cluster/engines/vllm/constraints.py`); needs a tool to call
   and a tool-call format vLLM can force.
 - `parallel_tool_calls: false`: at most one call (forced calls: in the grammar; else the
   turn keeps the first call).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine import EngineReplica
-from cluster.engines.scripted import ScriptedEngine
+from cluster.engines.scripted.engine import ScriptedEngine
 
 
 # Serve awaits `__del__` itself; when the test's replica object is collected, Python calls it again

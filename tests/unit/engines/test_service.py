@@ -6,7 +6,7 @@ import pytest
 
 from cluster.config import LoopserveConfig
 from cluster.engines import service as service_module
-from cluster.engines.scripted import ScriptedEngine
+from cluster.engines.scripted.engine import ScriptedEngine
 from cluster.engines.service import EngineService
 
 

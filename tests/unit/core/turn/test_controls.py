@@ -50,7 +50,7 @@ def test_parallel_tool_calls_false_keeps_one_call():
 
 def test_the_forcible_formats_are_the_ones_vllm_has_structural_tags_for():
     pytest.importorskip("vllm")
-    from cluster.engines.constraints import structural_tag_model
+    from cluster.engines.vllm.constraints import structural_tag_model
 
     for name, fmt in TOOL_FORMATS.items():
         assert fmt.forcible == (structural_tag_model(name) is not None), name

@@ -1,10 +1,10 @@
-"""The engine replica's KV budget as pure logic (cluster/engines/kv_budget.py), on a fake clock."""
+"""The engine replica's KV budget as pure logic (cluster/engines/kv/budget.py), on a fake clock."""
 
 from collections import OrderedDict
 
 import pytest
 
-from cluster.engines.kv_budget import BudgetPolicy, KvBudget, QueueFull
+from cluster.engines.kv.budget import BudgetPolicy, KvBudget, QueueFull
 
 
 def budget(capacity=1000, **policy) -> KvBudget:

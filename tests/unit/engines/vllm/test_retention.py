@@ -1,4 +1,4 @@
-"""The retaining scheduler's pins (cluster/engines/vllm_retention.py) over a named fake of the vLLM
+"""The retaining scheduler's pins (cluster/engines/vllm/retention.py) over a named fake of the vLLM
 scheduler it is mixed into: the real mixin, a stand-in base with the methods it overrides (vLLM's
 own scheduler needs a whole engine config; the real one runs in tests/integration/test_kv_retention.py)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from cluster.engines.vllm_retention import HINT, RetainingMixin  # noqa: E402
+from cluster.engines.vllm.retention import HINT, RetainingMixin  # noqa: E402
 
 
 class FakeBlock:

@@ -1,4 +1,4 @@
-"""Whether vLLM's internals that session pins ride on are there (`vllm_retention.py`).
+"""Whether vLLM's internals that session pins ride on are there (`vllm/retention.py`).
 
 The retaining scheduler overrides private methods of vLLM's scheduler and calls private parts of
 its KV cache manager and block pool. Those were read from vLLM 0.32 (`TESTED_VLLM`); on another

@@ -1,5 +1,5 @@
-"""The engine replica's KV budget around each request: the rules are `kv_budget.py`, what waits
-is `kv_gate.py`; this admits a turn or queues it, moves a session that waited too long when
+"""The engine replica's KV budget around each request: the rules are `kv/budget.py`, what waits
+is `kv/gate.py`; this admits a turn or queues it, moves a session that waited too long when
 another replica could take it, and gives the turn's tokens back when it ends."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from cluster.core.messages import (
     ToolCallPiece,
 )
 from cluster.engines.base import Engine
-from cluster.engines.kv_budget import BudgetPolicy, QueueFull
-from cluster.engines.kv_gate import KvGate, pin_key
+from cluster.engines.kv.budget import BudgetPolicy, QueueFull
+from cluster.engines.kv.gate import KvGate, pin_key
 
 Stream = Callable[[EngineRequest], AsyncIterator[EngineChunk]]
 

@@ -1,8 +1,8 @@
-"""What a turn asks of the KV budget (cluster/engines/kv_accounting.py): shared heads, bounded."""
+"""What a turn asks of the KV budget (cluster/engines/kv/accounting.py): shared heads, bounded."""
 
 from array import array
 
-from cluster.engines.kv_accounting import OutputReserve, SharedHeads
+from cluster.engines.kv.accounting import OutputReserve, SharedHeads
 
 
 def toks(seed: int, n: int) -> array:

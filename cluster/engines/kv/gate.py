@@ -1,6 +1,6 @@
 """The engine replica's KV budget on its event loop: waiting turns as futures, one timer.
 
-The rules are `cluster.engines.kv_budget.KvBudget` (plain logic); this adapter owns what
+The rules are `cluster.engines.kv.budget.KvBudget` (plain logic); this adapter owns what
 waits: a future per queued turn, the timer for the next retention expiry or queue-wait
 bound, and the set of sessions whose pins the engine should drop with its next request.
 """
@@ -13,8 +13,8 @@ import time
 from array import array
 from typing import Callable, Optional
 
-from cluster.engines.kv_accounting import OutputReserve, SharedHeads
-from cluster.engines.kv_budget import BudgetPolicy, KvBudget, QueueFull
+from cluster.engines.kv.accounting import OutputReserve, SharedHeads
+from cluster.engines.kv.budget import BudgetPolicy, KvBudget, QueueFull
 
 
 def pin_key(cache_salt: Optional[str], session_key: str) -> str:
@@ -38,7 +38,7 @@ class KvGate:
     def request(self, session: str, prompt: array, max_tokens: int, *, image_tokens: int = 0, tenant: str = "",
                 min_ttl_s: float = 0.0, engine_in_use: Optional[int] = None) -> tuple[int, Optional[asyncio.Future]]:
         """A turn's ticket, and a future to await when it has to wait (None: start now). It reserves
-        its prompt and the output its session's turns produced lately (kv_accounting.py), its
+        its prompt and the output its session's turns produced lately (kv/accounting.py), its
         tenant's shared head counted once; `engine_in_use`: the engine's own count, reconciled
         first. Raises `QueueFull` when it would wait behind a full queue."""
         if engine_in_use is not None:  # less what it still holds only until the unpins pending reach it

@@ -1,6 +1,6 @@
 """The KV budget's vocabulary: its knobs, what one session holds, its counters and metrics.
 
-Split from `kv_budget.py` (the rules) so each stays readable; both are plain logic.
+Split from `kv/budget.py` (the rules) so each stays readable; both are plain logic.
 """
 
 from __future__ import annotations

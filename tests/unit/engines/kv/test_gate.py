@@ -1,11 +1,11 @@
-"""The KV budget on an event loop (cluster/engines/kv_gate.py): waiting turns are futures, woken by every
+"""The KV budget on an event loop (cluster/engines/kv/gate.py): waiting turns are futures, woken by every
 change that admits them, including another turn's arrival; timers expire retention."""
 
 import asyncio
 from array import array
 
-from cluster.engines.kv_gate import KvGate, pin_key
-from cluster.engines.kv_budget import BudgetPolicy
+from cluster.engines.kv.gate import KvGate, pin_key
+from cluster.engines.kv.budget import BudgetPolicy
 
 
 def prompt(seed: int, n: int) -> array:

@@ -227,13 +227,13 @@ class VLLMEngine:
                 log.warning("KV retention pins are off: %s; the KV budget still admits turns, but the engine "
                             "may evict retained prefixes", self.pins_off_reason)
         if not self.pins_off_reason:
-            from cluster.engines.vllm_retention import retaining_scheduler_for
+            from cluster.engines.vllm.retention import retaining_scheduler_for
 
             sched = vllm_config.scheduler_config
             sched.scheduler_cls = retaining_scheduler_for(bool(getattr(sched, "async_scheduling", False)))
         gate_warming = None
         if cfg.grammar_compile_timeout_s is not None:
-            from cluster.engines.grammar_gate import GrammarGate
+            from cluster.engines.vllm.grammar_gate import GrammarGate
 
             # The gate's worker (a process, xgrammar and the tokenizer: ~20 s of one core here)
             # starts beside the engine's own start and is awaited below: a replica that reported
@@ -287,8 +287,8 @@ class VLLMEngine:
         return {"ready": gate.ready, "refused": gate.refused} if gate is not None else None
 
     def retention_check(self) -> Optional[str]:
-        """Why session pins cannot run on the installed vLLM (None: they can): engines/retention_guard.py."""
-        from cluster.engines.retention_guard import check_installed
+        """Why session pins cannot run on the installed vLLM (None: they can): engines/vllm/retention_guard.py."""
+        from cluster.engines.vllm.retention_guard import check_installed
 
         return check_installed()
 
@@ -320,18 +320,18 @@ class VLLMEngine:
             sampling["presence_penalty"] = request.presence_penalty
         if request.frequency_penalty is not None:
             sampling["frequency_penalty"] = request.frequency_penalty
-        from cluster.engines.constraints import structured_outputs
+        from cluster.engines.vllm.constraints import structured_outputs
 
         if self.grammar_gate is not None:
             from cluster.core.turn.controls import forces_a_tool_call
-            from cluster.engines.grammar_gate import request_schemas
+            from cluster.engines.vllm.grammar_gate import request_schemas
 
             forced = bool(request.tools) and forces_a_tool_call(request.tool_choice)
             await self.grammar_gate.check(request_schemas(request.text_format, request.tools, forced))
         if not request.streamed:  # the first and the last piece only (vLLM's per-request interval)
             sampling["stream_interval"] = max(1, request.max_tokens)
         if request.kv_pin or request.kv_unpin:
-            # Read by the retaining scheduler (vllm_retention.py) in the engine core.
+            # Read by the retaining scheduler (vllm/retention.py) in the engine core.
             sampling["extra_args"] = {HINT: {"pin": request.kv_pin, "ttl": request.kv_ttl_s,
                                              "unpin": list(request.kv_unpin)}}
         params = SamplingParams(max_tokens=request.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling,

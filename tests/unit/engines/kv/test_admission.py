@@ -1,4 +1,4 @@
-"""The engine replica's KV admission around a request (cluster/engines/kv_admission.py), on an
+"""The engine replica's KV admission around a request (cluster/engines/kv/admission.py), on an
 event loop without Ray: what waits is announced, what ends gives its tokens back, and a session
 that waits too long on a replica of several is told to move."""
 
@@ -11,7 +11,7 @@ from typing import Optional
 from cluster.config import KvBudgetConfig
 from cluster.core.messages import KV_MOVE, KV_QUEUE_FULL, EngineDone, EngineFailure, EngineQueued, EngineRequest
 from cluster.engines.base import KvFacts
-from cluster.engines.kv_admission import KvAdmission
+from cluster.engines.kv.admission import KvAdmission
 
 
 class FakeKvEngine:

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.core.render.tokenizer import common_prefix
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats, KvFacts
-from cluster.engines.kv_model import KvBlockPool
+from cluster.engines.scripted.kv_model import KvBlockPool
 
 
 def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What a turn asks of the KV budget: its output reservation and the tenant's shared prefix.
 
-Plain logic beside `kv_budget.py` (which decides from these numbers):
+Plain logic beside `kv/budget.py` (which decides from these numbers):
 
 - **Output from what was produced.** Reserving every turn's full `max_output_tokens` counts
   room that agent turns rarely use (a tool call is tens of tokens; the default budget is
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 from cluster.core.render.tokenizer import common_prefix
 
 if TYPE_CHECKING:
-    from cluster.engines.kv_policy import SessionHold
+    from cluster.engines.kv.policy import SessionHold
 
 OUTPUT_DECAY = 0.8  # a turn's weight in the session's decaying maximum of outputs
 OUTPUT_MARGIN = 1.25  # reserved over that maximum

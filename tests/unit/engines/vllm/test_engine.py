@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from cluster.engines import vllm_engine
-from cluster.engines.vllm_engine import cpu_threads_bind, resolve_dtype, resolve_enforce_eager
+from cluster.engines.vllm import engine as vllm_engine
+from cluster.engines.vllm.engine import cpu_threads_bind, resolve_dtype, resolve_enforce_eager
 
 
 @pytest.mark.parametrize("native, on_cpu, want", [(True, True, "auto"), (False, True, "float32"),
@@ -30,7 +30,7 @@ def test_the_shipped_local_config_captures_the_engines_graph():
 
     from cluster.config import LoopserveConfig
 
-    local = Path(__file__).parents[3] / "serve_configs" / "local.yaml"
+    local = Path(__file__).parents[4] / "serve_configs" / "local.yaml"
     args = yaml.safe_load(local.read_text())["applications"][0]["args"]
     assert resolve_enforce_eager(LoopserveConfig.model_validate(args).engine.vllm.enforce_eager, on_cpu=True) is False
     assert LoopserveConfig().engine.vllm.enforce_eager is None  # elsewhere: eager on a CPU, as before
@@ -46,7 +46,7 @@ def test_kernel_threads_are_pinned_to_the_replicas_own_cores(monkeypatch):
 
 def test_a_cpu_engine_starts_its_processes_with_the_compile_cache_that_loads_back(monkeypatch):
     from cluster.config import VLLMEngineConfig
-    from cluster.engines.vllm_engine import cpu_engine_env
+    from cluster.engines.vllm.engine import cpu_engine_env
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     env = {"OMP_NUM_THREADS": "1"}
@@ -60,7 +60,7 @@ def test_a_cpu_engine_starts_its_processes_with_the_compile_cache_that_loads_bac
 
 def test_a_kv_tier_below_the_engine_is_vllms_offloading_on_gpus_and_an_error_on_cpus():
     from cluster.config import VLLMEngineConfig
-    from cluster.engines.vllm_engine import offloading_args
+    from cluster.engines.vllm.engine import offloading_args
 
     assert offloading_args(VLLMEngineConfig(), on_cpu=False) == {}
     cfg = VLLMEngineConfig(kv_offloading_gib=32)
@@ -77,7 +77,7 @@ def test_the_offloading_arguments_are_the_installed_vllms_own():
     from vllm.engine.arg_utils import EngineArgs
 
     from cluster.config import VLLMEngineConfig
-    from cluster.engines.vllm_engine import offloading_args
+    from cluster.engines.vllm.engine import offloading_args
 
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     assert set(offloading_args(VLLMEngineConfig(kv_offloading_gib=1), on_cpu=False)) <= names
@@ -85,7 +85,7 @@ def test_the_offloading_arguments_are_the_installed_vllms_own():
 
 def test_the_executor_is_the_configs_on_cpus_and_vllms_own_on_gpus():
     from cluster.config import VLLMEngineConfig
-    from cluster.engines.vllm_engine import executor_args
+    from cluster.engines.vllm.engine import executor_args
 
     env: dict[str, str] = {}
     assert executor_args(VLLMEngineConfig(executor="mp"), True, env) == {"distributed_executor_backend": "mp"}

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cluster.core.turn.controls import MAX_SCHEMA_EXPANSION, check_grammar_cost
-from cluster.engines.grammar_gate import GrammarGate, GrammarTooComplex, request_schemas
+from cluster.engines.vllm.grammar_gate import GrammarGate, GrammarTooComplex, request_schemas
 from cluster.protocol.errors import ApiError
 
 pytest.importorskip("xgrammar")
@@ -90,7 +90,7 @@ def test_the_schemas_a_request_makes_the_engine_compile():
 async def test_new_schemas_wait_for_the_compiler_a_bounded_time(tiny_model_dir):
     """audit-2 N10: a client sending slow schemas one after another (each refused at the limit)
     does not queue every other new schema behind them: past twice the limit, a 429."""
-    from cluster.engines.grammar_gate import GrammarBusy
+    from cluster.engines.vllm.grammar_gate import GrammarBusy
 
     gate = GrammarGate(str(tiny_model_dir), time_limit_s=0.3)
     try:

@@ -1,6 +1,6 @@
-"""The version guard of session pins (cluster/engines/retention_guard.py)."""
+"""The version guard of session pins (cluster/engines/vllm/retention_guard.py)."""
 
-from cluster.engines.retention_guard import REQUIRED, check_installed, unsupported_reason, version_tuple
+from cluster.engines.vllm.retention_guard import REQUIRED, check_installed, unsupported_reason, version_tuple
 
 
 class _Complete:

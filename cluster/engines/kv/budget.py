@@ -30,8 +30,8 @@ happening:
 - **Accounting.** Re-prefills, waits, refusals, expirations and evictions are counted.
 
 The engine itself must keep the retained sessions' blocks while others run: vLLM's
-scheduler subclass in `vllm_retention.py` pins them, the scripted engine's modelled
-cache (`kv_model.py`) does the same. This module only decides.
+scheduler subclass in `vllm/retention.py` pins them, the scripted engine's modelled
+cache (`scripted/kv_model.py`) does the same. This module only decides.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from cluster.engines.kv_policy import (  # noqa: F401 - the budget's vocabulary, re-exported
+from cluster.engines.kv.policy import (  # noqa: F401 - the budget's vocabulary, re-exported
     GROWTH_WEIGHT,
     KV_METRICS,
     PAUSE_DECAY,
@@ -52,8 +52,8 @@ from cluster.engines.kv_policy import (  # noqa: F401 - the budget's vocabulary,
     SessionHold,
     Waiter,
 )
-from cluster.engines.kv_accounting import Totals
-from cluster.engines.kv_eviction import Evictions
+from cluster.engines.kv.accounting import Totals
+from cluster.engines.kv.eviction import Evictions
 
 
 @dataclass
@@ -72,7 +72,7 @@ class KvBudget(Evictions, Totals):
     unpinning: dict[str, int] = field(default_factory=dict)
     growth_per_turn: float = 0.0  # tokens a returning session's turn adds (moving average)
     growth_samples: int = 0
-    # Running totals of the holds (kept by `Totals._change`, kv_accounting.py).
+    # Running totals of the holds (kept by `Totals._change`, kv/accounting.py).
     _used: int = 0
     _running: int = 0
     _resident: int = 0

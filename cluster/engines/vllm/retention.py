@@ -3,7 +3,7 @@
 vLLM (0.32) frees a finished request's blocks to the tail of one free queue and
 allocates from its head, so the least recently freed cached blocks go first,
 whoever they belong to; it has no per-prefix pin. The engine replica's KV budget
-(`kv_budget.py`) decides which sessions are expected back; this scheduler keeps
+(`kv/budget.py`) decides which sessions are expected back; this scheduler keeps
 their blocks, loaded through vLLM's own extension point (`scheduler_cls`):
 
 - A request whose sampling params carry `extra_args["loopserve_kv"]["pin"]` (a
@@ -36,7 +36,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from cluster.engines.retention_guard import TESTED_VLLM  # noqa: F401 - the range these internals were read from
+from cluster.engines.vllm.retention_guard import TESTED_VLLM  # noqa: F401 - the range these internals were read from
 
 HINT = "loopserve_kv"
 

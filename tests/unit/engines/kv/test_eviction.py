@@ -1,9 +1,9 @@
-"""When the KV budget ends retention early (cluster/engines/kv_eviction.py, with the rules of
-kv_budget.py): beside a tier below the engine; pure logic on a fake clock."""
+"""When the KV budget ends retention early (cluster/engines/kv/eviction.py, with the rules of
+kv/budget.py): beside a tier below the engine; pure logic on a fake clock."""
 
 import pytest
 
-from cluster.engines.kv_budget import BudgetPolicy, KvBudget
+from cluster.engines.kv.budget import BudgetPolicy, KvBudget
 
 
 def budget(capacity=1000, **policy) -> KvBudget:

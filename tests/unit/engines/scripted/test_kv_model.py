@@ -1,12 +1,12 @@
-"""The scripted engine's modelled KV cache (cluster/engines/kv_model.py, a stand-in for vLLM's block pool)."""
+"""The scripted engine's modelled KV cache (cluster/engines/scripted/kv_model.py, a stand-in for vLLM's block pool)."""
 
 import asyncio
 from array import array
 
 from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.core.messages import EngineRequest
-from cluster.engines.kv_model import KvBlockPool
-from cluster.engines.scripted import ScriptedEngine
+from cluster.engines.scripted.kv_model import KvBlockPool
+from cluster.engines.scripted.engine import ScriptedEngine
 
 
 def toks(seed: int, n: int) -> array:

@@ -1,7 +1,7 @@
 """How the KV budget ends retention: when it expires, and early: for a waiting turn, for a
 tenant over its share.
 
-A mixin of `KvBudget` (`kv_budget.py`), split out to keep each file readable; it reads and
+A mixin of `KvBudget` (`kv/budget.py`), split out to keep each file readable; it reads and
 changes the budget's holds only through `_change`, so the running totals stay exact.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Optional
 
-from cluster.engines.kv_policy import SessionHold, Waiter
+from cluster.engines.kv.policy import SessionHold, Waiter
 
 
 class Evictions:

@@ -14,7 +14,7 @@ studied with hundreds of sessions on a machine without a GPU. It follows vLLM v1
   the newest running request (its blocks freed, recomputed when it runs again); a new
   request that does not fit waits;
 - pins (`pin`/`unpin`) keep a finished request's cached blocks referenced, as the
-  retaining scheduler does for vLLM (`vllm_retention.py`), dropped oldest first
+  retaining scheduler does for vLLM (`vllm/retention.py`), dropped oldest first
   before any preemption;
 - a lower tier (`LowerTier`, optional), as vLLM's offloading connector keeps blocks in
   host memory: a cached block evicted from the pool keeps its content there (LRU, its

@@ -1,0 +1,1 @@
+"""The scripted backend: a deterministic engine standing in for a GPU one (tests, benchmarks)."""
