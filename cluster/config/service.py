@@ -7,6 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
+from cluster.config.backends import backend_of
 from cluster.config.base import StrictModel
 from cluster.config.deployments import DeploymentResources
 from cluster.config.engine import EngineConfig, ModelConfig
@@ -160,7 +161,7 @@ class SafetyConfig(StrictModel):
     @model_validator(mode="after")
     def _guard_has_a_model(self) -> "SafetyConfig":
         g = self.guard
-        if self.enabled and self.classifier == "guard" and g.engine.backend == "vllm" and g.model.path is None:
+        if self.enabled and self.classifier == "guard" and backend_of(g.engine).runs_weights and g.model.path is None:
             raise ValueError("safety.classifier 'guard' needs safety.guard.model.path (a Llama Guard-style "
                              "model); the generated tiny model has random weights and cannot judge anything")
         return self

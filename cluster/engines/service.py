@@ -17,6 +17,7 @@ from cluster import telemetry
 from cluster.config import LoopserveConfig
 from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, done_of
 from cluster.core.render.tokenizer import load_tokenizer, token_codec
+from cluster.config.backends import backend_of
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
 from cluster.engines.kv.admission import KvAdmission
@@ -56,13 +57,14 @@ class EngineService:
         later step fails (its processes would outlive the replica)."""
         tokenizer = await asyncio.to_thread(load_tokenizer, config)
         codec = token_codec(tokenizer)
-        engine_cfg = config.engine.scripted if config.engine.backend == "scripted" else config.engine.vllm
+        backend = backend_of(config.engine)
+        engine_cfg = backend.settings(config.engine)
         engine: Engine = (engine_cls or engine_class(config.engine))(
             config.model, engine_cfg, encode=codec.encode, decode=codec.decode, decode_raw=codec.decode_raw)
         await engine.start()
         try:
             service = cls(config, engine, tokenizer, replica_id)
-            if config.engine.backend == "vllm":
+            if backend.warms_up:
                 await service.warm_up()
             service.admission = KvAdmission.of(engine, config.engine.kv_budget,
                                                config.engine_deployment.max_replicas)

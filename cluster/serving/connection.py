@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol, TypeVa
 from ray.serve.handle import DeploymentHandle
 
 from cluster import telemetry
+from cluster.config.backends import backend_of
 from cluster.auth import Authenticator, Principal
 from cluster.config import LoopserveConfig
 from cluster.core.render.audit import RenderAudit, ReplicaVerdict
@@ -266,10 +267,11 @@ def cluster_sealer(config: LoopserveConfig) -> Sealer:
 
 def turn_settings(config: LoopserveConfig) -> TurnSettings:
     """The turn core's slice of the config."""
-    eng = config.engine
+    eng, backend = config.engine, backend_of(config.engine)
+    forcible = backend.forces_tool_calls
     return TurnSettings(
         model_name=config.model.name,
-        default_max_tokens=eng.vllm.default_max_tokens if eng.backend == "vllm" else eng.scripted.max_output_tokens,
+        default_max_tokens=backend.default_max_tokens(backend.settings(eng)),
         max_model_len=config.model.max_model_len,
         verify_renders=config.verify_renders,
         output_chunk_chars=config.safety.output_chunk_chars,
@@ -277,8 +279,8 @@ def turn_settings(config: LoopserveConfig) -> TurnSettings:
         max_input_items=config.limits.max_input_items,
         max_context_tokens=config.limits.max_context_tokens,
         max_context_bytes=config.limits.max_context_bytes,
-        can_force_tool_calls=eng.backend == "scripted" or tool_format(config.model.tool_parser).forcible,
-        sampling_defaults=model_sampling_defaults(config) if eng.backend == "vllm" else {},
+        can_force_tool_calls=tool_format(config.model.tool_parser).forcible if forcible is None else forcible,
+        sampling_defaults=model_sampling_defaults(config) if backend.model_sampling else {},
         images=ImageLimits(config.model.images.max_per_context, config.model.images.max_image_bytes,
                            config.model.images.max_image_pixels)
         if config.model.images is not None else None,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from cluster.config import LoopserveConfig
+from cluster.config.backends import backend_of
 from cluster.core.render.images import (
     ImageTokens,
     load_processor,
@@ -48,7 +49,7 @@ def load_tokenizer(config: LoopserveConfig):
         from cluster.models.builtin import ensure_builtin
 
         # Weights only where an engine loads them (or torch is there anyway).
-        ensure_builtin(config.model.builtin, weights=True if config.engine.backend == "vllm" else None)
+        ensure_builtin(config.model.builtin, weights=True if backend_of(config.engine).runs_weights else None)
     if config.model.tokenizer_mode == "mistral":
         from vllm.tokenizers.mistral import MistralTokenizer
 
