@@ -34,7 +34,7 @@ class ConnectionActor:
         engine: DeploymentHandle,
         config: LoopserveConfig,
         safety: Optional[DeploymentHandle] = None,
-        limits: Optional[DeploymentHandle] = None,  # the RateLimitLedger: keys' limits held app-wide
+        limits: Optional[DeploymentHandle] = None,  # the LimitsAndVerdicts: keys' limits held app-wide
     ) -> None:
         telemetry.setup(config.telemetry, "connection")
         self.services = await ConnectionServices.build(config, render=render, engine=engine, safety=safety)

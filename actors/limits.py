@@ -1,7 +1,7 @@
-"""What every connection replica shares: keys' limits (`cluster/serving/rate_limits.py` says how)
+"""What every connection replica shares: keys' limits (`cluster/auth/limits.py` says how)
 and verdicts on the chat template's delta renders (`cluster/core/render/audit.py`).
 
-`RateLimitLedger` is one small replica per app that sums what the connection replicas report;
+`LimitsAndVerdicts` is one small replica per app that sums what the connection replicas report;
 `LimitReporter` is the timer in each connection replica that reports and takes the answer.
 """
 
@@ -17,14 +17,14 @@ from ray import serve
 
 from cluster.auth import Authenticator
 from cluster.core.render.audit import TemplateVerdicts
-from cluster.serving.rate_limits import REPORT_S, LimitLedger
+from cluster.auth.limits import REPORT_S, LimitLedger
 
 log = logging.getLogger("loopserve.limits")
 
 
-@serve.deployment(name="RateLimitLedger", num_replicas=1, max_ongoing_requests=1024,
+@serve.deployment(name="LimitsAndVerdicts", num_replicas=1, max_ongoing_requests=1024,
                   ray_actor_options={"num_cpus": 0})
-class RateLimitLedger:
+class LimitsAndVerdicts:
     """One replica, always: two would each hold half the picture. Lost (its node died), Serve
     starts another; the connection replicas' next reports refill it within REPORT_S, and until
     then each replica keeps the counts it last heard."""

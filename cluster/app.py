@@ -127,7 +127,7 @@ def with_sealing_key(config: LoopserveConfig) -> LoopserveConfig:
 
 def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Application:
     """Validate the config and bind ConnectionActor -> RenderActor (unless `render_in_connection`), EngineReplica
-    (+ SafetyActor, GuardEngine when safety runs out of line; + RateLimitLedger when keys' limits are shared)."""
+    (+ SafetyActor, GuardEngine when safety runs out of line; + LimitsAndVerdicts when keys' limits are shared)."""
     from actors.connection import ConnectionActor
     from actors.engine import EngineReplica
     from actors.render import RenderActor
@@ -160,9 +160,9 @@ def build_app(args: Union[LoopserveConfig, dict[str, Any], None] = None) -> Appl
         safety = SafetyActor.options(**_options(config.safety.deployment, fast_path=fast)).bind(config, guard)
     ledger = None
     if config.shares_limits:
-        from actors.limits import RateLimitLedger
+        from actors.limits import LimitsAndVerdicts
 
-        ledger = RateLimitLedger.bind()
+        ledger = LimitsAndVerdicts.bind()
     conn_opts = connection_options(config)
     return ConnectionActor.options(**conn_opts).bind(render, engine, config, safety, ledger)
 

@@ -79,7 +79,7 @@ class LoopserveConfig(StrictModel):
     """Every this many continuations rendered as deltas, one is rendered again in full after the turn (post-work,
     where full renders run) and compared with what the engine was sent; on a mismatch the connection replica renders
     every turn in full from then on, and so does every other connection replica of the app once it hears of it
-    (through the `RateLimitLedger`, deployed whenever there can be more than one). 0: off. Needs
+    (through the `LimitsAndVerdicts`, deployed whenever there can be more than one). 0: off. Needs
     `inline_delta_render` (its tokenizer compares texts)."""
     template_analysis: bool = True
     """Read the chat template's AST at start-up and render in full the continuations whose exactness depends on

@@ -83,7 +83,7 @@ class LimitsConfig(StrictModel):
     """Of those, what one tenant may have running (429 beyond): one key cannot take every slot."""
     shared_across_replicas: Optional[bool] = None
     """Keys' limits (`requests_per_minute`, `reads_per_minute`, `max_connections`) hold for the whole app, not
-    per connection replica: each replica reports what it admitted to one `RateLimitLedger` replica about once a
+    per connection replica: each replica reports what it admitted to one `LimitsAndVerdicts` replica about once a
     second and counts what the others hold (a key may overshoot by what the others admitted in that second).
     None: on when the connection deployment can run more than one replica (`num_replicas` > 1, `auto`, or
     autoscaling); false: each replica enforces them alone (they multiply with the replicas)."""

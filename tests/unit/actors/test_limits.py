@@ -3,7 +3,7 @@ handle faked: a named stand-in for Serve's DeploymentHandle that awaits the real
 
 import asyncio
 
-from actors.limits import LimitReporter, RateLimitLedger
+from actors.limits import LimitReporter, LimitsAndVerdicts
 from cluster.auth import Authenticator, Principal
 from cluster.config import AuthConfig
 
@@ -11,10 +11,10 @@ KEY = Principal("t", "key1", max_connections=3, requests_per_minute=4, reads_per
 
 
 class FakeLedgerHandle:
-    """Stands in for the DeploymentHandle of one RateLimitLedger replica (no Ray here)."""
+    """Stands in for the DeploymentHandle of one LimitsAndVerdicts replica (no Ray here)."""
 
     def __init__(self) -> None:
-        self.ledger = RateLimitLedger.func_or_class()
+        self.ledger = LimitsAndVerdicts.func_or_class()
         self.down = False
 
         class Method:

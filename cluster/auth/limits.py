@@ -1,9 +1,9 @@
 """A key's limits held across every connection replica, not per replica.
 
-Each replica admits against its own windows (`cluster/auth.py`: a sliding minute per key, the
+Each replica admits against its own windows (`cluster/auth/keys.py`: a sliding minute per key, the
 sockets it holds), synchronously, on the path of every request. Alone, that makes a key's limits
 multiply with the replicas HAProxy spreads it over (audit 2, N12). So every replica reports what
-it holds, per window, to one ledger (the `RateLimitLedger` deployment) about once a second, and
+it holds, per window, to one ledger (the `LimitsAndVerdicts` deployment) about once a second, and
 gets back what the other replicas hold; its admission counts both. The price of admitting
 without a hop: a key can overshoot by what the other replicas admitted in the last report
 interval (at 600 a minute, ~10 a second of them). A replica whose reports stop (it died, or was

@@ -6,7 +6,7 @@ import pytest
 from cluster.auth import Authenticator, Principal
 from cluster.config import AuthConfig, LoopserveConfig
 from cluster.protocol.errors import ApiError
-from cluster.serving.rate_limits import STALE_S, LimitLedger
+from cluster.auth.limits import STALE_S, LimitLedger
 
 KEY = Principal("t", "key1", max_connections=3, requests_per_minute=10, reads_per_minute=100)
 

@@ -54,7 +54,7 @@ def test_a_key_removed_from_the_keys_file_stops_working_without_a_restart(tmp_pa
 
 
 def test_reads_are_also_limited_by_the_bytes_they_sent():
-    from cluster.serving.rate_limits import LimitReports
+    from cluster.auth.limits import LimitReports
 
     auth = Authenticator(AuthConfig())
     p = Principal("t", "key1", max_connections=4, requests_per_minute=2, reads_per_minute=100,

@@ -1,5 +1,5 @@
 """API keys, tenants and per-key limits: admitted here, on this replica's counts plus what the
-other connection replicas hold (`cluster/serving/rate_limits.py`, when the app shares limits)."""
+other connection replicas hold (`cluster/auth/limits.py`, when the app shares limits)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Optional
 
 from cluster.config import ApiKey, AuthConfig
 from cluster.protocol.errors import ApiError
-from cluster.serving.rate_limits import LimitReports
+from cluster.auth.limits import LimitReports
 
 log = logging.getLogger("loopserve.auth")
 
