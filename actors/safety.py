@@ -15,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster import telemetry
 from cluster.config import LoopserveConfig
+from cluster.core.messages import Generation
 from cluster.core.messages import EngineRequest, TextPiece
 from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.safety.classifiers import (SafetyService, Verdict, guard_prompt_ids, guard_verdict,
@@ -52,7 +53,7 @@ class SafetyActor:
     async def _guard_one(self, text: str) -> Verdict:
         ids = guard_prompt_ids(self.guard_tokenizer, self._content, text)
         req = EngineRequest(f"guard-{uuid.uuid4().hex}", "guard", array("i", ids),
-                            self.config.safety.guard.max_tokens, temperature=0.0, tool_choice="none")
+                            Generation(self.config.safety.guard.max_tokens, temperature=0.0, tool_choice="none"))
         out = []
         async for chunk in self.guard.generate.remote(req):
             out.extend(p.text for p in chunk if isinstance(p, TextPiece))

@@ -26,6 +26,7 @@ from openai.types.responses import (
 )
 
 from cluster.core.events import TERMINAL_EVENTS, Event
+from cluster.core.generation import Generation
 from cluster.protocol.errors import ApiError
 
 Item = dict[str, Any]  # a Responses API input/output item (JSON form)
@@ -115,7 +116,6 @@ class RenderJob:
 
 # -- engine ---------------------------------------------------------------------------
 
-
 @dataclass(slots=True)
 class EngineRequest:
     """One generation. The prompt travels whole, or as the tail after the first
@@ -125,16 +125,7 @@ class EngineRequest:
     request_id: str
     session_key: str  # routes every turn of a session to the replica holding its KV
     prompt_token_ids: array  # array('i'): the whole prompt, or the tail after the base
-    max_tokens: int
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    tools: Sequence[ToolSpec] = ()
-    tool_choice: Any = "auto"
-    parallel_tool_calls: bool = True
-    # The request's `text.format` ({"type": "json_schema", "schema": ...} | {"type": "json_object"}).
-    text_format: Optional[dict[str, Any]] = None
+    generation: Generation  # what to generate: max tokens, sampling, tools, output format
     # Prefix-cache namespace (one per tenant): a prompt only hits blocks cached
     # under the same salt (vLLM's `cache_salt`).
     cache_salt: Optional[str] = None
@@ -405,5 +396,5 @@ ENGINE_CORE_TIMINGS = ("engine_core_in", "engine_core_queued", "engine_core_pref
 
 __all__ = ["Item", "ToolSpec", "TraceCarrier", "RenderJob", "EngineRequest", "TokenProgress", "EngineDone",
            "EngineFailure", "EngineQueued", "EnginePiece", "EngineChunk", "done_of", "PROMPT_BASE_MISSING", "KV_MOVE", "TextPiece", "ReasoningPiece",
-           "ToolCallPiece", "Milestone", "TurnProgress", "TurnTiming",
+           "ToolCallPiece", "Generation", "Milestone", "TurnProgress", "TurnTiming",
            "ENGINE_CORE_TIMINGS"]

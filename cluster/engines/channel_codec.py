@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import msgpack
 
+from cluster.core.messages import Generation
 from cluster.core.messages import (
     EngineChunk,
     EngineDone,
@@ -31,6 +32,9 @@ _REQUEST_FIELDS = [f.name for f in fields(EngineRequest)]
 _PROMPT = _REQUEST_FIELDS.index("prompt_token_ids")
 _UNPIN = _REQUEST_FIELDS.index("kv_unpin")
 _IMAGES = _REQUEST_FIELDS.index("images")
+_GENERATION = _REQUEST_FIELDS.index("generation")
+_GENERATION_FIELDS = [f.name for f in fields(Generation)]
+_TOOLS = _GENERATION_FIELDS.index("tools")
 
 
 class ChannelError(Exception):
@@ -40,7 +44,9 @@ class ChannelError(Exception):
 def encode_request(req: EngineRequest) -> list:
     values = [getattr(req, name) for name in _REQUEST_FIELDS]
     values[_PROMPT] = req.prompt_token_ids.tobytes()
-    values[_REQUEST_FIELDS.index("tools")] = list(req.tools)
+    generation = [getattr(req.generation, name) for name in _GENERATION_FIELDS]
+    generation[_TOOLS] = list(generation[_TOOLS])
+    values[_GENERATION] = generation
     values[_IMAGES] = list(req.images)
     return values
 
@@ -52,6 +58,9 @@ def decode_request(values: list) -> EngineRequest:
     values[_PROMPT] = prompt
     values[_UNPIN] = tuple(values[_UNPIN])
     values[_IMAGES] = tuple(values[_IMAGES])
+    generation = list(values[_GENERATION])
+    generation[_TOOLS] = tuple(generation[_TOOLS])
+    values[_GENERATION] = Generation(*generation)
     return EngineRequest(*values)
 
 

@@ -18,6 +18,7 @@ from cluster.config import LoopserveConfig
 from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, done_of
 from cluster.core.render.tokenizer import load_tokenizer, token_codec
 from cluster.config.backends import backend_of
+from cluster.core.messages import Generation
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
 from cluster.engines.kv.admission import KvAdmission
@@ -169,7 +170,7 @@ class EngineService:
         """One short generation before serving: the first session's first turn would
         otherwise pay for the engine's and the parsers' first-call costs."""
         prompt = array("i", token_codec(self.tokenizer).encode("warm up") or [0])
-        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, 2, temperature=0.0,
+        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, Generation(2, temperature=0.0),
                             cache_salt="loopserve-warmup")
         try:
             async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,

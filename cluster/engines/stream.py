@@ -52,7 +52,7 @@ async def stream_chunks(
         tool_close=fmt.tool_close,
         think_open=fmt.think_open,
         think_close=fmt.think_close,
-        tools_enabled=bool(request.tools) and request.tool_choice != "none",
+        tools_enabled=bool(request.generation.tools) and request.generation.tool_choice != "none",
         start_in_reasoning=tail.rstrip().endswith(fmt.think_open),
     )
     output_tokens = 0

@@ -5,6 +5,7 @@ from array import array
 
 import pytest
 
+from cluster.core.messages import Generation
 from cluster import telemetry
 from cluster.core.messages import EngineRequest
 from cluster.core.retry import RetryPolicy
@@ -96,28 +97,28 @@ def test_a_turns_prompt_is_its_prefix_then_its_generation_prompt_from_any_token_
 
 def test_a_prompt_base_is_per_tenant_and_per_request():
     prompts = SessionPrompts()
-    base = EngineRequest("r1", "s", array("i", range(100)), 8, cache_salt="tenant-a")
+    base = EngineRequest("r1", "s", array("i", range(100)), Generation(8), cache_salt="tenant-a")
     prompts.remember(base)
-    tail = EngineRequest("r2", "s", array("i", [7, 7]), 8, cache_salt="tenant-a", base_request_id="r1", base_len=90)
+    tail = EngineRequest("r2", "s", array("i", [7, 7]), Generation(8), cache_salt="tenant-a", base_request_id="r1", base_len=90)
     whole = prompts.resolve(tail)
     assert list(whole.prompt_token_ids) == list(range(90)) + [7, 7] and not whole.is_tail
-    other_tenant = EngineRequest("r3", "s", array("i", [7]), 8, cache_salt="tenant-b", base_request_id="r1", base_len=90)
+    other_tenant = EngineRequest("r3", "s", array("i", [7]), Generation(8), cache_salt="tenant-b", base_request_id="r1", base_len=90)
     assert prompts.resolve(other_tenant) is None
-    stale = EngineRequest("r4", "s", array("i", [7]), 8, cache_salt="tenant-a", base_request_id="r0", base_len=90)
+    stale = EngineRequest("r4", "s", array("i", [7]), Generation(8), cache_salt="tenant-a", base_request_id="r0", base_len=90)
     assert prompts.resolve(stale) is None
-    too_long = EngineRequest("r5", "s", array("i", [7]), 8, cache_salt="tenant-a", base_request_id="r1", base_len=101)
+    too_long = EngineRequest("r5", "s", array("i", [7]), Generation(8), cache_salt="tenant-a", base_request_id="r1", base_len=101)
     assert prompts.resolve(too_long) is None
 
 
 def test_session_prompts_are_bounded_by_the_memory_their_entries_take():
     prompts = SessionPrompts(max_tokens=1000)  # 4,000 bytes
     for i in range(50):
-        prompts.remember(EngineRequest(f"r{i}", f"s{i}", array("i", range(100)), 1))
+        prompts.remember(EngineRequest(f"r{i}", f"s{i}", array("i", range(100)), Generation(1)))
     assert prompts.nbytes <= 4000 and len(prompts) == 3  # 400 bytes of tokens + ~600 an entry
     # tiny prompts do not slip past the bound: each entry costs what Python holds for it
     tiny = SessionPrompts(max_tokens=100_000)
     for i in range(10_000):
-        tiny.remember(EngineRequest(f"r{i}", f"s{i}", array("i", range(8)), 1))
+        tiny.remember(EngineRequest(f"r{i}", f"s{i}", array("i", range(8)), Generation(1)))
     assert tiny.tokens < 20_000 and len(tiny) < 700 and tiny.nbytes <= 400_000
 
 

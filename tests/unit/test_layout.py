@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cluster.torch_extras", "cluster.protocol", "cluster.core.retry"),
     ("cluster.models", "cluster.config"),
     ("cluster.telemetry",),
-    ("cluster.core.messages", "cluster.core.events"),
+    ("cluster.core.generation", "cluster.core.messages", "cluster.core.events"),
     ("cluster.core.render",),
     ("cluster.core.safety",),
     ("cluster.core.turn",),

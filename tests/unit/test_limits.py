@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from cluster.core.messages import Generation
 from cluster.config import ModelConfig, ScriptedEngineConfig, WebSocketConfig
 from cluster.core.turn.cache import CacheMemory, ResponseState, SessionCache
 from cluster.core.turn.turn import TurnScope
@@ -107,7 +108,7 @@ def test_engine_session_keys_and_prefix_cache_are_bounded():
     async def run_many():
         for i in range(MAX_CACHED_SESSIONS + 50):  # a fresh session key per stateless request
             req = EngineRequest(request_id=f"q{i}", session_key=f"s{i}", prompt_token_ids=__import__("array").array("i", [1, 2, 3]),
-                                max_tokens=1)
+                                generation=Generation(1))
             async for _ in engine.generate(req):
                 pass
 
@@ -124,7 +125,7 @@ def test_scripted_prefix_cache_is_per_tenant_salt():
 
     async def cached(salt):
         req = EngineRequest(request_id=f"q-{salt}-{id(object())}", session_key="same-session",
-                            prompt_token_ids=array("i", range(100)), max_tokens=1, cache_salt=salt)
+                            prompt_token_ids=array("i", range(100)), generation=Generation(1), cache_salt=salt)
         async for d in engine.generate(req):
             last = d
         return last.cached_tokens
@@ -167,7 +168,7 @@ def test_scripted_prefix_cache_is_shared_across_sessions_of_a_tenant():
                             encode=lambda s: [ord(c) % 100 for c in s], decode=lambda ids: "x" * len(ids))
 
     async def cached(session, salt, n):
-        req = EngineRequest(request_id=f"q-{session}-{n}", session_key=session, max_tokens=1, cache_salt=salt,
+        req = EngineRequest(request_id=f"q-{session}-{n}", session_key=session, generation=Generation(1), cache_salt=salt,
                             prompt_token_ids=array("i", range(n)))
         async for d in engine.generate(req):
             last = d

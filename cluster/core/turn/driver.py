@@ -30,6 +30,7 @@ from cluster.core.turn.prepare import (
     TurnSettings,
 )
 from cluster.core.turn.stream import TurnStream
+from cluster.core.turn.controls import generation_of
 from cluster.core.turn.turn import (
     EnginePort,
     Rendered,
@@ -252,9 +253,10 @@ class TurnDriver:
         asm = EventAssembler(response, stream_id=t.stream_id, seal_reasoning=seal, first_sequence=int(t.announced))
         room = st.max_model_len - rendered.engine_len
         cache_ttl_s, cache_check = await self._cache_options(t, ctx)
+        max_tokens = max(1, min(req.max_output_tokens or st.default_max_tokens, room))
         turn = Turn(origin=t, response_id=response_id, model=self.model_name, session_key=session_key, parent=parent,
-                    context=ctx, rendered=rendered, render_key=key, tools=tools_spec,
-                    max_tokens=max(1, min(req.max_output_tokens or st.default_max_tokens, room)), timing=timing,
+                    context=ctx, rendered=rendered, render_key=key, tools=tools_spec, max_tokens=max_tokens,
+                    timing=timing, generation=generation_of(req, tools_spec, max_tokens, st.sampling_defaults),
                     trace=tctx, cache_ttl_s=cache_ttl_s, cache_check=cache_check, steps=Steps(inbox=t.agent))
         stream = TurnStream(turn, asm, safety, self.services)
         events = asm.start()

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from cluster import telemetry
@@ -16,6 +16,7 @@ from cluster.core.messages import (  # noqa: F401 - TurnTiming: the driver's exp
     EngineChunk,
     EngineDone,
     EngineRequest,
+    Generation,
     PriorOutput,
     ToolSpec,
     TurnTiming,
@@ -217,8 +218,9 @@ class Turn:
     rendered: Rendered
     render_key: RenderKey
     tools: list[ToolSpec]
-    max_tokens: int
+    max_tokens: int  # the current step's (a step after tool calls gets what is left)
     timing: TurnTiming
+    generation: Generation  # the request's, against the model's defaults (its max tokens: `max_tokens`)
     trace: Optional[Any] = None  # the turn's trace context (parent of engine and post-work spans)
     cache_ttl_s: float = 0.0  # the retention its client asked for (`prompt_cache_options.ttl`), as applied
     cache_check: Optional[Any] = None  # `prompt_cache_options.comparison_response_id`: diagnostics.CacheCheck
@@ -273,16 +275,7 @@ class Turn:
             request_id=self.engine_id,
             session_key=self.session_key,
             prompt_token_ids=rendered.prompt_from(base_len if tail else 0),
-            max_tokens=self.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            tools=self.tools,
-            tool_choice=req.tool_choice,
-            parallel_tool_calls=req.parallel_tool_calls is not False,
-            text_format=req.text.format.model_dump(by_alias=True, exclude_none=True)
-            if req.text is not None and req.text.format is not None and req.text.format.type != "text" else None,
+            generation=replace(self.generation, max_tokens=self.max_tokens),
             # Tenants never share prefix-cache blocks: `cached_tokens` is exact, so a
             # shared cache would let one tenant probe another's prompts.
             cache_salt=cache_salt(self.owner),

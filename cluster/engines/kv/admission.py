@@ -54,7 +54,7 @@ class KvAdmission:
         gate = self.gate
         key = pin_key(req.cache_salt, req.session_key)
         try:
-            ticket, wait = gate.request(key, req.prompt_token_ids, req.max_tokens, image_tokens=req.image_tokens,
+            ticket, wait = gate.request(key, req.prompt_token_ids, req.generation.max_tokens, image_tokens=req.image_tokens,
                                         tenant=req.cache_salt or "", min_ttl_s=req.cache_ttl_s,
                                         engine_in_use=self.engine.kv_in_use_tokens())
         except QueueFull as full:

@@ -133,15 +133,16 @@ class ScriptedEngine:
             for rule in self.config.answer_rules:
                 if rule.contains in prompt:
                     return rule.text
-        offered = [t["function"] for t in request.tools if t.get("type") == "function"]
-        wants_tool = request.tool_choice not in ("none",) and offered and (
-            request.tool_choice == "required" or isinstance(request.tool_choice, dict)
+        gen = request.generation
+        offered = [t["function"] for t in gen.tools if t.get("type") == "function"]
+        wants_tool = gen.tool_choice not in ("none",) and offered and (
+            gen.tool_choice == "required" or isinstance(gen.tool_choice, dict)
             or self.last_turn(request.prompt_token_ids) == "user"
         )
         if wants_tool:
             fn = offered[0]
-            if isinstance(request.tool_choice, dict) and request.tool_choice.get("name"):
-                fn = next((f for f in offered if f["name"] == request.tool_choice["name"]), fn)
+            if isinstance(gen.tool_choice, dict) and gen.tool_choice.get("name"):
+                fn = next((f for f in offered if f["name"] == gen.tool_choice["name"]), fn)
             args = example_arguments(fn.get("parameters") or {})
             return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (fn["name"], json.dumps(args))
         return self.config.answer_text
@@ -188,7 +189,7 @@ class ScriptedEngine:
         prefill = (len(prompt) - cached) / self.config.prefill_tokens_per_second
         if prefill > 0:
             await asyncio.sleep(prefill)
-        out_ids = self._encode(self.script(request))[: min(request.max_tokens, self.config.max_output_tokens)]
+        out_ids = self._encode(self.script(request))[: min(request.generation.max_tokens, self.config.max_output_tokens)]
         finish = "stop" if len(out_ids) == len(self._encode(self.script(request))) else "length"
         per_token = 1.0 / self.config.tokens_per_second
         start = time.perf_counter()
@@ -264,7 +265,7 @@ class ScriptedEngine:
         prompt = request.prompt_token_ids
         n_prompt = len(prompt) + request.image_tokens  # as a vision engine counts it: images expanded
         script = self._encode(self.script(request))
-        out_ids = script[: min(request.max_tokens, self.config.max_output_tokens)]
+        out_ids = script[: min(request.generation.max_tokens, self.config.max_output_tokens)]
         finish = "stop" if len(out_ids) == len(script) else "length"
         per_token = 1.0 / self.config.tokens_per_second
         emitted: list[int] = []

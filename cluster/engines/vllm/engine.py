@@ -309,34 +309,27 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         assert self.llm is not None, "engine not started"
-        sampling = dict(self.sampling_defaults)
-        if request.temperature is not None:
-            sampling["temperature"] = request.temperature
-        if request.top_p is not None:
-            sampling["top_p"] = request.top_p
+        gen = request.generation
+        sampling = {**self.sampling_defaults, **gen.sampling()}
         if self.no_placeholder:
             sampling["logit_bias"] = self.no_placeholder
-        if request.presence_penalty is not None:
-            sampling["presence_penalty"] = request.presence_penalty
-        if request.frequency_penalty is not None:
-            sampling["frequency_penalty"] = request.frequency_penalty
         from cluster.engines.vllm.constraints import structured_outputs
 
         if self.grammar_gate is not None:
             from cluster.core.turn.controls import forces_a_tool_call
             from cluster.engines.vllm.grammar_gate import request_schemas
 
-            forced = bool(request.tools) and forces_a_tool_call(request.tool_choice)
-            await self.grammar_gate.check(request_schemas(request.text_format, request.tools, forced))
+            forced = bool(gen.tools) and forces_a_tool_call(gen.tool_choice)
+            await self.grammar_gate.check(request_schemas(gen.text_format, gen.tools, forced))
         if not request.streamed:  # the first and the last piece only (vLLM's per-request interval)
-            sampling["stream_interval"] = max(1, request.max_tokens)
+            sampling["stream_interval"] = max(1, gen.max_tokens)
         if request.kv_pin or request.kv_unpin:
             # Read by the retaining scheduler (vllm/retention.py) in the engine core.
             sampling["extra_args"] = {HINT: {"pin": request.kv_pin, "ttl": request.kv_ttl_s,
                                              "unpin": list(request.kv_unpin)}}
-        params = SamplingParams(max_tokens=request.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling,
-                                structured_outputs=structured_outputs(request.tools, request.tool_choice,
-                                                                      request.parallel_tool_calls, request.text_format,
+        params = SamplingParams(max_tokens=gen.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling,
+                                structured_outputs=structured_outputs(gen.tools, gen.tool_choice,
+                                                                      gen.parallel_tool_calls, gen.text_format,
                                                                       self.model.tool_parser))
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
         if request.images:

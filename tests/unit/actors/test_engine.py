@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine import EngineReplica
+from cluster.core.messages import Generation
 from cluster.engines.scripted.engine import ScriptedEngine
 
 
@@ -54,7 +55,7 @@ async def test_a_full_kv_queue_refuses_a_turn_with_a_429_that_says_when_to_retry
     await replica.__init__(config)
     try:
         def request(i: int) -> EngineRequest:
-            return EngineRequest(f"r{i}", f"s{i}", array("i", [100 + i] * 1500), 8, cache_salt=cache_salt("t"))
+            return EngineRequest(f"r{i}", f"s{i}", array("i", [100 + i] * 1500), Generation(8), cache_salt=cache_salt("t"))
 
         async def pieces(i: int) -> list:
             return [p async for chunk in replica.generate(request(i)) for p in chunk]
@@ -108,7 +109,7 @@ async def test_a_leaving_replica_serves_its_retained_sessions_over_its_channel_u
         return [p async for chunk in pool.stream(endpoint, req) for p in chunk if isinstance(p, EngineDone)][-1]
 
     try:
-        first = EngineRequest("r1", "kept", array("i", range(40, 240)), 4, expect_back=True)
+        first = EngineRequest("r1", "kept", array("i", range(40, 240)), Generation(4), expect_back=True)
         await done_of(first)
         leaving = asyncio.ensure_future(replica.__del__())
         started = loop.time()
@@ -117,7 +118,7 @@ async def test_a_leaving_replica_serves_its_retained_sessions_over_its_channel_u
         again = await done_of(replace(first, request_id="r2", prompt_token_ids=array("i", range(40, 300))))
         assert again.cached_tokens >= 160  # served here, from its retained prefix
         with pytest.raises(ChannelError):  # a session with nothing here goes back to be placed elsewhere
-            await done_of(EngineRequest("r3", "other", array("i", range(500, 600)), 4))
+            await done_of(EngineRequest("r3", "other", array("i", range(500, 600)), Generation(4)))
         await asyncio.wait_for(leaving, 20)
         assert loop.time() - started >= 1.5  # it stopped once the kept session's retention ran out
     finally:

@@ -8,6 +8,7 @@ from array import array
 import pytest
 from pydantic import ValidationError
 
+from cluster.core.messages import Generation
 from cluster.config import LoopserveConfig, StrictModel
 from cluster.config.backends import BACKENDS, Backend, options_of, register
 from cluster.engines.base import EngineDelta, EngineStats, KvFacts
@@ -35,7 +36,7 @@ class EchoEngine:
 
     async def generate(self, request):
         self.stats.requests += 1
-        tail = list(request.prompt_token_ids)[-request.max_tokens:]
+        tail = list(request.prompt_token_ids)[-request.generation.max_tokens:]
         yield EngineDelta(text=self.settings.prefix, new_tokens=0, prompt_tokens=len(request.prompt_token_ids))
         yield EngineDelta(text=self.decode(tail), new_tokens=len(tail), finished=True, finish_reason="length",
                           prompt_tokens=len(request.prompt_token_ids), token_ids=tail)
@@ -79,7 +80,7 @@ async def test_a_registered_backend_serves_a_turn_with_its_own_settings(echo_bac
     service = await EngineService.build(config)
     assert isinstance(service.engine, EchoEngine) and service.engine.settings.prefix == ">> "
     prompt = array("i", service.engine.encode("hello there, general kenobi"))
-    pieces = [p async for chunk in service.generate(EngineRequest("r1", "s", prompt, 5)) for p in chunk]
+    pieces = [p async for chunk in service.generate(EngineRequest("r1", "s", prompt, Generation(5))) for p in chunk]
     text = "".join(getattr(p, "text", "") for p in pieces)
     assert text.startswith(">> ") and isinstance(pieces[-1], EngineDone)
     await service.engine.shutdown()

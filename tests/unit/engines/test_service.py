@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.core.messages import Generation
 from cluster.config import LoopserveConfig
 from cluster.engines import service as service_module
 from cluster.engines.scripted.engine import ScriptedEngine
@@ -45,10 +46,10 @@ async def test_a_continuation_sends_its_tail_and_the_figures_say_what_was_kept(t
 
     config = LoopserveConfig(engine={"backend": "scripted", "scripted": {"kv_capacity_tokens": 4096}})
     service = await EngineService.build(config)
-    first = EngineRequest("r1", "s", array("i", range(100, 300)), 4)
+    first = EngineRequest("r1", "s", array("i", range(100, 300)), Generation(4))
     pieces = [p async for chunk in service.generate(first) for p in chunk]
     assert isinstance(pieces[-1], EngineDone) and pieces[-1].prompt_tokens == 200
-    tail = EngineRequest("r2", "s", array("i", range(300, 320)), 4, base_request_id="r1", base_len=200)
+    tail = EngineRequest("r2", "s", array("i", range(300, 320)), Generation(4), base_request_id="r1", base_len=200)
     pieces = [p async for chunk in service.generate(tail) for p in chunk]
     assert pieces[-1].prompt_tokens == 220  # the base came from the session's last prompt, kept here
     stats = service.stats()

@@ -234,4 +234,4 @@ async def test_the_output_room_leaves_space_for_the_images_tokens(vision):
     assert resp["status"] in ("completed", "incomplete"), resp
     sent = stack.engine_requests[-1]
     assert sent.image_tokens == 33
-    assert len(sent.prompt_token_ids) + sent.image_tokens + sent.max_tokens == 160
+    assert len(sent.prompt_token_ids) + sent.image_tokens + sent.generation.max_tokens == 160

@@ -110,7 +110,7 @@ async def test_a_warm_up_prefills_the_engine(tokenizer):
         assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.completed"]
         warm_resp = evs[-1]["response"]
         assert warm_resp["output"] == [] and warm_resp["usage"]["output_tokens"] == 0
-        assert len(stack.engine_requests) == 1 and stack.engine_requests[0].max_tokens == 1
+        assert len(stack.engine_requests) == 1 and stack.engine_requests[0].generation.max_tokens == 1
         body = {"previous_response_id": warm_resp["id"], "input": "go", "instructions": "Be brief.", "tools": TOOLS}
         evs = [ev async for ev in stack.driver.run(TurnRequest(parse_request(body), TurnScope(cache, session_key="s")))]
         usage = evs[-1]["response"]["usage"]

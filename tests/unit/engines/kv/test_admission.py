@@ -8,6 +8,7 @@ import asyncio
 from array import array
 from typing import Optional
 
+from cluster.core.messages import Generation
 from cluster.config import KvBudgetConfig
 from cluster.core.messages import KV_MOVE, KV_QUEUE_FULL, EngineDone, EngineFailure, EngineQueued, EngineRequest
 from cluster.engines.base import KvFacts
@@ -30,7 +31,7 @@ class FakeKvEngine:
 
 def request(rid: str, session: str, tokens: int, moved: bool = False) -> EngineRequest:
     start = sum(map(ord, session)) * 100_000  # no two sessions share a prefix (the budget counts a shared one once)
-    return EngineRequest(rid, session, array("i", range(start, start + tokens)), 16, moved=moved, expect_back=True)
+    return EngineRequest(rid, session, array("i", range(start, start + tokens)), Generation(16), moved=moved, expect_back=True)
 
 
 def stream_until(release: asyncio.Event, seen: list[EngineRequest]):

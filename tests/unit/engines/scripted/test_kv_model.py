@@ -3,6 +3,7 @@
 import asyncio
 from array import array
 
+from cluster.core.messages import Generation
 from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.core.messages import EngineRequest
 from cluster.engines.scripted.kv_model import KvBlockPool
@@ -84,7 +85,7 @@ def test_the_scripted_engine_reports_hits_from_the_modelled_cache_and_preempts_u
 
     async def run(rid: str, prompt: array) -> int:
         cached = 0
-        async for d in engine.generate(EngineRequest(rid, rid, prompt, 40)):
+        async for d in engine.generate(EngineRequest(rid, rid, prompt, Generation(40))):
             cached = d.cached_tokens
         return cached
 
@@ -134,7 +135,7 @@ def test_the_scripted_engine_charges_a_load_from_the_lower_tier_at_its_rate_not_
 
     async def run(rid: str, prompt: array) -> tuple[int, float]:
         cached, t0 = 0, asyncio.get_running_loop().time()
-        async for d in engine.generate(EngineRequest(rid, rid, prompt, 1)):
+        async for d in engine.generate(EngineRequest(rid, rid, prompt, Generation(1))):
             cached = d.cached_tokens
         return cached, asyncio.get_running_loop().time() - t0
 
