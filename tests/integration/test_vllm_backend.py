@@ -67,7 +67,7 @@ def test_a_plain_http_answer_leaves_the_engine_in_two_pieces_and_a_stream_in_a_p
 
     client = client_for(vllm_url)
     body = dict(model="loopserve-tiny", input=f"pieces {uuid.uuid4().hex}: list the files and read them " * 4,
-                max_output_tokens=8, temperature=0, store=False)
+                max_output_tokens=16, temperature=0, store=False)
     before = pieces()
     plain = client.responses.create(**body)
     between = pieces()
@@ -76,11 +76,12 @@ def test_a_plain_http_answer_leaves_the_engine_in_two_pieces_and_a_stream_in_a_p
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     streamed = events[-1].response  # completed or incomplete (max_output_tokens)
     after = pieces()
-    assert plain.output_text == streamed.output_text and plain.usage.output_tokens >= 3, plain.usage
+    assert plain.output_text == streamed.output_text and plain.usage.output_tokens >= 8, plain.usage
     assert between - before <= 2
     # A token a piece, unless tokens piled up behind a busy consumer meanwhile: those leave merged
-    # (engines/channel.py), so a loaded machine sees a few pieces fewer (7 for 8 tokens, seen here).
-    assert streamed.usage.output_tokens // 2 < after - between <= streamed.usage.output_tokens and deltas
+    # (engines/channel.py), so a loaded machine sees fewer pieces (4 for 8 tokens on a busy CI
+    # machine). What holds whatever the load: the stream is not gathered like the plain answer.
+    assert 2 < after - between <= streamed.usage.output_tokens and len(deltas) > 2
 
 
 def test_tenants_do_not_share_the_prefix_cache(vllm_url):
