@@ -10,8 +10,8 @@ from typing import Optional
 # sessions a turn's in-flight objects were promoted by the thousand, and full collections walking
 # every session's state ran 27 times in a 26 s run, 11.8 s of it (the loop held 0.4-0.6 s each).
 # With these, young collections come every 50,000 allocations, so a turn's objects die before one
-# sees them: 0 full collections, 1.51 ms of CPU a turn instead of 2.49, p99 1.88-2.30 s instead of
-# 3.45 (`python -m cluster.bench.load --sessions 1000 --turns 10`, 2026-12-04). Serve freezes what
+# sees them: no full collections, and a turn's CPU and p99 fell by a third (`loopserve bench load
+# --sessions 1000 --turns 10`; the run is in docs/benchmarks-history.md). Serve freezes what
 # the constructor made (RAY_SERVE_FREEZE_GC_ON_STARTUP). `LOOPSERVE_GC_THRESHOLDS=700,10,10`
 # restores Python's.
 GC_THRESHOLDS = tuple(int(x) for x in os.environ.get("LOOPSERVE_GC_THRESHOLDS", "50000,20,100").split(","))

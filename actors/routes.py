@@ -119,7 +119,7 @@ async def echo(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
 async def models(request: Request, conn: "ConnectionServices" = Conn) -> Any:
     conn.principal(request.headers)
     # A model is listed once a turn can run on it: clients (and probes) read this as readiness, and
-    # a listed model whose engine still loaded held the first request ~100 s (audit-3).
+    # a listed model whose engine still loaded held the first request ~100 s.
     starting = await conn.not_ready()
     if starting is not None:
         return error_response(starting, request)

@@ -2,7 +2,7 @@
 
 Each replica admits against its own windows (`cluster/auth/keys.py`: a sliding minute per key, the
 sockets it holds), synchronously, on the path of every request. Alone, that makes a key's limits
-multiply with the replicas HAProxy spreads it over (audit 2, N12). So every replica reports what
+multiply with the replicas HAProxy spreads it over. So every replica reports what
 it holds, per window, to one ledger (the `LimitsAndVerdicts` deployment) about once a second, and
 gets back what the other replicas hold; its admission counts both. The price of admitting
 without a hop: a key can overshoot by what the other replicas admitted in the last report

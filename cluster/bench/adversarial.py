@@ -1,6 +1,6 @@
 """Hostile clients beside honest agent sessions, through HAProxy: `python -m cluster.bench.adversarial`.
 
-The target of the second and third hardening rounds (audit-2, audit-3): 96 hostile clients (16 of
+What the replica's bounds are judged by: 96 hostile clients (16 of
 each kind in `hostile.py`: decompression-bomb images, queued creates of many small items, large and
 complex bodies, long stored chains read back and /health floods, 64 KiB ignored frames at line rate,
 slow readers of a flagged answer) beside 8 honest agent sessions over

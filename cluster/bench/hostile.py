@@ -1,16 +1,16 @@
-"""The hostile clients of `python -m cluster.bench.adversarial`: one per audit-2 item a client can
-reach, each looping until told to stop, each counting what the server answered.
+"""The hostile clients of `python -m cluster.bench.adversarial`: one per way a client can
+press a replica, each looping until told to stop, each counting what the server answered.
 
-- images (N1): a POST with 12 decompression-bomb PNGs (13000x13000, 1 bit: ~21 KB of file that
+- images: a POST with 12 decompression-bomb PNGs (13000x13000, 1 bit: ~21 KB of file that
   would decode to 507 MB of RGB each), and one with 20 small images (past the count);
-- queued (N3): a socket holds its lane with a long answer, then queues 63 creates of 10,000
+- queued: a socket holds its lane with a long answer, then queues 63 creates of 10,000
   one-character messages (a 300 KB frame each, ~4 MB each once parsed);
-- bodies (N5, N6): 13.6 MB bodies of 400,000 tiny items, and 12 MB `instructions`;
-- chains (N2, N9): a stored chain of 10 responses, each echoing a 900 KB unrendered tool, read
+- bodies: 13.6 MB bodies of 400,000 tiny items, and 12 MB `instructions`;
+- chains: a stored chain of 10 responses, each echoing a 900 KB unrendered tool, read
   back over and over (GET, input_items), and `/health` floods;
-- frames (audit-3 F2): a socket sending 64 KiB `response.processed` frames of `[[],[],...]` at
+- frames: a socket sending 64 KiB `response.processed` frames of `[[],[],...]` at
   line rate, reading nothing (each was parsed and walked for ~24 ms, charged to nothing);
-- flagged (audit-3 F1): a socket asks for an answer the safety policy flags (`FLAG_TRIGGER`),
+- flagged: a socket asks for an answer the safety policy flags (`FLAG_TRIGGER`),
   stops reading for 3 s after `response.created`, then reads: the characters of the flagged
   answer it was sent must stay within `max_unverified` (merged pieces once released all of it).
 

@@ -148,10 +148,9 @@ class VLLMEngineConfig(StrictModel):
     executor: Literal["auto", "mp", "uni"] = "auto"
     """CPU engines with one worker: `mp` runs the model in a worker process of its own (vLLM's server's
     choice on CPUs: the kernels' threads pinned by `cpu_threads_bind`), `uni` in the engine core's process
-    (one hop fewer a step; the threads are not pinned). `auto`: `uni`: one agent's 20-turn loop took
-    1.85 / 1.11 s against 2.49 / 1.64 s with `mp` (two runs, vLLM's server 1.18 / 1.34 s), 8 sessions on
-    local.yaml finished in 115.8 s against 117.6 s (`python -m cluster.bench.vllm_compare --executors
-    mp,uni`, `python -m cluster.bench.sessions --sessions 8`, 2026-12-04). GPUs and tensor parallelism
+    (one hop fewer a step; the threads are not pinned). `auto`: `uni`: one agent's tool loop ran a
+    quarter to a third faster than with `mp`, and 8 sessions finished level (`loopserve bench vllm_compare
+    --executors mp,uni`; the runs are in docs/benchmarks-history.md). GPUs and tensor parallelism
     keep vLLM's own choice."""
     max_num_seqs: int = 64
     """Requests the engine runs at once."""

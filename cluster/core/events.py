@@ -285,6 +285,14 @@ class EventAssembler:
         events.append(self._ev("response.failed", response=self._snapshot()))
         return events
 
+    def failed(self, error: dict[str, Any], usage: dict[str, Any]) -> list[Event]:
+        """`response.failed` with the error a stored response ended with (no `error` event: a replay)."""
+        events = self._close_open()
+        self.response.update(status="failed", error=error, usage=usage)
+        self.finished = True
+        events.append(self._ev("response.failed", response=self._snapshot()))
+        return events
+
     # -- output items --------------------------------------------------------
     def _ensure_open(self, kind: str, item_id: Optional[str] = None) -> list[Event]:
         if self._open_kind == kind and (item_id is None or self._open["id"] == item_id):
@@ -360,41 +368,6 @@ def _copy_item(item: dict[str, Any]) -> dict[str, Any]:
     if "content" not in item:
         return dict(item)
     return {**item, "content": [dict(p) for p in item["content"]]}
-
-
-def replay_events(response: dict[str, Any]) -> list[Event]:
-    """The event stream of a finished response, rebuilt from the stored object.
-
-    Same item ids and final objects; each text comes as one delta, so
-    sequence numbers are those of the replay, not of the original stream.
-    """
-    skeleton = {**response, "status": "in_progress", "output": [], "usage": None, "completed_at": None,
-                "incomplete_details": None, "error": None}
-    asm = EventAssembler(skeleton)
-    events = asm.start()
-    for item in response.get("output") or []:
-        kind = item.get("type")
-        if kind == "message":
-            text = "".join(p.get("text") or "" for p in item.get("content") or [])
-            events += asm.text(text, item_id=item["id"])
-        elif kind == "reasoning":
-            text = "".join(p.get("text") or "" for p in item.get("content") or [])
-            events += asm.reasoning(text, item_id=item["id"])
-        elif kind == "function_call":
-            events += asm.tool_call(item["name"], item.get("arguments") or "", item_id=item.get("id"),
-                                    call_id=item.get("call_id"), namespace=item.get("namespace"))
-    status = response.get("status")
-    if status == "failed":
-        events += asm._close_open()
-        asm.response.update(status="failed", error=response.get("error"), usage=response.get("usage"))
-        events.append(asm._ev("response.failed", response=asm._snapshot()))
-        return events
-    reason = (response.get("incomplete_details") or {}).get("reason") if status == "incomplete" else None
-    events += asm.finish(response.get("usage") or usage_object(0, 0, 0), incomplete_reason=reason)
-    events[-1]["response"].update(completed_at=response.get("completed_at"), created_at=response.get("created_at"))
-    if status == "cancelled":
-        events[-1]["response"]["status"] = "cancelled"
-    return events
 
 
 def timing_event(t: Any, stream_id: Optional[str] = None) -> Event:

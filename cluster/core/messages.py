@@ -105,7 +105,7 @@ class RenderJob:
         other sockets and the replica's health checks. Not a new image (the model's processor reads
         it), nor large new items: the tokenizer holds the GIL (~0.65 ms per KB on these CPUs), and
         64 sockets each sending ~1 MB inputs kept a connection replica's loop busy past Serve's
-        health-check timeout, which restarted it under every honest socket (stop 32's CI)."""
+        health-check timeout, which restarted it under every honest socket."""
         return (self.delta and self.verify_items is None and not self.new_images
                 and self.new_bytes <= INLINE_RENDER_MAX_BYTES)
 

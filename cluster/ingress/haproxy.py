@@ -19,8 +19,8 @@ read the config path from /proc, still find it):
 - **A WebSocket's frames are read as the app takes them.** Ray's replica watches every request
   for its client's disconnect by draining the ASGI receive into a queue of its own, unbounded
   (`ASGIDIReceiveProxy`): uvicorn's read pausing then never acts, and a client sending 64 KiB
-  frames faster than the app read them grew a connection replica by 13 GB in 10 s (audit-3 F2's
-  hostile client). The frontend sets Ray's own `x-request-disconnect-disabled: ?1` on upgrades:
+  frames faster than the app read them grew a connection replica by 13 GB in 10 s (the
+  adversarial bench's `frames` client). The frontend sets Ray's own `x-request-disconnect-disabled: ?1` on upgrades:
   the app reads the socket itself (and sees its disconnect), 323 MiB at most in the same run.
 - **HAProxy dies with the process that started it** (a watcher on Linux pidfds). Otherwise a
   SIGKILL of the server's process group, a crashed node or a container runtime's grace period

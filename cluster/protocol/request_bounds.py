@@ -38,7 +38,7 @@ def json_nesting(raw: Raw) -> int:
     """How deeply JSON text nests objects and arrays (the body itself is 1), read from its bytes in
     numpy: brackets inside strings do not count (escapes are blanked first: `\\\\` pairs, then
     `\\"`). ~3 ms a MiB of small items, ~5 for 1 MiB of `[[],[],...]`, which a Python walk of the
-    parsed value took ~270 for (audit-3 F2). Text that is not JSON gets some number; its parse fails."""
+    parsed value took ~270 for. Text that is not JSON gets some number; its parse fails."""
     data = raw.encode() if isinstance(raw, str) else raw
     if b"\\" in data:
         data = data.replace(b"\\\\", b"  ").replace(b'\\"', b"  ")

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from cluster.core.events import build_response, replay_events, usage_object
+from cluster.core.events import build_response, usage_object
+from cluster.core.replay import replay_events
 from cluster.core.turn.cache import ResponseState, SessionCache
 from cluster.core.turn.compaction import (
     compacted_window,
@@ -186,7 +187,7 @@ class ResponsesService:
         state = await self.lookup(response_id, tenant)
         if state is None:
             raise not_found(response_id)
-        # Only the page is listed (audit-3 F4: listing all 10,000 items for a `limit=1` page cost
+        # Only the page is listed (listing all 10,000 items for a `limit=1` page cost
         # ~20-45 ms a read, charged as the page); finding `after` is a scan of ids.
         items = _input_with_ids(state)
         if order == "desc":

@@ -192,7 +192,7 @@ class TurnsService:
         self.sockets.discard(socket)
         self.auth.close_connection(socket.principal)
         await socket.session.shutdown()
-        # All `store: false` turns of its own: nothing can continue from its KV (audit-3 F11: a socket
+        # All `store: false` turns of its own: nothing can continue from its KV (a socket
         # that ran nothing leaves the session's KV to whoever ran it).
         if socket.session.ran and not socket.session.stored:
             await self.engine.release(socket.session.session_key, cache_salt(socket.principal.tenant))

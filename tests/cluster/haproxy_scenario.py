@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         report["websocket"] = asyncio.run(websocket_loop(url, 5, extensions))
         report["websocket_extensions"] = extensions
         report["http_chain"] = http_chain(url, 8)
-        try:  # a client flooding invalid frames it never reads (audit-3 item 6)
+        try:  # a client flooding invalid frames it never reads
             sent, seconds = asyncio.run(flood_until_closed(ws_url(url)))
             report["flood"] = {"closed": True, "frames": sent, "seconds": round(seconds, 1)}
         except AssertionError as exc:

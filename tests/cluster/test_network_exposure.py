@@ -1,4 +1,4 @@
-"""What a default single-host `loopserve serve` leaves reachable from other machines (audit-2 N4).
+"""What a default single-host `loopserve serve` leaves reachable from other machines.
 
 A Serve replica's gRPC server unpickles the request metadata it is sent, and Ray binds those
 servers on every interface whatever the node's address. So the start must keep everything it can

@@ -70,7 +70,7 @@ async def attacker(url: str, n: int) -> dict:
                 await ws.send("x")
             await asyncio.sleep(2)
             # Read until the server has answered this attacker (a refusal or an error; a close is
-            # caught below), however long the ~900 MB the 64 sockets sent take to read: stop 32's CI
+            # caught below), however long the ~900 MB the 64 sockets sent take to read: a CI run
             # gave up after 10 quiet seconds and failed; a run here had 60 of 64 sockets quiet for
             # over 10 s, the slowest answered 24 s after its last frame. The deadline bounds a hang.
             # Then read what else the server kept for it, until it has nothing more.
@@ -130,7 +130,7 @@ async def test_sixty_four_hostile_clients_stay_under_the_ceiling_and_honest_sess
     before = await asyncio.to_thread(server_stats, hostile_url)
     baseline_latency = await honest(url, 3)
     # 64 x 4 MB HTTP bodies arrive together with ~900 MB of WebSocket attack on 2 shared cores: a
-    # CI run saw one answer take over 120 s (stop 30). The wait bounds a hang, not the speed.
+    # CI run saw one answer take over 120 s. The wait bounds a hang, not the speed.
     async with httpx.AsyncClient(timeout=360) as client:
         honest_sessions = [asyncio.create_task(honest(url, 15)) for _ in range(2)]
         attacks = [asyncio.create_task(attacker(url, n)) for n in range(SOCKETS)]
@@ -140,7 +140,7 @@ async def test_sixty_four_hostile_clients_stay_under_the_ceiling_and_honest_sess
         latencies = [x for lat in await asyncio.gather(*honest_sessions) for x in lat]
     after = await asyncio.to_thread(server_stats, hostile_url)
 
-    # The same replica served throughout: its loop kept answering Serve's health checks (stop 32's CI
+    # The same replica served throughout: its loop kept answering Serve's health checks (a CI run
     # saw Serve replace it mid-attack, dropping an honest socket, while it tokenized ~1 MB steers).
     assert after["pid"] == before["pid"], "Serve replaced the connection replica during the attack"
     # HTTP: the over-long names are a 400; token counting is admitted and bounded (200 or 400)

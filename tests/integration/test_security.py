@@ -176,7 +176,7 @@ async def test_oversized_frames_are_refused_in_order_and_the_socket_keeps_workin
 
 
 async def test_a_client_flooding_invalid_frames_it_never_reads_is_closed(scripted_url):
-    """audit-3 item 6 (Serve's proxy here; HAProxy in tests/cluster/haproxy_scenario.py): each
+    """Flooding frames (Serve's proxy here; HAProxy in tests/cluster/haproxy_scenario.py): each
     frame costs an error event; once the socket's error budget (16 MiB a minute) is spent, or its
     unread errors pile up, the server ends it (its close no longer waits behind a send nobody
     reads), and the server goes on serving others."""

@@ -1,4 +1,4 @@
-"""A key's rate limit holds for the whole app, not per connection replica (audit-2 N12): two
+"""A key's rate limit holds for the whole app, not per connection replica: two
 connection replicas behind the proxy, requests spread over both by their session ids, and the
 key's creates a minute are what its limit says, with the LimitsAndVerdicts summing the replicas."""
 

@@ -225,7 +225,7 @@ def test_the_old_spellings_still_read_as_serves_options(caplog):
 
 
 def test_secrets_written_into_the_config_are_named():
-    """audit-2 N17: Serve shows the deployed config (`serve config`, the dashboard); a secret in it
+    """Serve shows the deployed config (`serve config`, the dashboard); a secret in it
     is named at build time with where it belongs instead."""
     from cluster.app import inline_secrets
     from cluster.auth import key_sha256

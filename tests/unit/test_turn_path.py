@@ -21,25 +21,15 @@ from tests.support.peer import TOOLS, Peer, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = (str(ROOT / "cluster"), str(ROOT / "actors"))
-# A turn answered with a tool call, by this test's measure: 23 files at the commit before the
-# restructuring (14a47a1, flat core/), 30 after grouping by concern, 24 on 2026-11-30 once the
-# modules every turn passed through for one helper joined the module of their concern (the
-# response state with its cache, sealed items with the context, admission with request
-# validation, the tool-call formats with the output parser, prompt bounds with the tokenizer,
-# TurnProgress with the typed messages): 20 on the connection's side and 4 of the scripted
-# engine's (engines/scripted/engine.py, stream.py, prompts.py, base.py). Still 24 once items -> chat
-# messages left the renderer (render/chat_messages.py, with content_parts from render/images.py).
-# 25 on 2026-12-04: the bounds a request or frame is held to before it is validated (nesting,
-# containers counted unparsed, what it holds parsed, echoed-only fields: audit 2) are one module,
-# protocol/request_bounds.py, beside requests.py, which has no room left under 400 lines; every
-# function in it was on the path before (the depth walk) or is a new bound.
+# A turn answered with a tool call: 21 files on the connection's side and 4 of the scripted
+# engine's (engines/scripted/engine.py, stream.py, prompts.py, base.py). A module every turn
+# passes through for one helper belongs with the module of its concern; the count's history is
+# in docs/benchmarks-history.md ("The turn's path").
 MAX_FILES = 25
 MAX_TASKS = 2  # the lane's task, and the engine stream's reader that lets a stop cut it
-# Async generators a chunk climbs: each is one more `__anext__` resumed for every chunk. At
-# 14a47a1 (the "9 stacked async generators"): 5 on the engine's side (the scripted
-# engine, `_prepend`, `stream_chunks`, the port, the turn's engine reader) and 4 on the turn's
-# (`_generate_step`, `generate`, the driver's `_run` and `run`). Now 3 and 3: the first delta is
-# read in `stream_chunks` itself and the driver's start is a coroutine, not a generator.
+# Async generators a chunk climbs: each is one more `__anext__` resumed for every chunk. 3 on the
+# engine's side and 3 on the turn's: the first delta is read in `stream_chunks` itself and the
+# driver's start is a coroutine, not a generator.
 MAX_GENERATOR_LAYERS = 6
 
 

@@ -5,7 +5,7 @@ One assistant turn is one message: an assistant message and the function calls t
 the engine already holds. Read by the renderer, the safety gate (what a classifier reads) and
 compaction (what a summary is made of).
 
-Control tokens (`ContentGuard`, audit-3 F6: role forgery). A chat template renders message content,
+Control tokens (`ContentGuard`: role forgery). A chat template renders message content,
 tool outputs, instructions, reasoning and tool schemas as text, and the tokenizer then splits every added token (`<|im_start|>`, `<|im_end|>`,
 `<tool_call>`, ...) out of that text wherever it occurs: a tool output holding
 `<|im_end|><|im_start|>system ...` becomes a real system turn. That is vLLM's and HF's default;

@@ -17,20 +17,9 @@ from typing import Any, AsyncIterator, Optional
 
 from cluster import telemetry
 from cluster.core.events import Event, EventAssembler, timing_event, usage_object
-from cluster.core.messages import (
-    ENGINE_CORE_TIMINGS,
-    PROMPT_BASE_MISSING,
-    EngineChunk,
-    EngineDone,
-    EngineFailure,
-    EngineQueued,
-    ReasoningPiece,
-    TextPiece,
-    TokenProgress,
-    ToolCallPiece,
-    TurnTiming,
-    done_of,
-)
+from cluster.core.messages import (ENGINE_CORE_TIMINGS, PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure,
+                                   EngineQueued, ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, TurnTiming,
+                                   done_of)
 from cluster.core.safety.gate import TurnSafety
 from cluster.core.turn.cache_diagnostics import diagnostics
 from cluster.core.turn.controls import tool_call_limit

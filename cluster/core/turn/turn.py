@@ -22,18 +22,8 @@ from cluster.core.messages import (  # noqa: F401 - TurnTiming: the driver's exp
     TurnTiming,
 )
 from cluster.core.render.chat_messages import item_roles
-from cluster.core.turn.cache import (
-    RenderedPrefix,
-    RenderKey,
-    ResponseState,
-    SessionCache,
-    items_nbytes,
-)
-from cluster.core.turn.context import (
-    ResolvedContext,
-    output_as_context,
-    output_call_ids,
-)
+from cluster.core.turn.cache import RenderedPrefix, RenderKey, ResponseState, SessionCache, items_nbytes
+from cluster.core.turn.context import (ResolvedContext, output_as_context, output_call_ids)
 from cluster.core.turn.post_work import PostWorkQueue
 from cluster.protocol.requests import ResponsesRequest
 

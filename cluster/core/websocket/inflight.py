@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
-from cluster.core.events import Event
+from cluster.core.events import Event, build_response
 from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.turn import Stop
@@ -22,7 +22,9 @@ from cluster.core.websocket import agent, steering
 from cluster.core.websocket.agent import AgentInbox
 from cluster.core.websocket.steering import Steer
 from cluster.protocol.errors import ApiError
+from cluster.protocol.ids import new_id
 from cluster.protocol.request_bounds import load_event
+from cluster.protocol.requests import parse_request
 
 MAX_REMEMBERED_LANES = 1024  # which lane made each recent response (cross-lane forks)
 
@@ -74,6 +76,41 @@ class WsCreate:
             frame, self.frame = self.frame, None
             self.body = create_body(load_event(frame, counted=True)[0])  # counted on arrival
         return self.body
+
+
+@dataclass
+class Lane:
+    pending: deque = field(default_factory=deque)  # WsCreate | actions.DeferredError
+    current: Optional[WsCreate] = None  # taken from `pending`, until its turn ends
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None or bool(self.pending)
+
+    @property
+    def has_creates(self) -> bool:
+        return self.current is not None or any(isinstance(item, WsCreate) for item in self.pending)
+
+
+def queued_event(create: WsCreate, model_name: str, sampling: dict[str, float],
+                 max_input_items: Optional[int]) -> Optional[Event]:
+    """`response.queued` for a create that has to wait (None: its error is sent in lane order)."""
+    try:
+        # The announcement needs the request's settings, not its input: validating 10,000 items
+        # here would be paid again when the lane starts it (its input's errors come then).
+        req = parse_request({**create.body, "input": None}, max_input_items=max_input_items)
+    except ApiError:
+        return None
+    # Only the id is kept: the parsed request would hold the body twice while it waits (the
+    # lane parses it again when it starts it).
+    create.response_id = new_id("resp")
+    response = build_response(response_id=create.response_id, model=model_name, request=req,
+                              previous_response_id=req.previous_response_id, sampling=sampling)
+    response["status"] = "queued"
+    event: Event = {"type": "response.queued", "sequence_number": 0, "response": response}
+    if create.stream_id:
+        event["stream_id"] = create.stream_id
+    return event
 
 
 class ReplicaHeld:

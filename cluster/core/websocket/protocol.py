@@ -25,11 +25,10 @@ from __future__ import annotations
 import enum
 import re
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
-from cluster.core.events import Event, build_response
+from cluster.core.events import Event
 from cluster.core.messages import Milestone
 from cluster.core.turn.cache import SessionCache
 from cluster.core.websocket import steering
@@ -45,12 +44,11 @@ from cluster.core.websocket.actions import (  # noqa: F401 - the session's and t
     closing,
 )
 from cluster.core.websocket.agent import AgentInbox
-from cluster.core.websocket.inflight import InFlight, ReplicaHeld, WsCreate, create_body
+from cluster.core.websocket.inflight import InFlight, Lane, ReplicaHeld, WsCreate, create_body, queued_event
 from cluster.protocol.errors import ApiError
-from cluster.protocol.ids import new_id
 from cluster.protocol.request_bounds import (MinuteBudget, ReplicaQueue, frame_bytes, frame_too_large, frame_type,
                                              json_bounds, load_event, peek_create)
-from cluster.protocol.requests import ResponsesRequest, multi_agent_enabled, parse_request
+from cluster.protocol.requests import ResponsesRequest, multi_agent_enabled
 
 IGNORED_TYPES = frozenset({"response.processed", "response.append"})
 MAX_ACTIVE = 16  # responses running at once on one connection
@@ -68,20 +66,6 @@ class State(enum.Enum):
     OPEN = "open"  # taking frames
     ENDING = "ending"  # limit reached, idle or draining: frames are dropped, responses in flight finish
     CLOSED = "closed"  # the closing error and close frame are out (or the client left)
-
-
-@dataclass
-class Lane:
-    pending: deque = field(default_factory=deque)  # WsCreate | DeferredError
-    current: Optional[WsCreate] = None  # taken from `pending`, until its turn ends
-
-    @property
-    def busy(self) -> bool:
-        return self.current is not None or bool(self.pending)
-
-    @property
-    def has_creates(self) -> bool:
-        return self.current is not None or any(isinstance(item, WsCreate) for item in self.pending)
 
 
 class WebSocketProtocol:
@@ -151,7 +135,7 @@ class WebSocketProtocol:
             return [SendError(ApiError(
                 429, f"Too many bytes queued on this connection (limit {cfg.max_queued_bytes}); wait for the "
                      "responses in flight.", code="rate_limit_exceeded"))]
-        # Every frame is paid for before it is read (audit-3 F2): the socket's bucket, then the key's
+        # Every frame is paid for before it is read: the socket's bucket, then the key's
         # window (a large frame as a request too: it is not counted again when it starts).
         try:
             self._frames.take(size, now) or self._frames.refuse(size, "bytes of frames on this connection")
@@ -226,7 +210,7 @@ class WebSocketProtocol:
         size = frame_bytes(frame) if frame is not None else 0
         create = WsCreate(body, received_at, stream_id, nbytes=nbytes, admitted=admitted,
                           large=size > ADMIT_BEFORE_PARSE_BYTES, size=size)
-        announce = self._queued_event(create) if waits else None
+        announce = queued_event(create, self.model_name, self.sampling, self.max_input_items) if waits else None
         if as_frame:  # only what the waiting needs stays parsed: the parent it continues
             create.body = {k: body[k] for k in ("previous_response_id",) if k in body}
             create.frame = frame
@@ -242,24 +226,6 @@ class WebSocketProtocol:
         existing = self.lanes.get(stream_id or "") if isinstance(stream_id, (str, type(None))) else None
         return (existing is not None and existing.has_creates) or \
             sum(1 for other in self.lanes.values() if other.has_creates) >= MAX_ACTIVE
-
-    def _queued_event(self, create: WsCreate) -> Optional[Event]:
-        try:
-            # The announcement needs the request's settings, not its input: validating 10,000 items
-            # here would be paid again when the lane starts it (its input's errors come then).
-            req = parse_request({**create.body, "input": None}, max_input_items=self.max_input_items)
-        except ApiError:
-            return None  # its error is sent when its turn comes, in lane order
-        # Only the id is kept: the parsed request would hold the body twice while it waits (the
-        # lane parses it again when it starts it).
-        create.response_id = new_id("resp")
-        response = build_response(response_id=create.response_id, model=self.model_name, request=req,
-                                  previous_response_id=req.previous_response_id, sampling=self.sampling)
-        response["status"] = "queued"
-        event: Event = {"type": "response.queued", "sequence_number": 0, "response": response}
-        if create.stream_id:
-            event["stream_id"] = create.stream_id
-        return event
 
     def _defer(self, err: ApiError, stream_id: Optional[str] = None) -> list[Action]:
         deferred = DeferredError(err, stream_id)

@@ -18,7 +18,6 @@ from typing import Awaitable, Callable, Optional, Union
 
 from cluster.config import WebSocketConfig
 from cluster.core.events import Event
-from cluster.core.turn.cache import SessionCache
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import TurnRequest, TurnScope
 from cluster.core.websocket.inflight import ReplicaHeld, WsCreate
@@ -165,7 +164,7 @@ class WebSocketSession:
         (drain: 1001; the connection's lifetime: 1000), maybe to another replica that reads its
         `previous_response_id` from the store: this socket's last responses are stored before it is
         told to go. A lane sending to a client that reads nothing holds the socket's send: the close
-        waited behind it for ever, and the socket stayed open (audit-3, 200,000 invalid frames through
+        waited behind it for ever, and the socket stayed open (200,000 invalid frames through
         HAProxy). The lanes stop first, and each send of the close is bounded."""
         self._closing = True
         if self._settle is not None and self.protocol.finished:

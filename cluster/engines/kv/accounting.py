@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 OUTPUT_DECAY = 0.8  # a turn's weight in the session's decaying maximum of outputs
 OUTPUT_MARGIN = 1.25  # reserved over that maximum
 # A session with no turns here yet reserves at least this share of its own `max_output_tokens`:
-# the replica's recent outputs are other clients' (audit-3 F13: tiny outputs taught it to reserve
+# the replica's recent outputs are other clients' (tiny outputs taught it to reserve
 # ~nothing, then 30,000-token turns overran the budget and the engine preempted).
 NEW_SESSION_SHARE = 0.25
 

@@ -42,16 +42,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from cluster.engines.kv.policy import (  # noqa: F401 - the budget's vocabulary, re-exported
-    GROWTH_WEIGHT,
-    KV_METRICS,
-    PAUSE_DECAY,
-    BudgetCounters,
-    PrefillRate,
-    BudgetPolicy,
-    QueueFull,
-    SessionHold,
-    Waiter,
-)
+    GROWTH_WEIGHT, KV_METRICS, PAUSE_DECAY, BudgetCounters, BudgetPolicy, PrefillRate, QueueFull, SessionHold, Waiter)
 from cluster.engines.kv.accounting import Totals
 from cluster.engines.kv.eviction import Evictions
 
@@ -242,8 +233,7 @@ class KvBudget(Evictions, Totals):
     def demand(self) -> float:
         """(running + retained + queued) / capacity: what autoscaling follows. Each tenant's
         retained prefixes count up to its fair share only, and idle ones kept for a declared
-        lifetime not at all: one key's retention alone does not scale the engines up (audit-3 F3:
-        ten `12h` prewarms held demand at 1.0 for 11 idle hours)."""
+        lifetime not at all: one key's retention alone does not scale the engines up (ten `12h` prewarms held demand at 1.0 for 11 idle hours)."""
         fair = self.fair_share()
         over = sum(max(0.0, held - self._tenant_declared[tenant] - fair)
                    for tenant, held in self._tenant_retained.items())

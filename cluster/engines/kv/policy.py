@@ -50,7 +50,7 @@ class BudgetPolicy:
     ttl_pause_multiple: float = 2.0  # TTL = this x the session's long pauses (decayed maximum)
     ttl_client_max_s: float = 1800.0  # the longest `prompt_cache_options.ttl` honoured
     # Of the capacity, what one tenant's sessions may keep idle under a declared lifetime: with
-    # `ttl_client_max_s` the bound on the token-seconds a key pins by declaring (audit-3 F3).
+    # `ttl_client_max_s` the bound on the token-seconds a key pins by declaring.
     declared_share: float = 0.25
     max_queue_wait_s: float = 60.0  # then the head of the queue may end other sessions' retention
     max_sessions: int = 100_000  # sessions tracked for their pause statistics (LRU)

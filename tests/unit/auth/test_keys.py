@@ -1,4 +1,4 @@
-"""Per-key limits: creates and reads have windows of their own (audit-2 N12: reads were unlimited)."""
+"""Per-key limits: creates and reads have windows of their own (reads were unlimited)."""
 
 import pytest
 
@@ -24,7 +24,7 @@ def test_reads_are_limited_in_a_window_of_their_own():
 
 
 def test_a_key_removed_from_the_keys_file_stops_working_without_a_restart(tmp_path):
-    """audit-2 N17: keys_file was read once, at start; a revoked key kept working until a restart
+    """Keys_file was read once, at start; a revoked key kept working until a restart
     (on open sockets, up to their 60 minutes)."""
     import yaml
 

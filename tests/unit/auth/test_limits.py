@@ -1,4 +1,4 @@
-"""A key's limits held across connection replicas (audit-2 N12: they multiplied with the
+"""A key's limits held across connection replicas (they multiplied with the
 replicas): two replicas' Authenticators and one ledger, driven by one clock, no Ray."""
 
 import pytest

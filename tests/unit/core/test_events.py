@@ -137,18 +137,6 @@ def test_function_call_items_carry_no_content_field():
     assert "content" not in evs[-1]["response"]["output"][0]
 
 
-def test_replay_rebuilds_the_same_items():
-    from cluster.core.events import replay_events
-
-    a = assembler()
-    evs = a.start() + a.text("Hi there") + a.tool_call("f", '{"a": 1}') + a.finish(usage_object(3, 1, 2))
-    final = evs[-1]["response"]
-    replay = replay_events(final)
-    check(replay)
-    assert replay[-1]["response"]["output"] == final["output"]
-    assert replay[-1]["response"]["usage"] == final["usage"]
-
-
 def test_a_response_waiting_for_engine_kv_is_queued_then_in_progress_again():
     a = assembler()
     evs = a.start() + a.queued() + a.resumed() + a.resumed() + a.text("ok") + a.finish(usage_object(5, 0, 1))

@@ -385,7 +385,7 @@ async def test_mutual_tls_carries_the_channel_and_refuses_peers_outside_the_clus
 
 
 async def test_connections_that_do_not_say_hello_cannot_take_the_authenticated_slots():
-    """audit-2 N11: idle or unauthenticated connections cannot pile up on a
+    """Idle or unauthenticated connections cannot pile up on a
     channel, nor take the slots of the replicas that know its secret."""
     from cluster.engines.channel import HELLO_TIMEOUT_S, MAX_PENDING_PER_PEER
 

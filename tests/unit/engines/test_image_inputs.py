@@ -38,7 +38,7 @@ async def test_kept_images_are_bounded_by_their_rgb_bytes():
 
 
 async def test_a_request_never_evicts_an_image_it_needs():
-    """audit-3 F5: the kept image a request reuses is not lost to the new image it brings."""
+    """The kept image a request reuses is not lost to the new image it brings."""
     images = DecodedImages(max_pixels=4096 * 4096, max_bytes=3 * 100 * 100 * 2)  # two 100x100 images
     a, b, c = png(100, 100), png(100, 99), png(99, 100)
     kept_a = (await images.rgb([a]))[0]

@@ -1,4 +1,4 @@
-"""What a response echoes without rendering is bounded at parse time (audit-2 N2): a stored row
+"""What a response echoes without rendering is bounded at parse time: a stored row
 keeps it, and every GET returns it."""
 
 import json
@@ -39,7 +39,7 @@ def test_ordinary_echo_and_large_function_tools_pass():
 
 @pytest.mark.parametrize("shape", ["small items", "non-ascii text", "numbers", "nested tool schema"])
 def test_what_a_parsed_body_holds_is_bounded_above_from_its_text(shape):
-    """A waiting create is counted as what it holds parsed (audit-2 N3); the estimate weighs its
+    """A waiting create is counted as what it holds parsed; the estimate weighs its
     containers and its leaves from the text, and must not fall below what
     json.loads allocates, for any shape a client can send."""
     import json
@@ -89,7 +89,7 @@ def test_the_peek_builds_every_field_of_a_create_but_its_input():
     '{"type": 3, "input": "a"}',
     '{"type": "response.create", "input": "a", "temperature": NaN}',  # json.loads reads it; the peek does not
     json.dumps({"type": "response.create", "input": "a", "tools": nested(80)}),  # nested too deeply
-    '{"type":"response.create","input":' + "[" * 3000 + "]" * 3000 + "}",  # past msgspec's recursion (audit-3 F8)
+    '{"type":"response.create","input":' + "[" * 3000 + "]" * 3000 + "}",  # past msgspec's recursion
 ])
 def test_what_the_peek_cannot_read_as_the_full_path_would_goes_the_full_path(frame):
     assert peek_create(frame) is None
@@ -114,7 +114,7 @@ def test_the_full_read_weighs_what_it_holds():
 
 
 def test_nesting_is_read_from_the_text_as_json_loads_reads_it():
-    """audit-3 F2: the depth bound is read from the bytes before parsing, brackets inside strings
+    """The depth bound is read from the bytes before parsing, brackets inside strings
     (escaped quotes, escaped backslashes) not counted; it must agree with the parsed value's depth."""
     import random
 
@@ -145,7 +145,7 @@ def test_nesting_is_read_from_the_text_as_json_loads_reads_it():
     json.dumps({"input": [{"role": "user", "content": "hello"}] * 2_000}).encode(),
 ])
 def test_the_bounds_of_a_frame_are_read_without_building_it(raw, monkeypatch):
-    """audit-3 F2: the per-container Python walk of the parsed value cost ~15x a create's byte
+    """The per-container Python walk of the parsed value cost ~15x a create's byte
     budget on `[[],[],...]` (17 ms a 64 KiB frame); the bounds come from the text alone, before
     anything is built (timings: bench/adversarial.py)."""
     from cluster.protocol import request_bounds

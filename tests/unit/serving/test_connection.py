@@ -1,4 +1,4 @@
-"""The connection replica's services: /health's readiness check is shared (audit-2 N9: it is open
+"""The connection replica's services: /health's readiness check is shared (it is open
 to anyone, and each check asks every deployment for its stats)."""
 
 import asyncio

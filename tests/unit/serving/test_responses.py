@@ -21,7 +21,7 @@ async def stored_response(tokenizer, n_items: int):
 
 
 async def test_a_page_lists_only_its_items_and_pages_cover_the_input_in_order(tokenizer, monkeypatch):
-    """audit-3 F4: a `limit=1` page listed all 3,000 items (20-45 ms a read at 10,000) and was
+    """A `limit=1` page listed all 3,000 items (20-45 ms a read at 10,000) and was
     charged as one item."""
     service, rid = await stored_response(tokenizer, 3_000)
     listed = []

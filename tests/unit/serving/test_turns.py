@@ -164,7 +164,7 @@ async def test_a_closed_socket_gives_back_its_connection_and_unstored_kv(tokeniz
     assert sent[-1]["type"] == "response.completed"
     assert len(engine.released) == 1  # a stored response may be continued: KV kept
     assert turns.responses.registry.get(sent[-1]["response"]["id"]) is not None
-    # audit-3 F11: a socket naming the same session that runs nothing does not free its KV
+    # A socket naming the same session that runs nothing does not free its KV
     socket = await turns.open_socket(turns.admit_socket(headers), headers, lambda ev: asyncio.sleep(0),
                                      lambda code, reason: asyncio.sleep(0))
     await turns.close_socket(socket)
@@ -193,7 +193,7 @@ async def test_a_socket_opened_while_draining_is_drained(tokenizer):
 
 
 async def test_one_tenant_cannot_take_every_background_slot(tokenizer):
-    """audit-2 N12: background slots are per replica; one key may hold at most its share."""
+    """Background slots are per replica; one key may hold at most its share."""
     stack = InProcessStack(tokenizer, tokens_per_second=5)  # slow: the responses stay in progress
     responses = ResponsesService(stack.driver, SessionCache(), None, max_background=3, max_background_per_tenant=2)
     from cluster.protocol.requests import parse_request

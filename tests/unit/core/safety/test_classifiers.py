@@ -1,4 +1,4 @@
-"""The guard model's prompt: text under classification cannot forge the guard's turns (audit-3 F6)."""
+"""The guard model's prompt: text under classification cannot forge the guard's turns."""
 
 from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.tokenizer import token_codec

@@ -312,7 +312,7 @@ class PiledUpStack(InProcessStack):
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
 async def test_a_piled_up_piece_goes_out_no_further_than_the_unverified_bound(tokenizer, classifier_delay, split,
                                                                                stream):
-    """audit-3 F1: a piece of any size is released in chunk-sized parts, each after the verdicts
+    """A piece of any size is released in chunk-sized parts, each after the verdicts
     that keep the unverified text within `max_unverified_chars` (two 32-character chunks here); the
     final response of a flagged answer carries none of it."""
     safety = CountingSafety(POLICY, delay=classifier_delay)

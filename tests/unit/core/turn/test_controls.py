@@ -138,7 +138,7 @@ def _forced(tools):
 
 
 def test_a_forced_call_checks_the_functions_nested_in_namespace_tools():
-    """audit-2 N10: the 47-byte ^(a|b){16000}$ took 48 s to compile; inside a namespace tool it
+    """The 47-byte ^(a|b){16000}$ took 48 s to compile; inside a namespace tool it
     was forced into the grammar unchecked."""
     bomb = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(a|b){16000}$"}}}
     with pytest.raises(ApiError) as err:

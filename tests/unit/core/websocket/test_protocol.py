@@ -99,14 +99,14 @@ def test_past_max_active_lanes_a_create_waits_and_is_announced():
 
 
 def test_announcing_a_waiting_create_does_not_validate_its_input(monkeypatch):
-    """audit-2 N3: 64 waiting creates of 10,000 items each were validated on arrival to announce
+    """64 waiting creates of 10,000 items each were validated on arrival to announce
     them, then again when they started (~3 s of the replica's loop); the announcement needs the
     settings only."""
-    from cluster.core.websocket import protocol as protocol_module
+    from cluster.core.websocket import inflight
 
     seen = []
-    real = protocol_module.parse_request
-    monkeypatch.setattr(protocol_module, "parse_request",
+    real = inflight.parse_request
+    monkeypatch.setattr(inflight, "parse_request",
                         lambda body, **kw: seen.append(len(body.get("input") or [])) or real(body, **kw))
     p = protocol(max_queued_bytes=64 * 1024 * 1024)
     p.receive(create("in flight"), now=1.0)
@@ -134,7 +134,7 @@ def test_waiting_creates_and_bytes_are_bounded_and_refused_at_once():
 
 def test_a_large_waiting_create_is_held_as_its_frame_and_counted_as_what_it_holds():
     """10,000 one-character messages are a 300 KB frame that holds ~3 MB in ~30,000 objects once
-    parsed (audit-2 N3); held parsed while it waits, every full collection of Python's GC walks
+    parsed; held parsed while it waits, every full collection of Python's GC walks
     them (seconds of stall for a queue of them). It waits as the frame, is counted at least as
     what it holds, and is whole again when its lane starts it."""
     import gc
@@ -176,7 +176,7 @@ def test_what_waits_on_every_socket_of_a_replica_is_bounded_together():
 
 
 def test_a_large_frame_counts_against_the_key_s_limit_before_it_is_parsed():
-    """audit-2 N5: a key past its limit costs no parse; a create counted on arrival is not counted again."""
+    """A key past its limit costs no parse; a create counted on arrival is not counted again."""
     from cluster.protocol.errors import ApiError as Err
 
     budget, told = [2], []
@@ -207,7 +207,7 @@ def test_a_frame_opening_too_many_objects_is_refused_unparsed():
 
 
 def test_errors_answered_at_once_still_end_a_flooding_connection():
-    """audit-2 N7: under Serve's Python proxy a send never blocks, so errors never wait to be read;
+    """Under Serve's Python proxy a send never blocks, so errors never wait to be read;
     a client sending invalid frames nonstop is closed by the bytes of errors it made the server say."""
     p = protocol(max_error_bytes_per_minute=64 * 1024)
     sent = 0
@@ -350,7 +350,7 @@ def test_a_large_create_that_waits_is_parsed_once_when_its_lane_starts_it(monkey
 
 
 def test_a_waiting_create_whose_input_nests_too_deeply_is_refused_on_arrival_in_its_place():
-    """The nesting is read from the frame's text before anything is parsed or held (audit-3 F2):
+    """The nesting is read from the frame's text before anything is parsed or held:
     a large create that would wait is refused at once, its error behind the response in flight."""
     deep: object = "a"
     for _ in range(80):
@@ -454,7 +454,7 @@ def test_steerability_and_the_multi_agent_inbox_are_decided_from_the_request():
 
 
 def test_a_large_frame_nested_past_the_parsers_recursion_is_a_400_and_the_socket_stays():
-    """audit-3 F8: over the peek's size, nesting ~3000 deep raised RecursionError out of receive()
+    """Over the peek's size, nesting ~3000 deep raised RecursionError out of receive()
     (the route then ended the socket silently); it now gets the full path's 400 `invalid_json`."""
     p = protocol()
     deep = ('{"type":"response.create","instructions":"' + "a" * 70_000 + '","input":'
@@ -466,7 +466,7 @@ def test_a_large_frame_nested_past_the_parsers_recursion_is_a_400_and_the_socket
 
 
 def test_ignored_frames_are_dropped_unparsed(monkeypatch):
-    """audit-3 F2: a `response.processed` of 64 KiB `[[],[],...]` was parsed and walked (7 + 17 ms)
+    """A `response.processed` of 64 KiB `[[],[],...]` was parsed and walked (7 + 17 ms)
     to be dropped; its type is read without building the rest, and nothing else runs."""
     from cluster.core.websocket import protocol as module
 
@@ -488,7 +488,7 @@ def test_ignored_frames_are_dropped_unparsed(monkeypatch):
 
 
 def test_every_frame_is_paid_for_before_it_is_read(monkeypatch):
-    """audit-3 F2: frames under 64 KiB were parsed and walked before any limit, and
+    """Frames under 64 KiB were parsed and walked before any limit, and
     `response.processed`/`response.append` were charged to nothing. Each frame's bytes now go to
     the key's window before it is parsed (a large one as a request), whatever its type."""
     charged, admitted = [], []

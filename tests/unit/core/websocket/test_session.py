@@ -522,7 +522,7 @@ async def test_a_held_large_create_is_parsed_inside_its_tenants_gate(tokenizer, 
 
 
 async def test_a_client_that_reads_nothing_is_closed_though_a_send_to_it_is_stuck(stack, monkeypatch):
-    """audit-3 item 6: a client sent 200,000 invalid frames through HAProxy and never read; the
+    """A client sent 200,000 invalid frames through HAProxy and never read; the
     socket stayed open. The errors' sends blocked (its buffers were full), and the 1008 close
     waited behind them for the socket's send lock (the route's, as here) for ever."""
     from cluster.core.websocket import session as module

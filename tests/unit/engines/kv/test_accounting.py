@@ -41,7 +41,7 @@ def test_output_reservations_forget_old_sessions():
 
 
 def test_a_new_session_reserves_a_share_of_its_own_budget_whatever_others_produced():
-    """audit-3 F13: a new session reserved 1.25x the replica's recent outputs, so clients sending
+    """A new session reserved 1.25x the replica's recent outputs, so clients sending
     tiny outputs taught the budget to reserve ~nothing for a `max_output_tokens: 30000` turn."""
     reserve = OutputReserve()
     for i in range(50):

@@ -447,7 +447,7 @@ class CountingSessions(OrderedDict):
 
 
 def test_a_turn_does_not_walk_every_tracked_session():
-    """audit-2 N9: up to max_sessions (100,000) are tracked for their pauses, most of them long
+    """Up to max_sessions (100,000) are tracked for their pauses, most of them long
     idle; a turn's decisions look at the sessions that hold KV, not at all of them."""
     budget = KvBudget(10_000, BudgetPolicy(retention=True))
     budget.sessions = CountingSessions()
@@ -498,7 +498,7 @@ def test_forgetting_idle_sessions_stops_as_soon_as_enough_are_gone():
 
 
 def test_one_tenant_s_retention_gives_way_to_another_tenant_s_new_session_at_once():
-    """audit-2 N8: tenant A's retained prefixes fill the replica; tenant B's first turn does not
+    """Tenant A's retained prefixes fill the replica; tenant B's first turn does not
     wait for their TTLs or the queue's wait bound: A is over its fair share, B under."""
     budget = KvBudget(10_000, BudgetPolicy(retention=True, ttl_initial_s=600.0, max_queue_wait_s=60.0,
                                            compute_bound=True))
@@ -528,7 +528,7 @@ def test_retention_beyond_a_tenant_s_fair_share_does_not_drive_autoscaling():
 
 
 def test_a_key_declaring_long_lifetimes_pins_at_most_its_declared_share_for_at_most_30_minutes():
-    """audit-3 F3: ten `12h` prewarms of one key held a replica's whole KV for 12 hours and its
+    """Ten `12h` prewarms of one key held a replica's whole KV for 12 hours and its
     autoscaling demand at 1.0. A declared lifetime is clamped to `ttl_client_max_s` (30 min by
     default); one tenant's idle declared retention is capped at `declared_share` of the capacity
     (past it, a session is retained as any other: by its pauses); and idle declared retention is

@@ -88,7 +88,7 @@ def test_the_schemas_a_request_makes_the_engine_compile():
 
 
 async def test_new_schemas_wait_for_the_compiler_a_bounded_time(tiny_model_dir):
-    """audit-2 N10: a client sending slow schemas one after another (each refused at the limit)
+    """A client sending slow schemas one after another (each refused at the limit)
     does not queue every other new schema behind them: past twice the limit, a 429."""
     from cluster.engines.vllm.grammar_gate import GrammarBusy
 
