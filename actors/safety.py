@@ -53,7 +53,7 @@ class SafetyActor:
     async def _guard_one(self, text: str) -> Verdict:
         ids = guard_prompt_ids(self.guard_tokenizer, self._content, text)
         req = EngineRequest(f"guard-{uuid.uuid4().hex}", "guard", array("i", ids),
-                            Generation(self.config.safety.guard.max_tokens, temperature=0.0, tool_choice="none"))
+                            Generation(self.config.safety.guard.max_tokens, sampling={"temperature": 0.0}, tool_choice="none"))
         out = []
         async for chunk in self.guard.generate.remote(req):
             out.extend(p.text for p in chunk if isinstance(p, TextPiece))

@@ -1,39 +1,34 @@
 """Typed configuration: every `args` block of a serve config is validated here.
 
-Each section lives in its own module (`engine`, `deployments`, `service`, `auth`); this module
-holds the top level and names every section, so `from cluster.config import X` finds them all.
+Each section lives in its own module, named for its key (`model.py` for `model:`, `engine.py`
+for `engine:` with its backends' settings and KV budget, `deployments.py` for the replicas'
+resources, ...); this module holds the top level and names every section, so
+`from cluster.config import X` finds them all.
 """
 
 from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from cluster.config.auth import ApiKey, AuthConfig, KeysMissing, SealingConfig
+from cluster.config.auth import ApiKey, AuthConfig, KeysMissing
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
-from cluster.config.deployments import DeploymentResources, RoutingConfig
-from cluster.config.engine import (
-    AnswerRule,
-    ChannelTlsConfig,
-    EngineConfig,
-    KvBudgetConfig,
-    ModelConfig,
-    ScriptedEngineConfig,
-    VLLMEngineConfig,
-)
-from cluster.config.service import (
-    CacheConfig,
-    GuardConfig,
-    LimitsConfig,
-    OpsConfig,
-    PostWorkConfig,
-    SafetyConfig,
-    StoreConfig,
-    TelemetryConfig,
-    WebSocketConfig,
-)
+from cluster.config.cache import CacheConfig
+from cluster.config.deployments import DeploymentResources
+from cluster.config.engine import (AnswerRule, ChannelTlsConfig, EngineConfig, KvBudgetConfig, ScriptedEngineConfig,
+                                   VLLMEngineConfig)
+from cluster.config.limits import LimitsConfig
+from cluster.config.model import ImageInputConfig, ModelConfig
+from cluster.config.ops import OpsConfig
+from cluster.config.post_work import PostWorkConfig
+from cluster.config.routing import RoutingConfig
+from cluster.config.safety import GuardConfig, SafetyConfig
+from cluster.config.sealing import SealingConfig
+from cluster.config.store import StoreConfig
+from cluster.config.telemetry import TelemetryConfig
+from cluster.config.websocket import WebSocketConfig
 
 __all__ = ["AnswerRule", "ApiKey", "AuthConfig", "CacheConfig", "ChannelTlsConfig",
-           "DeploymentResources", "EngineConfig", "GuardConfig", "KeysMissing", "KvBudgetConfig", "LimitsConfig",
+           "DeploymentResources", "EngineConfig", "GuardConfig", "ImageInputConfig", "KeysMissing", "KvBudgetConfig", "LimitsConfig",
            "LoopserveConfig", "ModelConfig", "OpsConfig", "PostWorkConfig", "RoutingConfig", "SafetyConfig",
            "ScriptedEngineConfig", "SealingConfig", "StoreConfig", "StrictModel", "TelemetryConfig", "TINY_MODEL_NAME",
            "VLLMEngineConfig", "WebSocketConfig"]

@@ -8,6 +8,7 @@ type, default and description (the field's docstring in the code).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import typing
 from pathlib import Path
@@ -78,8 +79,7 @@ def models_in(annotation: Any) -> list[type[BaseModel]]:
 def type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation).replace("typing.", "")
-    return text.replace("cluster.config.", "").replace("engine.", "").replace("service.", "").replace(
-        "deployments.", "").replace("auth.", "")
+    return re.sub(r"\bcluster\.config\.(?:\w+\.)?", "", text)  # a section's module is not part of its type
 
 
 def default_of(field: Any) -> str:

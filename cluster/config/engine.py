@@ -1,71 +1,13 @@
-"""The model and the engine: which weights, which backend, its KV budget and channel."""
+"""`engine`: which backend runs the model, its settings, its KV budget and its channel."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from cluster.config.backends import BACKENDS
-from cluster.config.base import TINY_MODEL_NAME, StrictModel
-from cluster.models.names import TINY_VISION, BuiltinModel
-
-
-class ImageInputConfig(StrictModel):
-    """`input_image` parts for a vision model (data URLs; the model's processor and chat template
-    turn them into its image tokens, vLLM runs them as multimodal input)."""
-
-    max_per_context: int = Field(8, ge=1, le=256)
-    """Images one conversation may hold, its history included (vLLM's `limit_mm_per_prompt`)."""
-    max_image_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    """Largest image file one part may carry (decoded bytes)."""
-    max_image_pixels: int = Field(4096 * 4096, ge=64 * 64, le=12_000 * 12_000)
-    """Largest image one part may carry, in pixels (width x height, read from the file's header
-    before anything is decoded): a small PNG can expand to GBs of RGB."""
-    placeholder: Optional[str] = None
-    """The text the chat template sees for an image; unset: the processor's `image_token`."""
-
-
-class ModelConfig(StrictModel):
-    """The served model: a local HF folder or hub id (`path`), or with no `path` a built-in
-    model made on this machine without a download (`cluster/models/builtin.py`):
-    `loopserve-tiny` (random weights, tests) or `smollm2-135m-instruct` (a real model)."""
-
-    name: str = TINY_MODEL_NAME
-    """The model name clients send (`model`) and responses report."""
-    path: Optional[str] = None
-    """A local Hugging Face folder or hub id of the weights; unset: the `builtin` model."""
-    builtin: BuiltinModel = TINY_MODEL_NAME
-    """With no `path`: the built-in model made on this machine (no download at run time)."""
-    tokenizer_mode: Literal["auto", "mistral"] = "auto"
-    """`mistral`: Mistral models' own tokenizer and request encoding (mistral_common), as vLLM's
-    tokenizer_mode="mistral" (the folder holds tekken.json or tokenizer.model.v*)."""
-    tool_parser: str = "hermes"
-    """The model family's tool-call format, as vLLM's tool parser name (`hermes`, `qwen3_xml`, `llama3_json`,
-    `mistral`, ...)."""
-    reasoning_parser: Optional[str] = None
-    """vLLM's reasoning parser for the model family (`qwen3`, `deepseek_r1`, ...); None: `<think>` tags."""
-    max_model_len: int = 32768
-    """Context length in tokens: a turn's prompt plus its output must fit."""
-    images: Optional[ImageInputConfig] = None
-    """Set for a vision model: `input_image` parts are served. Unset: text only (an image is a 400)."""
-
-    @model_validator(mode="after")
-    def _vision_builtin_takes_images(self) -> "ModelConfig":
-        if self.path is None and self.builtin == TINY_VISION and self.images is None:
-            self.images = ImageInputConfig()
-        return self
-
-    def resolved_path(self) -> str:
-        if self.path:
-            return self.path
-        from cluster.models.builtin import builtin_path
-
-        return str(builtin_path(self.builtin))
-
-    @property
-    def is_generated(self) -> bool:
-        return self.path is None
+from cluster.config.base import StrictModel
 
 
 class AnswerRule(StrictModel):

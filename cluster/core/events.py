@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, get_args
 
 from openai.types.responses import ResponseCompletedEvent, ResponseFailedEvent, ResponseIncompleteEvent
 
+from cluster.core.generation import sampling_of
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
 
@@ -32,9 +33,8 @@ def build_response(
     sampling: Optional[dict[str, float]] = None,
 ) -> dict[str, Any]:
     """The Response object in status `in_progress`, with every field of docs/protocol.md.
-    `sampling`: the model's own defaults (its generation_config), what the engine uses for a
-    `temperature` or `top_p` the request leaves out, so the response reports what was used."""
-    sampling = sampling or {}
+    `sampling`: the model's own defaults (its generation_config), or the turn's `sampling_of`
+    already: the response reports the sampling the engine runs."""
     text = request.text.model_dump(exclude_none=True, by_alias=True) if request.text else None
     if not text or "format" not in text:
         text = {"format": {"type": "text"}, **(text or {})}
@@ -59,15 +59,11 @@ def build_response(
         "safety_identifier": request.safety_identifier,
         "service_tier": request.service_tier or "default",
         "store": True if request.store is None else request.store,
-        "temperature": sampling.get("temperature", 1.0) if request.temperature is None else request.temperature,
         "text": text,
         "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
         "tools": echo_tools(request.tools),
         "top_logprobs": 0,  # logprobs are not returned: a request asking for them is a 400
-        "top_p": sampling.get("top_p", 1.0) if request.top_p is None else request.top_p,
-        # vLLM's defaults (0: off) unless the request sets them; the engine applies what it reports.
-        "presence_penalty": 0.0 if request.presence_penalty is None else request.presence_penalty,
-        "frequency_penalty": 0.0 if request.frequency_penalty is None else request.frequency_penalty,
+        **sampling_of(request, sampling or {}),
         "truncation": request.truncation or "disabled",
         "usage": None,
         "user": request.user,

@@ -170,7 +170,7 @@ class EngineService:
         """One short generation before serving: the first session's first turn would
         otherwise pay for the engine's and the parsers' first-call costs."""
         prompt = array("i", token_codec(self.tokenizer).encode("warm up") or [0])
-        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, Generation(2, temperature=0.0),
+        req = EngineRequest("loopserve-warmup", "loopserve-warmup", prompt, Generation(2, sampling={"temperature": 0.0}),
                             cache_salt="loopserve-warmup")
         try:
             async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,

@@ -232,7 +232,7 @@ def test_with_pins_off_by_the_version_guard_the_engine_still_serves_and_says_why
         done: list[EngineDone] = []
         for i in range(2):  # a session's two turns, the second continuing the first
             prompt = array("i", [(7 * j + 3) % 500 + 10 for j in range(300 + 40 * i)])
-            req = EngineRequest(f"pinsoff-{i}", "pinsoff-session", prompt, Generation(4, temperature=0.0), expect_back=True)
+            req = EngineRequest(f"pinsoff-{i}", "pinsoff-session", prompt, Generation(4, sampling={"temperature": 0.0}), expect_back=True)
             for chunk in handle.generate.options(stream=True).remote(req):  # pytest-timeout bounds it
                 done += [p for p in chunk if isinstance(p, EngineDone)]
         assert len(done) == 2 and all(d.output_tokens > 0 for d in done)

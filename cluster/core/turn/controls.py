@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from cluster.core.messages import Generation, ToolSpec
+from cluster.core.generation import Generation, sampling_of
+from cluster.core.messages import ToolSpec
 
 from cluster.protocol.errors import ApiError
 from cluster.protocol.requests import ResponsesRequest
@@ -188,16 +189,13 @@ def check_grammar_cost(schema: Any, param: str, max_bytes: int = 0) -> None:
 
 
 def generation_of(req: ResponsesRequest, tools: list[ToolSpec], max_tokens: int,
-                  defaults: dict[str, float]) -> Generation:
-    """What the request asks the engine to generate, against the model's sampling defaults (what
-    the response echoes, `build_response`, reads the same two sources)."""
+                  sampling: dict[str, float]) -> Generation:
+    """What the request asks the engine to generate: `sampling` is `sampling_of(req, ...)`, the
+    value the response echoes too."""
     text = req.text.format if req.text is not None else None
     return Generation(
         max_tokens=max_tokens,
-        temperature=defaults.get("temperature") if req.temperature is None else req.temperature,
-        top_p=defaults.get("top_p") if req.top_p is None else req.top_p,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
+        sampling=sampling_of(req, sampling),
         tools=tuple(tools),
         tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls is not False,

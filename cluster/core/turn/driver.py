@@ -30,6 +30,7 @@ from cluster.core.turn.prepare import (
     TurnSettings,
 )
 from cluster.core.turn.stream import TurnStream
+from cluster.core.generation import sampling_of
 from cluster.core.turn.controls import generation_of
 from cluster.core.turn.turn import (
     EnginePort,
@@ -242,8 +243,9 @@ class TurnDriver:
         response_id = t.response_id or new_id("resp")
         timing.response_id = response_id
         root.set_attribute("loopserve.response_id", response_id)
+        sampling = sampling_of(req, st.sampling_defaults)  # what the engine runs and the response reports
         response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id,
-                                  sampling=st.sampling_defaults)
+                                  sampling=sampling)
         seal = None
         if self.sealer is not None and INCLUDE_REASONING in (req.include or []):
             sealer = self.sealer
@@ -256,7 +258,7 @@ class TurnDriver:
         max_tokens = max(1, min(req.max_output_tokens or st.default_max_tokens, room))
         turn = Turn(origin=t, response_id=response_id, model=self.model_name, session_key=session_key, parent=parent,
                     context=ctx, rendered=rendered, render_key=key, tools=tools_spec, max_tokens=max_tokens,
-                    timing=timing, generation=generation_of(req, tools_spec, max_tokens, st.sampling_defaults),
+                    timing=timing, generation=generation_of(req, tools_spec, max_tokens, sampling),
                     trace=tctx, cache_ttl_s=cache_ttl_s, cache_check=cache_check, steps=Steps(inbox=t.agent))
         stream = TurnStream(turn, asm, safety, self.services)
         events = asm.start()

@@ -310,7 +310,7 @@ class VLLMEngine:
 
         assert self.llm is not None, "engine not started"
         gen = request.generation
-        sampling = {**self.sampling_defaults, **gen.sampling()}
+        sampling = {**self.sampling_defaults, **gen.sampling}
         if self.no_placeholder:
             sampling["logit_bias"] = self.no_placeholder
         from cluster.engines.vllm.constraints import structured_outputs

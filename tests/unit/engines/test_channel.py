@@ -35,7 +35,7 @@ def pieces(chunks) -> list:
 
 
 def request(n: int = 0, **kw) -> EngineRequest:
-    return EngineRequest(f"req-{n}", "sess", array("i", range(50)), Generation(16, temperature=0.2, tools=({"type": "function",
+    return EngineRequest(f"req-{n}", "sess", array("i", range(50)), Generation(16, sampling={"temperature": 0.2}, tools=({"type": "function",
                          "function": {"name": "read"}},), tool_choice={"type": "function", "name": "read"}),
                          cache_salt="salt", base_request_id="prev", base_len=40, trace={"traceparent": "00-x"},
                          sent_at_ns=123, **kw)
