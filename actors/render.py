@@ -24,7 +24,7 @@ class RenderActor:
         telemetry.setup(config.telemetry, "render")
         self.tracer = telemetry.tracer()
         self.tokenizer = load_tokenizer(config)
-        self.renderer = renderer_for(self.tokenizer, analysis=config.template_analysis)
+        self.renderer = renderer_for(self.tokenizer, analysis=config.template_analysis, model=config.model)
         attach_images(self.renderer, config)
         watch_fallbacks(self.renderer, telemetry.Metrics())
         self.mismatches = 0

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
+from cluster.config.renderers import RENDERERS
 from cluster.models.names import TINY_VISION, BuiltinModel
 
 
@@ -39,6 +40,10 @@ class ModelConfig(StrictModel):
     tokenizer_mode: Literal["auto", "mistral"] = "auto"
     """`mistral`: Mistral models' own tokenizer and request encoding (mistral_common), as vLLM's
     tokenizer_mode="mistral" (the folder holds tekken.json or tokenizer.model.v*)."""
+    renderer: str = "auto"
+    """How prompts are made (`cluster/config/renderers.py`): `jinja` (the tokenizer's chat template), `mistral`
+    (mistral_common's request encoding); `auto`: the family's own (`mistral` with `tokenizer_mode: mistral`, else
+    `jinja`)."""
     tool_parser: str = "hermes"
     """The model family's tool-call format, as vLLM's tool parser name (`hermes`, `qwen3_xml`, `llama3_json`,
     `mistral`, ...)."""
@@ -48,6 +53,13 @@ class ModelConfig(StrictModel):
     """Context length in tokens: a turn's prompt plus its output must fit."""
     images: Optional[ImageInputConfig] = None
     """Set for a vision model: `input_image` parts are served. Unset: text only (an image is a 400)."""
+
+    @field_validator("renderer")
+    @classmethod
+    def _known_renderer(cls, name: str) -> str:
+        if name != "auto" and name not in RENDERERS:
+            raise ValueError(f"unknown renderer {name!r}: one of {['auto', *RENDERERS]}")
+        return name
 
     @model_validator(mode="after")
     def _vision_builtin_takes_images(self) -> "ModelConfig":

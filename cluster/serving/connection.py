@@ -144,7 +144,7 @@ class ConnectionServices:
         local_renderer = None
         if config.inline_delta_render:
             tokenizer = await asyncio.to_thread(load_tokenizer, config)
-            local_renderer = renderer_for(tokenizer, analysis=config.template_analysis)
+            local_renderer = renderer_for(tokenizer, analysis=config.template_analysis, model=config.model)
             await asyncio.to_thread(attach_images, local_renderer, config)
         safety_client = None
         if config.safety.runs_inline:  # no hop before the first token

@@ -22,14 +22,16 @@ measures 0, and the floor is its text alone.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from cluster.config import LoopserveConfig
+from cluster.config import LoopserveConfig, ModelConfig
 from cluster.config.backends import backend_of
+from cluster.config.renderers import RENDERERS, renderer_of
 from cluster.core.render.images import (
     ImageTokens,
     load_processor,
@@ -94,29 +96,18 @@ _PROBED: dict[tuple, ProbeReport] = {}
 _ANALYSED: dict[str, TemplateHazards] = {}  # template source -> what reading it found
 
 
-def renderer_for(tokenizer, probe: bool = True, analysis: bool = True) -> IncrementalRenderer:
-    """The incremental renderer for `tokenizer`, its template read for content-dependence
-    (`template_analysis.py`) and probed (`probe.py`; this also compiles the template and touches
-    every render path, so a replica's first turn does not pay)."""
-    if getattr(tokenizer, "IS_MISTRAL_TOKENIZER", False):
-        renderer = mistral_renderer(tokenizer)
-    else:
-        codec = token_codec(tokenizer)
-
-        def apply(messages, tools, add_generation_prompt, **template_kwargs):
-            return tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-            )
-
-        added = list(tokenizer.get_added_vocab().keys())
-        guard = ContentGuard(added, codec.encode)
-        encode, decode = guard.encode, codec.decode_raw
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-        renderer = IncrementalRenderer(apply, encode, added, decode=decode, eos=tokenizer.eos_token,
-                                       template_source=template, guard=guard)
-        renderer.max_token_chars = max_token_chars(tokenizer)
-        renderer.min_user_message_tokens = min_user_message_tokens(apply, encode)
-    if analysis and renderer.template_source:  # mistral_common's encoder has no template to read
+def renderer_for(tokenizer, probe: bool = True, analysis: bool = True, *,
+                 model: Optional[ModelConfig] = None) -> IncrementalRenderer:
+    """The incremental renderer for `tokenizer`: the model's family's (`model.renderer`,
+    cluster/config/renderers.py; no model: mistral_common's for a Mistral tokenizer, else the
+    chat template's), its template read for content-dependence (`template_analysis.py`) and probed
+    (`probe.py`; this also compiles the template and touches every render path, so a replica's
+    first turn does not pay)."""
+    kind = renderer_of(model) if model is not None else \
+        RENDERERS["mistral" if getattr(tokenizer, "IS_MISTRAL_TOKENIZER", False) else "jinja"]
+    module, _, name = kind.build.partition(":")
+    renderer = getattr(importlib.import_module(module), name)(tokenizer, model)
+    if analysis and kind.reads_template and renderer.template_source:
         started = time.perf_counter()
         hazards = _ANALYSED.get(renderer.template_source)
         if hazards is None:
@@ -163,7 +154,26 @@ def watch_fallbacks(renderer: IncrementalRenderer, metrics) -> None:
     renderer.on_fallback = on_fallback
 
 
-def mistral_renderer(tokenizer) -> IncrementalRenderer:
+def jinja_renderer(tokenizer, model: Optional[ModelConfig] = None) -> IncrementalRenderer:
+    """The tokenizer's Jinja chat template, rendered as text and tokenized (what vLLM's server does)."""
+    codec = token_codec(tokenizer)
+
+    def apply(messages, tools, add_generation_prompt, **template_kwargs):
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+
+    added = list(tokenizer.get_added_vocab().keys())
+    guard = ContentGuard(added, codec.encode)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    renderer = IncrementalRenderer(apply, guard.encode, added, decode=codec.decode_raw, eos=tokenizer.eos_token,
+                                   template_source=template, guard=guard)
+    renderer.max_token_chars = max_token_chars(tokenizer)
+    renderer.min_user_message_tokens = min_user_message_tokens(apply, guard.encode)
+    return renderer
+
+
+def mistral_renderer(tokenizer, model: Optional[ModelConfig] = None) -> IncrementalRenderer:
     """mistral_common's request encoding (what vLLM's tokenizer_mode="mistral" prompts with)."""
 
     def apply(messages, tools, add_generation_prompt, **_template_kwargs):
