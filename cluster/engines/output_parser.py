@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from cluster.core.messages import Piece, ReasoningPiece, TextPiece, ToolCallPiece, merged
 
@@ -35,6 +35,14 @@ def json_tool_call_extractor(section: str) -> Optional[list[tuple[str, str]]]:
         return None
     args = obj.get("arguments", {})
     return [(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))]
+
+
+class OutputParser(Protocol):
+    """Engine deltas in (their text and token ids), pieces out; `finish()` flushes what is held."""
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
 
 
 class StreamingOutputParser:
@@ -60,7 +68,7 @@ class StreamingOutputParser:
         self._mode = "think" if start_in_reasoning else "text"
         self.tool_calls = 0
 
-    def feed(self, delta: str) -> list[Piece]:
+    def feed(self, delta: str, token_ids: Sequence[int] = ()) -> list[Piece]:
         self._buf += delta
         out: list[Piece] = []
         while self._buf:

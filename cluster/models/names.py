@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-BuiltinModel = Literal["smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision"]
+BuiltinModel = Literal["smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision", "loopserve-tiny-gptoss"]
 BUILTIN_NAMES: tuple[str, ...] = get_args(BuiltinModel)
-SMOLLM2, TINY, TINY_VISION = BUILTIN_NAMES
+SMOLLM2, TINY, TINY_VISION, TINY_GPTOSS = BUILTIN_NAMES

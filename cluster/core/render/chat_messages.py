@@ -87,8 +87,8 @@ def _arguments(raw: str) -> Any:
     return raw if json_depth_error(value) is not None else value
 
 
-def messages_from_items(items: Sequence[dict[str, Any]],
-                        image_text: str = "[image]") -> tuple[list[Message], list[int]]:
+def messages_from_items(items: Sequence[dict[str, Any]], image_text: str = "[image]",
+                        raw_arguments: bool = False) -> tuple[list[Message], list[int]]:
     """Responses items -> chat messages, plus the item index where each message starts.
 
     An assistant message and the function calls that follow it form one
@@ -117,7 +117,8 @@ def messages_from_items(items: Sequence[dict[str, Any]],
             call = {
                 "type": "function",
                 "id": item["call_id"],
-                "function": {"name": item["name"], "arguments": _arguments(item.get("arguments") or "{}")},
+                "function": {"name": item["name"], "arguments": (item.get("arguments") or "{}") if raw_arguments
+                             else _arguments(item.get("arguments") or "{}")},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and _is_assistant_run(items, starts[-1], i):

@@ -272,7 +272,8 @@ def _single_steps(report: ProbeReport, r: IncrementalRenderer, items: list[Item]
             prefix = r.full(items[: starts[i]], instructions, tools)
         except Exception:  # noqa: BLE001 - e.g. an encoder that refuses a conversation ending with the assistant
             continue
-        st = _State(items[: starts[i]], prefix.assemble(None)[0], starts[i], starts[i - 1], array("i"), True)
+        anchor = starts[r.window_start(messages[:i])]
+        st = _State(items[: starts[i]], prefix.assemble(None)[0], starts[i], anchor, array("i"), True)
         _check(report, r, st, items[: bounds[i]], instructions, tools, None, single=True)
 
 

@@ -152,6 +152,14 @@ class IncrementalRenderer:
         self.max_token_chars: Optional[int] = None
         # Tokens a user message adds beyond its text, at least (`tokenizer.py`; 0: no such floor).
         self.min_user_message_tokens = 0
+        # A family's own `reasoning.effort` arguments (None: the Jinja template's) and its rule for what
+        # a delta's window cannot see (messages added -> why it renders in full), as harmony.py sets.
+        self.effort_kwargs: Optional[Callable[[Optional[str]], dict[str, Any]]] = None
+        self.delta_rule: Optional[Callable[[Sequence[Message]], Optional[str]]] = None
+        self.raw_arguments = False  # tool calls' arguments as sent (harmony), not parsed for a template's tojson
+        # Where the next delta's window starts, as an index into the messages rendered: the last message by
+        # default; a family whose tool outputs name their call (harmony) starts at the calls they answer.
+        self.window_start: Callable[[Sequence[Message]], int] = lambda messages: len(messages) - 1
 
     def stats(self) -> dict[str, Any]:
         report = self.probe_report
@@ -187,7 +195,7 @@ class IncrementalRenderer:
 
     def _messages(self, items: Sequence[dict[str, Any]]) -> tuple[list[Message], list[int]]:
         placeholder = self.images.placeholder if self.images is not None else "[image]"
-        messages, starts = messages_from_items(items, placeholder)
+        messages, starts = messages_from_items(items, placeholder, self.raw_arguments)
         # The image placeholders it wrote stay tokens (one typed as text is refused by the image count).
         return (self.guard.escape(messages, keep=placeholder) if self.guard else messages), starts
 
@@ -202,7 +210,7 @@ class IncrementalRenderer:
             self.on_fallback(reason, shape)
 
     def _applier(self, tools: Optional[list[dict[str, Any]]], effort: Optional[str]) -> Callable[..., Template]:
-        kwargs = template_effort_kwargs(self.template_source, effort)
+        kwargs = self.effort_kwargs(effort) if self.effort_kwargs else template_effort_kwargs(self.template_source, effort)
         if tools and self.guard:
             tools = self.guard.escape(tools)
         return lambda messages, add_generation_prompt: self._apply(messages, tools or None, add_generation_prompt,
@@ -219,7 +227,7 @@ class IncrementalRenderer:
         msgs = self._system(instructions) + messages
         text = apply(msgs, False) if msgs else ""
         with_gen = apply(msgs, True)
-        anchor = starts[-1] if starts else 0
+        anchor = starts[self.window_start(messages)] if starts else 0
         if isinstance(with_gen, list) and not text:
             text = []
         suffix = with_gen[len(text) :]
@@ -259,6 +267,9 @@ class IncrementalRenderer:
             if why is not None:
                 self._fallback(why, delta_steps(bool(system), bool(tools), prior is not None, both_msgs))
                 return None
+        if self.delta_rule is not None and (why := self.delta_rule(both_msgs[len(anchor_msgs):])):
+            self._fallback(why, delta_steps(bool(system), bool(tools), prior is not None, both_msgs))
+            return None
         images = self._images(new_items)
         if prior is not None:
             res = self._delta_reusing(system, anchor_msgs, both_msgs, both_starts, anchor_start, tools, prior, apply,
@@ -284,7 +295,7 @@ class IncrementalRenderer:
             self._fallback("unsafe_cut", shape)
             return None
         self.delta_renders += 1
-        new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
+        new_anchor = anchor_start + both_starts[self.window_start(both_msgs)] if both_starts else anchor_start
         appended = self._tokens(delta_text)
         return RenderResult(appended, self._tokens(gen_text), new_anchor, False, len(with_gen),
                             image_tokens=self._image_tokens(appended, images))
@@ -318,7 +329,7 @@ class IncrementalRenderer:
         self.reused_outputs += 1
         tail = self._tokens(rest)
         appended = array("i", prior.generation) + array("i", prior.token_ids) + tail
-        new_anchor = anchor_start + both_starts[-1] if both_starts else anchor_start
+        new_anchor = anchor_start + both_starts[self.window_start(both_msgs)] if both_starts else anchor_start
         return RenderResult(appended, self._tokens(gen_text), new_anchor, False, len(with_gen), reused_output=True,
                             image_tokens=self._image_tokens(tail, images))
 

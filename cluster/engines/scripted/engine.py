@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.config import ModelConfig, ScriptedEngineConfig
+from cluster.config.renderers import renderer_of
 from cluster.core.render.tokenizer import common_prefix
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats, KvFacts
 from cluster.engines.scripted.kv_model import KvBlockPool
@@ -76,6 +77,8 @@ class ScriptedEngine:
     ) -> None:
         self.config = config
         self.max_model_len = model.max_model_len
+        # A harmony model (gpt-oss) writes channels, not tags: its answers and calls are written so.
+        self.harmony = renderer_of(model).output == "harmony"
         self._encode, self._decode = encode, decode
         self._decode_raw = decode_raw or decode  # keeps special tokens: the template's turn markers
         # (cache salt, session) -> tokens in its "KV cache"; LRU, bounded like a real KV cache.
@@ -144,7 +147,14 @@ class ScriptedEngine:
             if isinstance(gen.tool_choice, dict) and gen.tool_choice.get("name"):
                 fn = next((f for f in offered if f["name"] == gen.tool_choice["name"]), fn)
             args = example_arguments(fn.get("parameters") or {})
+            if self.harmony:
+                return (f"<|channel|>analysis<|message|>The user asked; {fn['name']} answers it.<|end|><|start|>"
+                        f"assistant<|channel|>commentary to=functions.{fn['name']} <|constrain|>json<|message|>"
+                        f"{json.dumps(args)}<|call|>")
             return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (fn["name"], json.dumps(args))
+        if self.harmony:
+            return (f"<|channel|>analysis<|message|>Time to answer.<|end|><|start|>assistant<|channel|>final<|message|>"
+                    f"{self.config.answer_text}<|return|>")
         return self.config.answer_text
 
     def last_turn(self, prompt: array) -> str:
@@ -154,6 +164,8 @@ class ScriptedEngine:
         last two turn markers. After a user message the scripted engine calls the first
         offered tool, after a tool result it answers (one call per user turn)."""
         marker, result = self.config.turn_marker, self.config.tool_result_marker
+        if self.harmony:  # `<|start|>functions.x<|channel|>commentary to=assistant<|message|>...` is a tool's output
+            marker, result = "<|start|>", "functions."
         n = 256
         while True:
             text = self._decode_raw(list(prompt[-n:]))
@@ -161,7 +173,7 @@ class ScriptedEngine:
             before = text.rfind(marker, 0, last) if last > 0 else -1
             if before >= 0 or n >= len(prompt):
                 message = text[before + len(marker):last] if before >= 0 else text[:max(last, 0)]
-                if result in message:
+                if message.startswith(result) if self.harmony else result in message:
                     return "tool"
                 return "user" if message.startswith(("user", "system", "developer")) else "other"
             n *= 4
