@@ -1,0 +1,161 @@
+"""Model families other than ChatML through the whole Serve app, driven by real clients: the
+Open Responses suite's requests, the `openai` SDK's tool loop over HTTP (plain and streamed) and
+WebSocket mode, and the Agents SDK's. The engine is the scripted one (the named stand-in for a
+model): it writes what the family's model writes - harmony channels for gpt-oss, read back from
+the tokens by openai-harmony's parser - and the prompts are the family's real tokenizer and
+renderer's, so every prompt the engine gets is the one the real model would get.
+
+What a user relies on: reasoning and calls come back as Responses items and events, reasoning
+round-trips (chained by `previous_response_id`, and stateless with
+`include: ["reasoning.encrypted_content"]`), and a chained tool loop renders only its new items."""
+
+from __future__ import annotations
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from cluster.models.names import TINY_GPTOSS
+from tests.integration.test_open_responses import CASES, RESPONSE_RESOURCE, sse_final_response
+from tests.support.apps import module_app, scripted_app
+from tests.support.local_cluster import stats
+from tests.support.ws import sdk_response
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+ANSWER = "The weather in Paris is mild; nothing else is needed."
+TOOL = {"type": "function", "name": "get_weather", "description": "The weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def gptoss_url(serve_instance):
+    args = scripted_app({"answer_text": ANSWER, "tokens_per_second": 400, "max_output_tokens": 256},
+                        model={"name": TINY_GPTOSS, "builtin": TINY_GPTOSS, "max_model_len": 16384})
+    yield from module_app("gptoss-scripted", "/gptoss", args, serve_instance, 240)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=120, max_retries=0)
+
+
+def kinds(response) -> list[str]:
+    return [item.type for item in response.output]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_open_responses_suite_passes_on_gpt_oss(gptoss_url, case):
+    body, streaming, expected = CASES[case]
+    r = httpx.post(gptoss_url + "/v1/responses", json={"model": TINY_GPTOSS, **body, "stream": streaming},
+                   headers={"authorization": "Bearer sk-test"}, timeout=60)
+    assert r.status_code == 200, r.text
+    response = sse_final_response(r.text)[0] if streaming else r.json()
+    jsonschema.validate(response, RESPONSE_RESOURCE)
+    assert any(item["type"] == expected for item in response["output"]), response["output"]
+    # harmony's analysis channel is a reasoning item before the call or the answer
+    assert response["output"][0]["type"] == "reasoning", response["output"]
+
+
+def test_a_chained_sdk_tool_loop_over_http_gets_reasoning_calls_and_the_answer(gptoss_url):
+    c = client(gptoss_url)
+    before = stats(gptoss_url)["render_inline"]
+    first = c.responses.create(model=TINY_GPTOSS, input="What is the weather in Paris?", tools=[TOOL])
+    assert kinds(first) == ["reasoning", "function_call"], first.output
+    reasoning, call = first.output
+    assert reasoning.content[0].type == "reasoning_text" and "get_weather" in reasoning.content[0].text
+    assert call.name == "get_weather" and call.arguments.startswith("{") and call.call_id
+    second = c.responses.create(model=TINY_GPTOSS, previous_response_id=first.id, tools=[TOOL], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert kinds(second) == ["reasoning", "message"], second.output
+    assert second.output_text == ANSWER
+    # the continuation reused the engine's prefix, and rendered only its new items
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2, second.usage
+    after = stats(gptoss_url)["render_inline"]
+    assert after["delta_renders"] - before["delta_renders"] >= 1, after
+
+
+def test_a_streamed_turn_sends_reasoning_and_call_deltas(gptoss_url):
+    c = client(gptoss_url)
+    events = list(c.responses.create(model=TINY_GPTOSS, input="Weather in Oslo?", tools=[TOOL], stream=True))
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed", types
+    assert "response.reasoning_text.delta" in types and "response.reasoning_text.done" in types
+    assert "response.function_call_arguments.delta" in types and "response.function_call_arguments.done" in types
+    # the reasoning item closes before the call opens, as the model wrote them
+    assert types.index("response.reasoning_text.done") < types.index("response.function_call_arguments.delta")
+    final = events[-1].response
+    assert kinds(final) == ["reasoning", "function_call"]
+
+
+def test_stateless_reasoning_round_trips_sealed(gptoss_url):
+    """A stateless client (store=false) carries the reasoning back sealed; the server reads it
+    into the prompt (harmony keeps analysis that comes before the calls the outputs answer)."""
+    c = client(gptoss_url)
+    question = {"role": "user", "content": "What is the weather in Rome?"}
+    first = c.responses.create(model=TINY_GPTOSS, input=[question], tools=[TOOL], store=False,
+                               include=["reasoning.encrypted_content"])
+    reasoning, call = first.output
+    assert reasoning.encrypted_content and "get_weather" not in reasoning.encrypted_content  # sealed, not plain
+    carried = [question, reasoning.model_dump(exclude_none=True), call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}]
+    # the client sends the reasoning without its text (as the SDKs do with store=false)
+    carried[1].pop("content", None)
+    second = c.responses.create(model=TINY_GPTOSS, input=carried, tools=[TOOL], store=False,
+                                include=["reasoning.encrypted_content"])
+    assert second.output_text == ANSWER
+    # the sealed reasoning was read back into the prompt: the same turn chained by id (where the
+    # server kept the reasoning) has the same prompt, and one without the reasoning a shorter one
+    chained_first = c.responses.create(model=TINY_GPTOSS, input=[question], tools=[TOOL])
+    chained = c.responses.create(model=TINY_GPTOSS, previous_response_id=chained_first.id, tools=[TOOL], input=[
+        {"type": "function_call_output", "call_id": chained_first.output[1].call_id, "output": "rain"}])
+    without = c.responses.create(model=TINY_GPTOSS, input=[carried[0], *carried[2:]], tools=[TOOL], store=False)
+    assert second.usage.input_tokens == chained.usage.input_tokens > without.usage.input_tokens, (
+        second.usage, chained.usage, without.usage)
+    altered = {**carried[1], "encrypted_content": carried[1]["encrypted_content"][:-4] + "AAAA"}
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.create(model=TINY_GPTOSS, input=[question, altered], store=False)
+    assert bad.value.body["code"] == "invalid_encrypted_content"
+
+
+def test_a_websocket_tool_loop_sends_only_new_items(gptoss_url):
+    c = client(gptoss_url)
+    before = stats(gptoss_url)
+    with c.responses.connect() as conn:
+        first = sdk_response(conn, model=TINY_GPTOSS, input="Weather in Lima?", tools=[TOOL])
+        assert kinds(first) == ["reasoning", "function_call"]
+        call = first.output[1]
+        second = sdk_response(conn, model=TINY_GPTOSS, previous_response_id=first.id, tools=[TOOL], input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"}])
+        third = sdk_response(conn, model=TINY_GPTOSS, previous_response_id=second.id, tools=[TOOL],
+                             input="And in Quito?")
+    after = stats(gptoss_url)
+    assert kinds(second) == ["reasoning", "message"] and kinds(third) == ["reasoning", "function_call"]
+    ws = after["turn_transport"].get("websocket", 0) - before["turn_transport"].get("websocket", 0)
+    assert ws == 3, after["turn_transport"]
+    renders = after["render_inline"]["delta_renders"] - before["render_inline"]["delta_renders"]
+    # The tool output's turn rendered only its new items. The next question follows a final answer,
+    # and harmony then drops the earlier reasoning from the prompt: that turn renders in full.
+    dropped = (after["render_inline"]["fallbacks"].get("final_answer_drops_reasoning", 0)
+               - before["render_inline"]["fallbacks"].get("final_answer_drops_reasoning", 0))
+    assert (renders, dropped) == (1, 1), after["render_inline"]
+
+
+async def test_an_agents_sdk_agent_runs_its_tool_loop_on_gpt_oss(gptoss_url):
+    from agents import Agent, function_tool, set_tracing_disabled
+    from agents.responses_websocket_session import responses_websocket_session
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather of a city."""
+        asked.append(city)
+        return f"{city}: sunny"
+
+    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=TINY_GPTOSS)
+    async with responses_websocket_session(api_key="sk-test", base_url=gptoss_url + "/v1") as session:
+        result = await session.run(agent, "Weather in Paris?", auto_previous_response_id=True)
+    assert result.final_output == ANSWER
+    assert len(asked) == 1 and asked[0], asked
+    assert [kinds(r) for r in result.raw_responses] == [["reasoning", "function_call"], ["reasoning", "message"]]
