@@ -42,7 +42,8 @@ class ModelConfig(StrictModel):
     tokenizer_mode="mistral" (the folder holds tekken.json or tokenizer.model.v*)."""
     renderer: str = "auto"
     """How prompts are made (`cluster/config/renderers.py`): `jinja` (the tokenizer's chat template), `mistral`
-    (mistral_common's request encoding); `auto`: the family's own (`mistral` with `tokenizer_mode: mistral`, else
+    (mistral_common's request encoding), `harmony` (gpt-oss: openai-harmony's renderer, output read from the token
+    ids); `auto`: the family's own (`harmony` for a gpt_oss model, `mistral` with `tokenizer_mode: mistral`, else
     `jinja`)."""
     tool_parser: str = "hermes"
     """The model family's tool-call format, as vLLM's tool parser name (`hermes`, `qwen3_xml`, `llama3_json`,

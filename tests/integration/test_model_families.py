@@ -11,6 +11,8 @@ round-trips (chained by `previous_response_id`, and stateless with
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import jsonschema
 import openai
@@ -159,3 +161,47 @@ async def test_an_agents_sdk_agent_runs_its_tool_loop_on_gpt_oss(gptoss_url):
     assert result.final_output == ANSWER
     assert len(asked) == 1 and asked[0], asked
     assert [kinds(r) for r in result.raw_responses] == [["reasoning", "function_call"], ["reasoning", "message"]]
+
+
+@pytest.fixture(scope="module")
+def gptoss_vllm_url(serve_instance):
+    """The tiny gpt-oss (random weights, the real tokenizer) on the real engine: vLLM's CPU engine."""
+    pytest.importorskip("vllm")
+    args = {
+        "model": {"name": TINY_GPTOSS, "builtin": TINY_GPTOSS, "max_model_len": 8192},
+        "store": {"backend": "none"},
+        "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 16, "cpu_kvcache_space_gib": 1}},
+        "connection": {"ray_actor_options": {"num_cpus": 0.1}}, "render": {"ray_actor_options": {"num_cpus": 0.1}},
+        "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}},
+    }
+    yield from module_app("gptoss-vllm", "/gptoss-vllm", args, serve_instance, 400)
+
+
+@pytest.mark.vllm
+def test_gpt_oss_runs_a_20_turn_tool_loop_on_the_real_engine(gptoss_vllm_url):
+    """Random weights write no call of their own, so the client carries the loop: each turn sends
+    a call and its output (as a client replaying its agent's calls does) and the engine writes a
+    harmony answer to it. Every turn's prompt extends the one before it in vLLM's prefix cache,
+    and each continuation renders only its new items."""
+    c = client(gptoss_vllm_url)
+    before = stats(gptoss_vllm_url)["render_inline"]
+    usages, prev = [], None
+    new: list = [{"role": "user", "content": "Weather in three cities, one at a time."}]
+    with c.responses.connect() as conn:
+        for turn in range(20):
+            resp = sdk_response(conn, model=TINY_GPTOSS, input=new, previous_response_id=prev, tools=[TOOL],
+                                max_output_tokens=8, temperature=0)
+            assert resp.usage.output_tokens >= 1, (turn, resp)
+            usages.append(resp.usage)
+            prev = resp.id
+            call_id = f"call_{turn}"
+            new = [{"type": "function_call", "call_id": call_id, "name": "get_weather",
+                    "arguments": json.dumps({"city": f"City {turn}"})},
+                   {"type": "function_call_output", "call_id": call_id, "output": f"sunny, {turn} C " * 20}]
+    for n, (a, b) in enumerate(zip(usages, usages[1:]), 1):
+        # the previous prompt was in the engine's prefix cache, less at most two KV blocks of 32
+        # (vLLM's hybrid cache aligns a hit for gpt-oss's full and sliding-window layers alike)
+        assert b.input_tokens_details.cached_tokens >= a.input_tokens - 64, (n, a, b)
+        assert b.input_tokens > a.input_tokens + 100, (n, a, b)  # the call and its output are in the prompt
+    after = stats(gptoss_vllm_url)["render_inline"]
+    assert after["delta_renders"] - before["delta_renders"] == 19, after  # every continuation incremental

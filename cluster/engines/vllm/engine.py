@@ -14,6 +14,7 @@ import time
 from typing import Any, AsyncIterator, MutableMapping, Optional
 
 from cluster.config import ModelConfig, VLLMEngineConfig
+from cluster.config.renderers import renderer_of
 from cluster.core.messages import CoreTimeline
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats, KvFacts
 from cluster.engines.image_inputs import DecodedImages
@@ -187,6 +188,7 @@ class VLLMEngine:
         # generated tokens would hold a placeholder without an image (vLLM refuses the prompt).
         self.no_placeholder: dict[int, float] = {}
         self.decoded_images: Optional[DecodedImages] = None  # a vision model's images, decoded once
+        self.harmony = renderer_of(model).output == "harmony"
 
     async def start(self) -> None:
         if _on_cpu():
@@ -213,6 +215,12 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if self.model.tokenizer_mode == "mistral":
             kwargs["tokenizer_mode"] = "mistral"
+        if self.harmony:
+            # vLLM starts a gpt-oss grammar only once its reasoning parser sees the analysis end; the
+            # constraints here spell out the whole harmony output (channels included), so from token one.
+            from vllm.config import StructuredOutputsConfig
+
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(enable_in_reasoning=True)
         if cfg.block_size:
             kwargs["block_size"] = cfg.block_size
         kwargs.update(offloading_args(cfg, _on_cpu()))
@@ -330,7 +338,7 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=gen.max_tokens, output_kind=RequestOutputKind.DELTA, **sampling,
                                 structured_outputs=structured_outputs(gen.tools, gen.tool_choice,
                                                                       gen.parallel_tool_calls, gen.text_format,
-                                                                      self.model.tool_parser))
+                                                                      self.model.tool_parser, self.harmony))
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids.tolist())
         if request.images:
             # One placeholder token per image in the ids: vLLM runs the model's processor on the
