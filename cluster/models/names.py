@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-BuiltinModel = Literal["smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision", "loopserve-tiny-gptoss"]
+BuiltinModel = Literal["smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision", "loopserve-tiny-gptoss",
+                       "loopserve-tiny-qwen3"]
 BUILTIN_NAMES: tuple[str, ...] = get_args(BuiltinModel)
-SMOLLM2, TINY, TINY_VISION, TINY_GPTOSS = BUILTIN_NAMES
+SMOLLM2, TINY, TINY_VISION, TINY_GPTOSS, TINY_QWEN3 = BUILTIN_NAMES

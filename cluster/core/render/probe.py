@@ -157,6 +157,12 @@ class ProbeReport:
     wrong: dict[tuple, str] = field(default_factory=dict)  # step -> the first failure blamed on it
     inexact: list = field(default_factory=list)  # (steps, why) of wrong multi-step deltas
     checks: int = 0
+    # Roles whose arrival the template analysis refuses (with windows anchored at the last such message):
+    # a delta adding one renders in full whatever the probe finds, so it proves or blames no step.
+    refused_adds: frozenset = frozenset()
+    # The template renders an assistant message that ends the context differently (`loop.last`): the
+    # driver's contexts end with their input, so no single step starts from one.
+    input_last: bool = False
 
     @property
     def proven(self) -> frozenset:
@@ -238,13 +244,17 @@ def _simulated_output(r: IncrementalRenderer, items: list[Item], output: list[It
     return None
 
 
+# What the renderer checks on every delta before it is used: a failure there falls back at run time too.
+CAUGHT_AT_RUN_TIME = frozenset({"not_a_prefix", "unsafe_cut", "window_render_failed", "output_rendered_differently"})
+
+
 def _check(report: ProbeReport, r: IncrementalRenderer, st: _State, ctx: list[Item], instructions, tools,
            prior: Optional[PriorOutput], single: bool = False) -> Optional[RenderResult]:
     """One delta as the driver would run it after state `st`, against a full render of `ctx`."""
     anchor_items, new_items = ctx[st.anchor_start: st.item_count], ctx[st.item_count:]
     both, _ = messages_from_items(list(anchor_items) + list(new_items))
     steps = delta_steps(bool(instructions), bool(tools), prior is not None, both)
-    if not steps:
+    if not steps or report.refused_adds.intersection(m["role"] for m in messages_from_items(new_items)[0]):
         return None
     try:
         want = r.full(ctx, instructions, tools).assemble(None)[1]
@@ -253,6 +263,9 @@ def _check(report: ProbeReport, r: IncrementalRenderer, st: _State, ctx: list[It
         return None
     r.last_fallback = ""
     res = r.delta(anchor_items, new_items, st.anchor_start, instructions, tools, prior)
+    if report.refused_adds and ((res is None and r.last_fallback in CAUGHT_AT_RUN_TIME)
+                                or (res is not None and prior is not None and not res.reused_output)):
+        return None  # an anchored window: every delta checks its cut and its reuse, so this proves or blames no step
     if res is None or (prior is not None and not res.reused_output):
         report.record(steps, False, r.last_fallback or "output_rendered_differently", single)
         return None
@@ -266,7 +279,7 @@ def _single_steps(report: ProbeReport, r: IncrementalRenderer, items: list[Item]
     messages, starts = messages_from_items(items)
     bounds = starts[1:] + [len(items)]
     for i in range(1, len(starts)):
-        if messages[i]["role"] == "assistant":
+        if messages[i]["role"] == "assistant" or (report.input_last and messages[i - 1]["role"] == "assistant"):
             continue  # a turn's context never ends with the assistant (the driver's runs cover these steps)
         try:
             prefix = r.full(items[: starts[i]], instructions, tools)
@@ -308,7 +321,8 @@ def probe(renderer: IncrementalRenderer) -> ProbeReport:
     """Run the battery; the renderer then takes the delta path only for proven shapes."""
     renderer.proven = None  # the probe itself runs the unguarded paths
     hazards, renderer.hazards = renderer.hazards, None  # and proves what the template does, not what the AST allows
-    report = ProbeReport()
+    report = ProbeReport(refused_adds=frozenset(hazards.refused_adds) if hazards and hazards.anchor_role else frozenset(),
+                         input_last=bool(hazards and hazards.anchor_role and hazards.assumes_input_last))
     try:
         for name, turns in SCENARIOS.items():
             conversation = [item for new, output in turns for item in new + output]

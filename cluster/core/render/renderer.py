@@ -46,6 +46,13 @@ def delta_steps(system: bool, tools: bool, reuse: bool, messages: Sequence[Messa
     return tuple((system, tools, reuse and i == 0, a, b) for i, (a, b) in enumerate(zip(kinds, kinds[1:])))
 
 
+def anchored_window(role: str) -> Callable[[Sequence[Message]], int]:
+    """Windows that start at the last message of `role` (`TemplateHazards.anchor_role`), else at the last."""
+    def start(messages: Sequence[Message]) -> int:
+        return next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == role), len(messages) - 1)
+    return start
+
+
 def _starts(seq: Template, head: Template) -> bool:
     return len(seq) >= len(head) and seq[: len(head)] == head
 
@@ -98,6 +105,9 @@ class TemplateHazards:
     # `loop.last` was taken as constant for assistant messages: a window ending with one renders in full.
     assumes_input_last: bool = False
     digest: str = ""  # the template's sha256 (what a mismatch report names)
+    # Earlier messages render by state this role's messages set (the last user query): a delta's window
+    # starts at the last message of the role and must hold one ("": no such state).
+    anchor_role: str = ""
 
     def refusal(self, history_roles: Iterable[str], window_roles: Iterable[str], added_roles: Iterable[str],
                 last_role: Optional[str]) -> Optional[str]:
@@ -110,11 +120,13 @@ class TemplateHazards:
             return "content_dependent_state"
         if last_role == "assistant" and self.assumes_input_last:
             return "window_ends_with_assistant"
+        if self.anchor_role and self.anchor_role not in window_roles:
+            return "window_without_anchor"
         return None
 
     def summary(self) -> dict:
         return {"followed": self.followed, "in_context": sorted(self.in_context),
-                "refused_adds": sorted(self.refused_adds), "where": self.where[:20]}
+                "refused_adds": sorted(self.refused_adds), "anchor_role": self.anchor_role, "where": self.where[:20]}
 
 
 class IncrementalRenderer:

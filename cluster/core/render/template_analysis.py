@@ -2,29 +2,29 @@
 messages change, decides how an earlier message renders (docs/behaviour.md, "Exact renders").
 
 A delta render renders only the newest messages after a cached prefix; it is exact while every
-earlier message renders the same once later ones arrive. The start-up probe (probe.py) proves
-that per step of message kinds, by running the template on texts it chose; a template that tests
-content (its length, a substring, a comparison) can always be given texts the probe did not try.
-This module walks the template's Jinja AST (jinja2's own parser, with the extensions transformers
-compiles chat templates with) and finds, by role:
+earlier message renders the same once later ones arrive. The start-up probe (probe.py) proves that
+per step of message kinds, on texts it chose; a template that tests content (its length, a
+substring, a comparison) can always be given texts the probe did not try. This module walks the
+template's Jinja AST (jinja2's parser, with transformers' extensions) and finds, by role:
 
 - `in_context`: roles whose rendering tests their content in the same condition as something any
   later message changes (`loop.last`, `loop.revindex`, `loop.length`, `loop.nextitem` of a loop over
-  the messages, the `messages` list itself: its length, `messages[-1]`, the next message). Once the
+  the messages, the `messages` list itself, state that the message count moves). Once the
   conversation holds such a message, no turn renders incrementally.
 - `refused_adds`: roles whose arrival changes state set while looping over the messages (a
-  `namespace` attribute, a variable set outside the loop) that some message's rendering tests
-  or prints, when that state or the test on it depends on content. A delta that adds such a
-  message renders in full.
+  `namespace` attribute, a variable set outside the loop) that some message's rendering tests or
+  prints, when that state or the test on it depends on content. A delta adding one renders in full.
+- `anchor_role`: content tested with state that only user messages set, whatever they hold (Qwen3's
+  last user query): windows start at the last user message, which computes it as a full render does.
 - `followed=False`: the template uses what the analysis cannot follow (include, import, extends,
   call blocks, a call passing content to a function it does not define, an unknown tag): every
   role is treated as content-dependent and nothing renders incrementally.
 
-Left incremental: transforms of a message's own content (trim, lower, slicing, truncation, a test
-choosing how that message prints): a window renders them as a full render does. Presence and
-type tests (`is defined`, `is none`, `is string`) read no content. An assistant message is never
-the last of a turn's context (the turn's input follows it), so `loop.last` is constant for it; a
-window that ends with one (a continuation with no input) is rendered in full.
+Left incremental: transforms of a message's own content (trim, lower, slicing, a test choosing how
+that message prints). Presence and type tests (`is defined`, `is string`) read no content, nor does
+a test for an added token's text (`startswith('<tool_response>')`): the renderer's guard keeps it out
+of client text. An assistant message is never the last of a turn's context (its input follows), so
+`loop.last` is constant for it; a window that ends with one renders in full.
 
 Run once per template at start-up; the probe stays for what the AST cannot see (tokenizer merges
 at cut points, the generation prompt)."""
@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from cluster.core.render.renderer import TemplateHazards
+from cluster.core.render.template_shapes import ShapeReading
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})  # as chat_messages.py hands them to templates
 CONTENT_FIELDS = frozenset({"content", "reasoning_content", "reasoning", "thinking", "text", "arguments"})
@@ -69,7 +70,7 @@ class _Loop:
     later_attrs: frozenset  # its `loop.*` attributes that later messages change
 
 
-class _Walker:
+class _Walker(ShapeReading):
     def __init__(self) -> None:
         from jinja2 import nodes
 
@@ -83,6 +84,8 @@ class _Walker:
         self.loops: list[_Loop] = []
         self.message_vars: set[str] = set()
         self.in_macro = 0
+        self.protected: tuple[str, ...] = ()  # added tokens' text, which never survives in client content
+        self.state_tests: dict[frozenset, set[str]] = {}  # later-moving states tested with content -> roles
 
     # -- statements ---------------------------------------------------------------------
     def walk(self, body, roles: frozenset, env: dict, conds: Flow) -> None:
@@ -168,7 +171,7 @@ class _Walker:
     def _assign(self, target, value: Flow, roles: frozenset, env: dict, conds: Flow) -> None:
         n = self.n
         in_messages = any(loop.over_messages for loop in self.loops)
-        stored = Flow(value.content or conds.content, value.later or conds.later, value.state | conds.state)
+        stored = Flow(value.content or conds.content, self._later(value) or self._later(conds), value.state | conds.state)
         if isinstance(target, n.NSRef) or (isinstance(target, n.Name) and not self.loops and not self.in_macro):
             name = f"{target.name}.{target.attr}" if isinstance(target, n.NSRef) else target.name
             if isinstance(target, n.Name):
@@ -197,8 +200,11 @@ class _Walker:
         if not any(loop.over_messages for loop in self.loops):
             return
         state_content = any(self.state_flow.get(s, NOTHING).content for s in flow.state)
+        moving = frozenset(s for s in flow.state if self.state_flow.get(s, NOTHING).later)
         if flow.content and flow.later and prints:
             self._found(roles, "in_context", test, "content tested with what later messages change")
+        elif flow.content and moving and prints:  # decided in finish(), by who moves that state
+            self.state_tests.setdefault(moving, set()).update(roles)
         if flow.state and (flow.content or state_content):
             for s in flow.state:
                 self.state_reads.setdefault(s, set()).update(roles)
@@ -219,6 +225,19 @@ class _Walker:
         self.hazards.where.append(f"line {getattr(node, 'lineno', '?')}: cannot follow {what}")
 
     def finish(self) -> TemplateHazards:
+        for states, roles in self.state_tests.items():
+            writers = set().union(*(self.state_writers.get(s, set()) for s in states))
+            if writers == {"user"} and not any(self.state_flow[s].content for s in states):
+                # Set by user messages alone, whatever they hold (the last user query, say): a window that
+                # starts at the last user message computes it as a full render does, and a user message
+                # added renders in full.
+                self.hazards.anchor_role = "user"
+                self.hazards.refused_adds.add("user")
+                self.hazards.where.append(f"{'/'.join(sorted(roles))} messages test content with "
+                                          f"{'/'.join(sorted(states))}, which user messages set: windows start there")
+            else:
+                self._found(frozenset(roles), "in_context", None, f"content tested with {'/'.join(sorted(states))}, "
+                            f"which {'/'.join(sorted(writers)) or 'the message count'} moves")
         for state, readers in self.state_reads.items():
             writers = self.state_writers.get(state, set())
             if readers and writers:
@@ -237,8 +256,8 @@ class _Walker:
                 return Flow(later=True)
             if node.name in env:
                 return env[node.name]
-            if node.name in self.state_flow:  # what any later message changes in it is in its own flow
-                return Flow(later=self.state_flow[node.name].later, state=frozenset({node.name}))
+            if node.name in self.state_flow:  # what later messages change in it: `_later`, by its writers
+                return Flow(state=frozenset({node.name}))
             return NOTHING
         if isinstance(node, (n.Getattr, n.Getitem)):
             attr = node.attr if isinstance(node, n.Getattr) else (
@@ -257,6 +276,14 @@ class _Walker:
             return self._call(node, env, roles)
         return self._all(list(node.iter_child_nodes()), env, roles)
 
+    def _later(self, flow: Flow) -> bool:
+        """Whether a later message can change `flow`'s value, through the state it reads too."""
+        return flow.later or any(self.state_flow.get(s, NOTHING).later for s in flow.state)
+
+    def _protected_consts(self, args) -> bool:
+        return bool(args) and all(isinstance(a, self.n.Const) and isinstance(a.value, str)
+                                  and any(t in a.value for t in self.protected) for a in args)
+
     def _all(self, children, env: dict, roles: frozenset) -> Flow:
         return sum((self.flow(child, env, roles) for child in children), NOTHING)
 
@@ -269,8 +296,7 @@ class _Walker:
                 return NOTHING
             return Flow(later=attr in loop.later_attrs)
         if isinstance(base, n.Name) and base.name in self.namespaces:
-            name = f"{base.name}.{attr}"
-            return Flow(later=self.state_flow.get(name, NOTHING).later, state=frozenset({name}))
+            return Flow(state=frozenset({f"{base.name}.{attr}"}))
         inner = self.flow(base, env, roles)
         return inner | Flow(content=True) if attr in CONTENT_FIELDS else inner
 
@@ -279,6 +305,8 @@ class _Walker:
         args = self._all([*node.args, *(kw.value for kw in node.kwargs), node.dyn_args, node.dyn_kwargs], env, roles)
         name = self._call_name(node)
         if isinstance(node.node, n.Getattr):  # a method: content.startswith(...), items.split(...)
+            if node.node.attr in ("startswith", "endswith") and self._protected_consts(node.args):
+                return NOTHING  # client text holds no added token's text (the guard marks it): always false
             return self.flow(node.node.node, env, roles) | args
         if name in self.macros:
             if self.in_macro < 8:
@@ -304,67 +332,10 @@ class _Walker:
         n = self.n
         return node.node.name if isinstance(node, n.Call) and isinstance(node.node, n.Name) else None
 
-    def _roles_of(self, test, roles: frozenset) -> tuple[frozenset, bool]:
-        """The roles a test lets through, and whether it tests nothing but the role."""
-        n = self.n
-        if isinstance(test, n.Or):
-            left, lp = self._roles_of(test.left, roles)
-            right, rp = self._roles_of(test.right, roles)
-            return left | right, lp and rp
-        if isinstance(test, n.And):
-            left, lp = self._roles_of(test.left, roles)
-            right, rp = self._roles_of(test.right, roles)
-            return left & right, lp and rp
-        if isinstance(test, n.Compare) and len(test.ops) == 1 and self._is_role(test.expr):
-            value = test.ops[0].expr
-            names = ({value.value} if isinstance(value, n.Const) and isinstance(value.value, str) else
-                     {v.value for v in value.items if isinstance(v, n.Const)} if isinstance(value, (n.List, n.Tuple))
-                     else None)
-            if names is not None:
-                op = test.ops[0].op
-                if op in ("eq", "in"):
-                    return roles & frozenset(names), True
-                if op in ("ne", "notin"):
-                    return roles - frozenset(names), True
-        return roles, False
 
-    def _is_role(self, node) -> bool:
-        n = self.n
-        attr = node.attr if isinstance(node, n.Getattr) else (
-            node.arg.value if isinstance(node, n.Getitem) and isinstance(node.arg, n.Const) else None)
-        return attr == "role" and isinstance(node.node, n.Name) and node.node.name in self.message_vars
-
-    def _iterates_messages(self, node) -> bool:
-        n = self.n
-        while isinstance(node, (n.Getitem, n.Filter)):
-            node = node.node
-        return isinstance(node, n.Name) and node.name == "messages"
-
-    def _forward(self, node) -> bool:
-        """`messages`, or `messages[k:]` with a constant k >= 0: loop indexes count from the start."""
-        n = self.n
-        if isinstance(node, n.Name):
-            return True
-        if isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice) and isinstance(node.node, n.Name):
-            s = node.arg
-            return (s.stop is None and (s.step is None) and
-                    (s.start is None or isinstance(s.start, n.Const) and isinstance(s.start.value, int)
-                     and s.start.value >= 0))
-        return False
-
-    def _earlier_index(self, arg) -> bool:
-        """`messages[k]` (k >= 0 constant) or `messages[loop.index0 - k]`: a message no later one moves."""
-        n = self.n
-        if isinstance(arg, n.Const):
-            return isinstance(arg.value, int) and arg.value >= 0
-        if isinstance(arg, n.Sub) and isinstance(arg.right, n.Const):
-            arg = arg.left
-        return (isinstance(arg, n.Getattr) and arg.attr == "index0" and isinstance(arg.node, n.Name)
-                and arg.node.name == "loop" and bool(self.loops) and "index0" not in self.loops[-1].later_attrs)
-
-
-def analyze(source: str) -> TemplateHazards:
-    """The template's content-dependence, read from its AST (see the module docstring)."""
+def analyze(source: str, protected: Iterable[str] = ()) -> TemplateHazards:
+    """The template's content-dependence, read from its AST (see the module docstring). `protected`:
+    the added tokens' text, which the renderer's guard marks in whatever a client sends."""
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
@@ -385,6 +356,7 @@ def analyze(source: str) -> TemplateHazards:
         return TemplateHazards(followed=False, where=[f"line {err.lineno}: cannot parse: {err.message}"],
                                digest=digest)
     walker = _Walker()
+    walker.protected = tuple(t for t in protected if t)
     walker.namespaces = {a.target.name for a in tree.find_all(nodes.Assign)
                          if isinstance(a.target, nodes.Name) and isinstance(a.node, nodes.Call)
                          and isinstance(a.node.node, nodes.Name) and a.node.node.name == "namespace"}
@@ -392,7 +364,7 @@ def analyze(source: str) -> TemplateHazards:
         # Twice: state set late in the template (a reverse pre-pass, a macro) is known on the second pass.
         for _ in range(2):
             walker.hazards = TemplateHazards(digest=digest)
-            walker.state_reads = {}
+            walker.state_reads, walker.state_tests = {}, {}
             walker.walk(tree.body, ROLES, {}, NOTHING)
         return walker.finish()
     except (RecursionError, AttributeError, TypeError, ValueError) as err:  # a shape this walk does not know

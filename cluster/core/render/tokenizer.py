@@ -40,7 +40,7 @@ from cluster.core.render.images import (
 from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
-from cluster.core.render.renderer import IncrementalRenderer, TemplateHazards
+from cluster.core.render.renderer import IncrementalRenderer, TemplateHazards, anchored_window
 from cluster.core.render.template_analysis import analyze as analyze_template
 
 log = logging.getLogger("loopserve.render")
@@ -111,10 +111,13 @@ def renderer_for(tokenizer, probe: bool = True, analysis: bool = True, *,
         started = time.perf_counter()
         hazards = _ANALYSED.get(renderer.template_source)
         if hazards is None:
-            hazards = _ANALYSED[renderer.template_source] = analyze_template(renderer.template_source)
+            hazards = _ANALYSED[renderer.template_source] = analyze_template(
+                renderer.template_source, renderer.guard.protected if renderer.guard else ())
             for found in hazards.where:
                 log.info("chat template %s: %s", hazards.digest[:12], found)
         renderer.hazards = hazards
+        if hazards.anchor_role:
+            renderer.window_start = anchored_window(hazards.anchor_role)
         renderer.startup_ms["analysis"] = round((time.perf_counter() - started) * 1000, 2)
     if probe:
         started = time.perf_counter()

@@ -174,3 +174,18 @@ def test_the_real_templates_lose_no_step(tiny_model_dir):
     qwen3_like = analyze((folder / "template_minicpmv45.jinja").read_text())
     assert qwen3_like.refused_adds == {"user"} and qwen3_like.in_context == {"assistant"}
     assert qwen3_like.assumes_input_last  # `loop.last` in its assistant branch: constant for an assistant message
+    # The same template where the tool-response tags are added tokens (Qwen3's vocabulary): client
+    # text never holds them (the renderer's guard keeps them text), so only user messages move the
+    # last query, whatever they hold. Windows start at the last user message; a new one renders in full.
+    guarded = analyze((folder / "template_minicpmv45.jinja").read_text(), ["<tool_response>", "</tool_response>"])
+    assert (guarded.anchor_role, guarded.refused_adds, guarded.in_context) == ("user", {"user"}, set())
+
+
+def test_a_state_any_message_moves_stays_in_context():
+    """State initialised from the message count and never set by a role: every added message moves
+    it, so a message whose content is tested with it stays content-dependent in context."""
+    template = ("{%- set ns = namespace(n=messages|length) %}{%- for m in messages %}"
+                "{%- if loop.index0 < ns.n - 2 and m.content.startswith('x') %}{{ m.content }}{%- endif %}"
+                "{%- endfor %}")
+    h = analyze(template)
+    assert not h.anchor_role and h.in_context == {"system", "user", "assistant", "tool"}, h.summary()
