@@ -43,3 +43,20 @@ def ensure_folder(path: Path, fmt: str, weights: bool, build: Callable[[Path, bo
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def save_random_model(path: Path, config, generation, weights: bool, seed: int = 1234) -> None:
+    """A generated model's folder: random weights from `config` in its dtype (seeded: every build
+    is the same model), or its config and generation config alone (`weights=False`: a tokenizer-only
+    folder for the scripted engine)."""
+    if not weights:
+        config.save_pretrained(path)
+        generation.save_pretrained(path)
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, str(config.dtype).removeprefix("torch.")))
+    model.generation_config = generation
+    model.save_pretrained(path, safe_serialization=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.models.folders import ensure_folder
+from cluster.models.folders import ensure_folder, save_random_model
 from cluster.models.o200k import O200K_FILE, O200K_PATTERN, harmony_special_tokens, o200k_base_folder
 
 FORMAT_VERSION = "1"
@@ -52,17 +52,7 @@ def build(path: Path, weights: bool = True) -> None:
         eos_token_id=stops[0], pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False, architectures=["GptOssForCausalLM"], dtype="bfloat16")
     generation = GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
-    if weights:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.generation_config = generation
-        model.save_pretrained(path, safe_serialization=True)
-    else:
-        config.save_pretrained(path)
-        generation.save_pretrained(path)
+    save_random_model(path, config, generation, weights)
     # vLLM's loader indexes `quantization_config` whenever the key is there, even as null.
     saved = json.loads((path / "config.json").read_text())
     saved.pop("quantization_config", None)

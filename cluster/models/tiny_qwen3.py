@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.models.folders import ensure_folder
+from cluster.models.folders import ensure_folder, save_random_model
 from cluster.models.quicktok_vocab import QWEN3, fast_tokenizer
 
 FORMAT_VERSION = "1"
@@ -32,17 +32,7 @@ def build(path: Path, weights: bool = True) -> None:
         eos_token_id=stops[0], pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"], dtype="bfloat16")
     generation = GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
-    if weights:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.generation_config = generation
-        model.save_pretrained(path, safe_serialization=True)
-    else:
-        config.save_pretrained(path)
-        generation.save_pretrained(path)
+    save_random_model(path, config, generation, weights)
     (path / "loopserve_model.json").write_text(json.dumps({"format": FORMAT_VERSION, "weights": weights}))
 
 
