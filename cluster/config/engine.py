@@ -36,6 +36,9 @@ class ScriptedEngineConfig(StrictModel):
     and tool-result tag): after a user message it calls the first offered tool, after a tool result it answers."""
     tool_result_marker: str = "<tool_response>"
     """The tag that marks a tool result in the prompt (see `turn_marker`)."""
+    thinks: bool = False
+    """Write `<think>...</think>` before each answer and call, as a reasoning model does (Qwen3, DeepSeek-R1). A harmony
+    model (gpt-oss) always writes its analysis channel first."""
     kv_capacity_tokens: Optional[int] = Field(None, ge=1)
     """A modelled KV cache (engines/scripted/kv_model.py, a stand-in for vLLM's block pool): tokens of KV this engine holds,
     in blocks; evicts least recently freed blocks and preempts running requests that do not fit, as vLLM does.

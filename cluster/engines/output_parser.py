@@ -66,6 +66,10 @@ class StreamingOutputParser:
         self._buf = ""
         # text | tool | think; a prompt that ends in the think tag starts inside reasoning
         self._mode = "think" if start_in_reasoning else "text"
+        # Newlines around reasoning are the template's layout, not text (`<think>\n{reasoning}\n</think>\n\n
+        # {content}`, which reasoning templates write with strip('\n') and lstrip('\n')): dropped after
+        # either tag and before the closing one, so no whitespace-only message stands between reasoning and a call.
+        self._trim_lead = start_in_reasoning
         self.tool_calls = 0
 
     def feed(self, delta: str, token_ids: Sequence[int] = ()) -> list[Piece]:
@@ -86,20 +90,29 @@ class StreamingOutputParser:
             idx, tag = _first_tag(self._buf, tags)
             if tag is None:
                 keep = _partial_tag_suffix(self._buf, tags)
-                emit, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
-                if emit:
-                    out.append(self._piece(emit))
+                emit = self._buf[: len(self._buf) - keep]
+                if self._mode == "think":  # newlines that may end the reasoning wait for what follows them
+                    emit = emit.rstrip("\n")
+                self._buf = self._buf[len(emit):]
+                self._emit(out, emit)
                 break
-            if idx:
-                out.append(self._piece(self._buf[:idx]))
+            before = self._buf[:idx]
+            self._emit(out, before.rstrip("\n") if tag == close else before)
             self._buf = self._buf[idx + len(tag) :]
             if tag == self._tool_open:
                 self._mode = "tool"
             elif tag == self._think_open:
-                self._mode = "think"
+                self._mode, self._trim_lead = "think", True
             else:
-                self._mode = "text"
+                self._mode, self._trim_lead = "text", True
         return merged([out])  # type: ignore[return-value]  # pieces in, pieces out
+
+    def _emit(self, out: list, text: str) -> None:
+        if self._trim_lead:
+            text = text.lstrip("\n")
+            self._trim_lead = not text
+        if text:
+            out.append(self._piece(text))
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
@@ -107,7 +120,7 @@ class StreamingOutputParser:
             # A section without end tag, or one cut off by max tokens: try it, else text.
             out.extend(self._tool_block(self._buf, terminated=False))
         elif self._buf:
-            out.append(self._piece(self._buf))
+            self._emit(out, self._buf.rstrip("\n") if self._mode == "think" else self._buf)
         self._buf = ""
         self._mode = "text"
         return merged([out])  # type: ignore[return-value]  # pieces in, pieces out

@@ -1,9 +1,11 @@
 """Model families other than ChatML through the whole Serve app, driven by real clients: the
 Open Responses suite's requests, the `openai` SDK's tool loop over HTTP (plain and streamed) and
-WebSocket mode, and the Agents SDK's. The engine is the scripted one (the named stand-in for a
-model): it writes what the family's model writes - harmony channels for gpt-oss, read back from
-the tokens by openai-harmony's parser - and the prompts are the family's real tokenizer and
-renderer's, so every prompt the engine gets is the one the real model would get.
+WebSocket mode, and the Agents SDK's, on gpt-oss (harmony) and Qwen3 (a reasoning template). The
+engine is the scripted one (the named stand-in for a model): it writes what the family's model
+writes - harmony channels for gpt-oss, read back from the tokens by openai-harmony's parser;
+`<think>` then `<tool_call>` JSON for Qwen3 - and the prompts are the family's real tokenizer and
+renderer's, so every prompt the engine gets is the one the real model would get. Each family's
+tiny random-weight model also runs a 20-turn tool loop on the real engine (vLLM's CPU engine).
 
 What a user relies on: reasoning and calls come back as Responses items and events, reasoning
 round-trips (chained by `previous_response_id`, and stateless with
@@ -12,13 +14,14 @@ round-trips (chained by `previous_response_id`, and stateless with
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from cluster.models.names import TINY_GPTOSS
+from cluster.models.names import TINY_GPTOSS, TINY_QWEN3
 from tests.integration.test_open_responses import CASES, RESPONSE_RESOURCE, sse_final_response
 from tests.support.apps import module_app, scripted_app
 from tests.support.local_cluster import stats
@@ -30,11 +33,27 @@ TOOL = {"type": "function", "name": "get_weather", "description": "The weather o
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-@pytest.fixture(scope="module")
-def gptoss_url(serve_instance):
-    args = scripted_app({"answer_text": ANSWER, "tokens_per_second": 400, "max_output_tokens": 256},
-                        model={"name": TINY_GPTOSS, "builtin": TINY_GPTOSS, "max_model_len": 16384})
-    yield from module_app("gptoss-scripted", "/gptoss", args, serve_instance, 240)
+@dataclass(frozen=True)
+class Family:
+    model: str
+    url: str
+    new_query: str  # why a new user query after a final answer renders in full (the family's own rule)
+
+
+# name -> (built-in model, scripted engine settings, why a new query renders in full)
+FAMILIES = {
+    "gpt-oss": (TINY_GPTOSS, {}, "final_answer_drops_reasoning"),  # harmony drops reasoning before a final answer
+    "qwen3": (TINY_QWEN3, {"thinks": True}, "content_dependent_state"),  # a new last query drops earlier thinking
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, serve_instance):
+    model, scripted, new_query = FAMILIES[request.param]
+    args = scripted_app({"answer_text": ANSWER, "tokens_per_second": 400, "max_output_tokens": 256, **scripted},
+                        model={"name": model, "builtin": model, "max_model_len": 16384})
+    for url in module_app(f"{request.param}-scripted", f"/{request.param}", args, serve_instance, 240):
+        yield Family(model, url, new_query)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -46,39 +65,39 @@ def kinds(response) -> list[str]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_open_responses_suite_passes_on_gpt_oss(gptoss_url, case):
+def test_the_open_responses_suite_passes(family, case):
     body, streaming, expected = CASES[case]
-    r = httpx.post(gptoss_url + "/v1/responses", json={"model": TINY_GPTOSS, **body, "stream": streaming},
+    r = httpx.post(family.url + "/v1/responses", json={"model": family.model, **body, "stream": streaming},
                    headers={"authorization": "Bearer sk-test"}, timeout=60)
     assert r.status_code == 200, r.text
     response = sse_final_response(r.text)[0] if streaming else r.json()
     jsonschema.validate(response, RESPONSE_RESOURCE)
     assert any(item["type"] == expected for item in response["output"]), response["output"]
-    # harmony's analysis channel is a reasoning item before the call or the answer
+    # the family's reasoning (harmony's analysis channel, Qwen3's <think>) is an item before the call or answer
     assert response["output"][0]["type"] == "reasoning", response["output"]
 
 
-def test_a_chained_sdk_tool_loop_over_http_gets_reasoning_calls_and_the_answer(gptoss_url):
-    c = client(gptoss_url)
-    before = stats(gptoss_url)["render_inline"]
-    first = c.responses.create(model=TINY_GPTOSS, input="What is the weather in Paris?", tools=[TOOL])
+def test_a_chained_sdk_tool_loop_over_http_gets_reasoning_calls_and_the_answer(family):
+    c = client(family.url)
+    before = stats(family.url)["render_inline"]
+    first = c.responses.create(model=family.model, input="What is the weather in Paris?", tools=[TOOL])
     assert kinds(first) == ["reasoning", "function_call"], first.output
     reasoning, call = first.output
     assert reasoning.content[0].type == "reasoning_text" and "get_weather" in reasoning.content[0].text
     assert call.name == "get_weather" and call.arguments.startswith("{") and call.call_id
-    second = c.responses.create(model=TINY_GPTOSS, previous_response_id=first.id, tools=[TOOL], input=[
+    second = c.responses.create(model=family.model, previous_response_id=first.id, tools=[TOOL], input=[
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
     assert kinds(second) == ["reasoning", "message"], second.output
     assert second.output_text == ANSWER
     # the continuation reused the engine's prefix, and rendered only its new items
     assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2, second.usage
-    after = stats(gptoss_url)["render_inline"]
+    after = stats(family.url)["render_inline"]
     assert after["delta_renders"] - before["delta_renders"] >= 1, after
 
 
-def test_a_streamed_turn_sends_reasoning_and_call_deltas(gptoss_url):
-    c = client(gptoss_url)
-    events = list(c.responses.create(model=TINY_GPTOSS, input="Weather in Oslo?", tools=[TOOL], stream=True))
+def test_a_streamed_turn_sends_reasoning_and_call_deltas(family):
+    c = client(family.url)
+    events = list(c.responses.create(model=family.model, input="Weather in Oslo?", tools=[TOOL], stream=True))
     types = [e.type for e in events]
     assert types[0] == "response.created" and types[-1] == "response.completed", types
     assert "response.reasoning_text.delta" in types and "response.reasoning_text.done" in types
@@ -89,12 +108,12 @@ def test_a_streamed_turn_sends_reasoning_and_call_deltas(gptoss_url):
     assert kinds(final) == ["reasoning", "function_call"]
 
 
-def test_stateless_reasoning_round_trips_sealed(gptoss_url):
+def test_stateless_reasoning_round_trips_sealed(family):
     """A stateless client (store=false) carries the reasoning back sealed; the server reads it
     into the prompt (harmony keeps analysis that comes before the calls the outputs answer)."""
-    c = client(gptoss_url)
+    c = client(family.url)
     question = {"role": "user", "content": "What is the weather in Rome?"}
-    first = c.responses.create(model=TINY_GPTOSS, input=[question], tools=[TOOL], store=False,
+    first = c.responses.create(model=family.model, input=[question], tools=[TOOL], store=False,
                                include=["reasoning.encrypted_content"])
     reasoning, call = first.output
     assert reasoning.encrypted_content and "get_weather" not in reasoning.encrypted_content  # sealed, not plain
@@ -102,47 +121,47 @@ def test_stateless_reasoning_round_trips_sealed(gptoss_url):
                {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}]
     # the client sends the reasoning without its text (as the SDKs do with store=false)
     carried[1].pop("content", None)
-    second = c.responses.create(model=TINY_GPTOSS, input=carried, tools=[TOOL], store=False,
+    second = c.responses.create(model=family.model, input=carried, tools=[TOOL], store=False,
                                 include=["reasoning.encrypted_content"])
     assert second.output_text == ANSWER
     # the sealed reasoning was read back into the prompt: the same turn chained by id (where the
     # server kept the reasoning) has the same prompt, and one without the reasoning a shorter one
-    chained_first = c.responses.create(model=TINY_GPTOSS, input=[question], tools=[TOOL])
-    chained = c.responses.create(model=TINY_GPTOSS, previous_response_id=chained_first.id, tools=[TOOL], input=[
+    chained_first = c.responses.create(model=family.model, input=[question], tools=[TOOL])
+    chained = c.responses.create(model=family.model, previous_response_id=chained_first.id, tools=[TOOL], input=[
         {"type": "function_call_output", "call_id": chained_first.output[1].call_id, "output": "rain"}])
-    without = c.responses.create(model=TINY_GPTOSS, input=[carried[0], *carried[2:]], tools=[TOOL], store=False)
+    without = c.responses.create(model=family.model, input=[carried[0], *carried[2:]], tools=[TOOL], store=False)
     assert second.usage.input_tokens == chained.usage.input_tokens > without.usage.input_tokens, (
         second.usage, chained.usage, without.usage)
     altered = {**carried[1], "encrypted_content": carried[1]["encrypted_content"][:-4] + "AAAA"}
     with pytest.raises(openai.BadRequestError) as bad:
-        c.responses.create(model=TINY_GPTOSS, input=[question, altered], store=False)
+        c.responses.create(model=family.model, input=[question, altered], store=False)
     assert bad.value.body["code"] == "invalid_encrypted_content"
 
 
-def test_a_websocket_tool_loop_sends_only_new_items(gptoss_url):
-    c = client(gptoss_url)
-    before = stats(gptoss_url)
+def test_a_websocket_tool_loop_sends_only_new_items(family):
+    c = client(family.url)
+    before = stats(family.url)
     with c.responses.connect() as conn:
-        first = sdk_response(conn, model=TINY_GPTOSS, input="Weather in Lima?", tools=[TOOL])
+        first = sdk_response(conn, model=family.model, input="Weather in Lima?", tools=[TOOL])
         assert kinds(first) == ["reasoning", "function_call"]
         call = first.output[1]
-        second = sdk_response(conn, model=TINY_GPTOSS, previous_response_id=first.id, tools=[TOOL], input=[
+        second = sdk_response(conn, model=family.model, previous_response_id=first.id, tools=[TOOL], input=[
             {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"}])
-        third = sdk_response(conn, model=TINY_GPTOSS, previous_response_id=second.id, tools=[TOOL],
+        third = sdk_response(conn, model=family.model, previous_response_id=second.id, tools=[TOOL],
                              input="And in Quito?")
-    after = stats(gptoss_url)
+    after = stats(family.url)
     assert kinds(second) == ["reasoning", "message"] and kinds(third) == ["reasoning", "function_call"]
     ws = after["turn_transport"].get("websocket", 0) - before["turn_transport"].get("websocket", 0)
     assert ws == 3, after["turn_transport"]
     renders = after["render_inline"]["delta_renders"] - before["render_inline"]["delta_renders"]
     # The tool output's turn rendered only its new items. The next question follows a final answer,
-    # and harmony then drops the earlier reasoning from the prompt: that turn renders in full.
-    dropped = (after["render_inline"]["fallbacks"].get("final_answer_drops_reasoning", 0)
-               - before["render_inline"]["fallbacks"].get("final_answer_drops_reasoning", 0))
+    # and the family then drops the earlier reasoning from the prompt: that turn renders in full.
+    dropped = (after["render_inline"]["fallbacks"].get(family.new_query, 0)
+               - before["render_inline"]["fallbacks"].get(family.new_query, 0))
     assert (renders, dropped) == (1, 1), after["render_inline"]
 
 
-async def test_an_agents_sdk_agent_runs_its_tool_loop_on_gpt_oss(gptoss_url):
+async def test_an_agents_sdk_agent_runs_its_tool_loop(family):
     from agents import Agent, function_tool, set_tracing_disabled
     from agents.responses_websocket_session import responses_websocket_session
 
@@ -155,41 +174,43 @@ async def test_an_agents_sdk_agent_runs_its_tool_loop_on_gpt_oss(gptoss_url):
         asked.append(city)
         return f"{city}: sunny"
 
-    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=TINY_GPTOSS)
-    async with responses_websocket_session(api_key="sk-test", base_url=gptoss_url + "/v1") as session:
+    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=family.model)
+    async with responses_websocket_session(api_key="sk-test", base_url=family.url + "/v1") as session:
         result = await session.run(agent, "Weather in Paris?", auto_previous_response_id=True)
     assert result.final_output == ANSWER
     assert len(asked) == 1 and asked[0], asked
     assert [kinds(r) for r in result.raw_responses] == [["reasoning", "function_call"], ["reasoning", "message"]]
 
 
-@pytest.fixture(scope="module")
-def gptoss_vllm_url(serve_instance):
-    """The tiny gpt-oss (random weights, the real tokenizer) on the real engine: vLLM's CPU engine."""
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_on_vllm(request, serve_instance):
+    """The family's tiny model (random weights, the real tokenizer) on the real engine: vLLM's CPU engine."""
     pytest.importorskip("vllm")
+    model = FAMILIES[request.param][0]
     args = {
-        "model": {"name": TINY_GPTOSS, "builtin": TINY_GPTOSS, "max_model_len": 8192},
+        "model": {"name": model, "builtin": model, "max_model_len": 8192},
         "store": {"backend": "none"},
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 16, "cpu_kvcache_space_gib": 1}},
         "connection": {"ray_actor_options": {"num_cpus": 0.1}}, "render": {"ray_actor_options": {"num_cpus": 0.1}},
         "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}},
     }
-    yield from module_app("gptoss-vllm", "/gptoss-vllm", args, serve_instance, 400)
+    for url in module_app(f"{request.param}-vllm", f"/{request.param}-vllm", args, serve_instance, 400):
+        yield Family(model, url, "")
 
 
 @pytest.mark.vllm
-def test_gpt_oss_runs_a_20_turn_tool_loop_on_the_real_engine(gptoss_vllm_url):
+def test_a_20_turn_tool_loop_runs_on_the_real_engine(family_on_vllm):
     """Random weights write no call of their own, so the client carries the loop: each turn sends
     a call and its output (as a client replaying its agent's calls does) and the engine writes a
     harmony answer to it. Every turn's prompt extends the one before it in vLLM's prefix cache,
     and each continuation renders only its new items."""
-    c = client(gptoss_vllm_url)
-    before = stats(gptoss_vllm_url)["render_inline"]
+    c, url = client(family_on_vllm.url), family_on_vllm.url
+    before = stats(url)["render_inline"]
     usages, prev = [], None
     new: list = [{"role": "user", "content": "Weather in three cities, one at a time."}]
     with c.responses.connect() as conn:
         for turn in range(20):
-            resp = sdk_response(conn, model=TINY_GPTOSS, input=new, previous_response_id=prev, tools=[TOOL],
+            resp = sdk_response(conn, model=family_on_vllm.model, input=new, previous_response_id=prev, tools=[TOOL],
                                 max_output_tokens=8, temperature=0)
             assert resp.usage.output_tokens >= 1, (turn, resp)
             usages.append(resp.usage)
@@ -203,5 +224,5 @@ def test_gpt_oss_runs_a_20_turn_tool_loop_on_the_real_engine(gptoss_vllm_url):
         # (vLLM's hybrid cache aligns a hit for gpt-oss's full and sliding-window layers alike)
         assert b.input_tokens_details.cached_tokens >= a.input_tokens - 64, (n, a, b)
         assert b.input_tokens > a.input_tokens + 100, (n, a, b)  # the call and its output are in the prompt
-    after = stats(gptoss_vllm_url)["render_inline"]
+    after = stats(url)["render_inline"]
     assert after["delta_renders"] - before["delta_renders"] == 19, after  # every continuation incremental

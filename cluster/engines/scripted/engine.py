@@ -151,11 +151,15 @@ class ScriptedEngine:
                 return (f"<|channel|>analysis<|message|>The user asked; {fn['name']} answers it.<|end|><|start|>"
                         f"assistant<|channel|>commentary to=functions.{fn['name']} <|constrain|>json<|message|>"
                         f"{json.dumps(args)}<|call|>")
-            return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (fn["name"], json.dumps(args))
+            return self._think(f"The user asked; {fn['name']} answers it.") + \
+                '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (fn["name"], json.dumps(args))
         if self.harmony:
             return (f"<|channel|>analysis<|message|>Time to answer.<|end|><|start|>assistant<|channel|>final<|message|>"
                     f"{self.config.answer_text}<|return|>")
-        return self.config.answer_text
+        return self._think("Time to answer.") + self.config.answer_text
+
+    def _think(self, reasoning: str) -> str:
+        return f"<think>\n{reasoning}\n</think>\n\n" if self.config.thinks else ""
 
     def last_turn(self, prompt: array) -> str:
         """Who spoke last before the generation prompt: "user", "tool" or "other".

@@ -227,3 +227,17 @@ def test_prompt_that_opens_think_starts_in_reasoning():
     assert isinstance(pieces[0], ReasoningPiece)
     assert "".join(p.text for p in pieces if isinstance(p, ReasoningPiece)) == "weighing options"
     assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "The answer."
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_newlines_around_reasoning_are_the_templates_layout_not_text(chunk):
+    """`<think>\\n{reasoning}\\n</think>\\n\\n{content}`, as Qwen3 and DeepSeek-R1 write it: the reasoning
+    and the call or answer come back without the layout's newlines, however the text is split,
+    and no whitespace-only message stands between the reasoning and a call."""
+    def parse(text: str) -> list:
+        return run(StreamingOutputParser(), [text[i:i + chunk] for i in range(0, len(text), chunk)])
+
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert parse("<think>\nLook.\n\nThen act.\n</think>\n\n" + call) == [
+        ReasoningPiece("Look.\n\nThen act."), ToolCallPiece("f", "{}")]
+    assert parse("<think>\nDone.\n</think>\n\nThe answer.\n") == [ReasoningPiece("Done."), TextPiece("The answer.\n")]
