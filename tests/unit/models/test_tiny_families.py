@@ -1,8 +1,9 @@
-"""Qwen3 as its own tokenizer and template render it, and the render cache kept on its tool loop.
+"""Qwen3 and Llama 3 as their own tokenizers and templates render them, and the render cache kept
+on their tool loops.
 
-The family's own full render is transformers' `apply_chat_template` with Qwen3's published
-template (`cluster/models/templates/qwen3.jinja`) and Qwen3's vocabulary (quicktok-v1's), run
-beside the incremental renderer on every turn."""
+The family's own full render is transformers' `apply_chat_template` with the family's published
+template (`cluster/models/templates/`) and vocabulary (quicktok-v1's), run beside the incremental
+renderer on every turn."""
 
 from __future__ import annotations
 
@@ -15,22 +16,35 @@ from cluster.config import ModelConfig
 from cluster.core.render.chat_messages import messages_from_items
 from cluster.core.render.tokenizer import renderer_for
 from cluster.models.builtin import ensure_builtin
-from cluster.models.names import TINY_QWEN3
+from cluster.models.names import TINY_LLAMA3, TINY_QWEN3
 
 TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run a command.", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer_of(name: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(ensure_builtin(TINY_QWEN3, weights=False))
+    return AutoTokenizer.from_pretrained(ensure_builtin(name, weights=False))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenizer_of(TINY_QWEN3)
 
 
 @pytest.fixture(scope="module")
 def renderer(tokenizer):
     return renderer_for(tokenizer, model=ModelConfig(name=TINY_QWEN3, builtin=TINY_QWEN3))
+
+
+def test_the_llama_tokenizer_is_llama_31s():
+    tokenizer = tokenizer_of(TINY_LLAMA3)
+    assert tokenizer.encode("Hello, world!", add_special_tokens=False) == [9906, 11, 1917, 0]
+    assert tokenizer.encode("12345", add_special_tokens=False) == [4513, 1774]  # digits in threes
+    assert tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<|start_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                                            "<|python_tag|>"]) == [128000, 128006, 128008, 128009, 128010]
+    assert len(tokenizer) == 128256
 
 
 def test_the_tokenizer_is_qwen3s(tokenizer):
@@ -58,7 +72,7 @@ def text_item(role: str, text: str) -> dict:
                                                           "text": text}]}
 
 
-def loop_turns(n: int, seed: int = 7, user_text=lambda i: f"Now part {i + 1}."):
+def loop_turns(n: int, seed: int = 7, user_text=lambda i: f"Now part {i + 1}.", per_turn=(1, 1, 2)):
     """A reasoning agent's tool loop: reasoning + 1-2 calls a turn, outputs of 200-5,000 characters;
     every 10th turn a final answer and the user's next request."""
     rng = random.Random(seed)
@@ -68,7 +82,7 @@ def loop_turns(n: int, seed: int = 7, user_text=lambda i: f"Now part {i + 1}."):
                     text_item("assistant", f"Part {i} done.")], [text_item("user", user_text(i))])
             continue
         calls = [{"type": "function_call", "call_id": f"c{i}-{k}", "name": "shell",
-                  "arguments": f'{{"cmd": "step {i} {k}"}}'} for k in range(rng.choice([1, 1, 2]))]
+                  "arguments": f'{{"cmd": "step {i} {k}"}}'} for k in range(rng.choice(per_turn))]
         output = [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": f"Turn {i}: look further."}]},
                   *calls]
         outputs = [{"type": "function_call_output", "call_id": c["call_id"],
@@ -109,6 +123,15 @@ def test_a_thirty_turn_reasoning_tool_loop_is_qwen3s_render_every_turn_and_incre
     turns, deltas = run_loop(renderer, tokenizer, loop_turns(30))
     # Only a new user query (3 of 30 turns) drops the reasoning kept since the last one: those render in full.
     assert deltas >= 0.9 * turns and deltas == turns - 3, (deltas, turns)
+
+
+def test_a_thirty_turn_tool_loop_is_llamas_render_every_turn_and_incremental():
+    tokenizer = tokenizer_of(TINY_LLAMA3)
+    renderer = renderer_for(tokenizer, model=ModelConfig(name=TINY_LLAMA3, builtin=TINY_LLAMA3))
+    assert not renderer.hazards.in_context and not renderer.hazards.refused_adds
+    # Llama 3.2's template takes one call a turn (it raises on more).
+    turns, deltas = run_loop(renderer, tokenizer, loop_turns(30, per_turn=(1,)))
+    assert deltas == turns, (deltas, turns)
 
 
 def test_a_user_message_dressed_as_a_tool_response_still_renders_exactly(renderer, tokenizer):
