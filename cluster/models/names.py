@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 BuiltinModel = Literal["smollm2-135m-instruct", "loopserve-tiny", "loopserve-tiny-vision", "loopserve-tiny-gptoss",
-                       "loopserve-tiny-qwen3", "loopserve-tiny-llama3"]
+                       "loopserve-tiny-qwen3", "loopserve-tiny-llama3",
+                       "loopserve-tiny-qwen3-coder"]
 BUILTIN_NAMES: tuple[str, ...] = get_args(BuiltinModel)
-SMOLLM2, TINY, TINY_VISION, TINY_GPTOSS, TINY_QWEN3, TINY_LLAMA3 = BUILTIN_NAMES
+SMOLLM2, TINY, TINY_VISION, TINY_GPTOSS, TINY_QWEN3, TINY_LLAMA3, TINY_QWEN3_CODER = BUILTIN_NAMES

@@ -1,10 +1,11 @@
-"""Tiny models of open model families, made here, nothing downloaded: `loopserve-tiny-qwen3` and
-`loopserve-tiny-llama3`.
+"""Tiny models of open model families, made here, nothing downloaded: `loopserve-tiny-qwen3`,
+`loopserve-tiny-qwen3-coder` (a Qwen3 MoE) and `loopserve-tiny-llama3`.
 
 Each has its family's real tokenizer (the vocabulary from the `quicktok-v1` package,
 `cluster/models/quicktok_vocab.py`) and its published chat template (`templates/`, sources in
 its README): Qwen3's keeps reasoning only after the last user query and renders tool outputs as
-`<tool_response>` user turns; Llama 3.2's puts the tools in the first user message, one JSON call
+`<tool_response>` user turns; Qwen3-Coder's writes calls as XML (`<function=NAME><parameter=P>`);
+Llama 3.2's puts the tools in the first user message, one JSON call
 per turn, tool outputs as `ipython` turns. The model is a 2-layer network of the family's
 architecture with random weights (head_dim 64: vLLM's CPU attention refuses smaller heads), in
 bfloat16, so vLLM's CPU engine runs it end to end; its answers are noise.
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.models.folders import ensure_folder, save_random_model
-from cluster.models.names import TINY_LLAMA3, TINY_QWEN3
+from cluster.models.names import TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
 from cluster.models.quicktok_vocab import LLAMA3, QWEN3, Vocabulary, fast_tokenizer
 
 FORMAT_VERSION = "1"
@@ -40,6 +41,10 @@ class TinyFamily:
 FAMILIES = {
     TINY_QWEN3: TinyFamily(QWEN3, "qwen3.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
                            ("<|im_end|>", "<|endoftext|>"), "Qwen3Config", {"tie_word_embeddings": True}),
+    TINY_QWEN3_CODER: TinyFamily(QWEN3, "qwen3-coder.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+                                 ("<|im_end|>", "<|endoftext|>"), "Qwen3MoeConfig",
+                                 {"tie_word_embeddings": True, "num_experts": 4, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 128}),
     TINY_LLAMA3: TinyFamily(LLAMA3, "llama3.2.jinja",
                             {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                              "pad_token": "<|finetune_right_pad_id|>"},

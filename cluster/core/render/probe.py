@@ -244,7 +244,8 @@ def _simulated_output(r: IncrementalRenderer, items: list[Item], output: list[It
     return None
 
 
-# What the renderer checks on every delta before it is used: a failure there falls back at run time too.
+# What the renderer checks on every delta before it is used: a failure there falls back at run time too, so
+# the probe learns nothing about a step from it (a step is blamed only for a delta that passed them and was wrong).
 CAUGHT_AT_RUN_TIME = frozenset({"not_a_prefix", "unsafe_cut", "window_render_failed", "output_rendered_differently"})
 
 
@@ -263,9 +264,11 @@ def _check(report: ProbeReport, r: IncrementalRenderer, st: _State, ctx: list[It
         return None
     r.last_fallback = ""
     res = r.delta(anchor_items, new_items, st.anchor_start, instructions, tools, prior)
-    if report.refused_adds and ((res is None and r.last_fallback in CAUGHT_AT_RUN_TIME)
-                                or (res is not None and prior is not None and not res.reused_output)):
-        return None  # an anchored window: every delta checks its cut and its reuse, so this proves or blames no step
+    if (single or report.refused_adds) and ((res is None and r.last_fallback in CAUGHT_AT_RUN_TIME) or (
+            res is not None and prior is not None and not res.reused_output)):
+        # Every delta checks its cut and its reuse as it runs: a single step (a state the probe made up)
+        # or an anchored window failing there proves or blames no step.
+        return None
     if res is None or (prior is not None and not res.reused_output):
         report.record(steps, False, r.last_fallback or "output_rendered_differently", single)
         return None

@@ -16,7 +16,7 @@ from cluster.config import ModelConfig
 from cluster.core.render.chat_messages import messages_from_items
 from cluster.core.render.tokenizer import renderer_for
 from cluster.models.builtin import ensure_builtin
-from cluster.models.names import TINY_LLAMA3, TINY_QWEN3
+from cluster.models.names import TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
 
 TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run a command.", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
@@ -125,12 +125,13 @@ def test_a_thirty_turn_reasoning_tool_loop_is_qwen3s_render_every_turn_and_incre
     assert deltas >= 0.9 * turns and deltas == turns - 3, (deltas, turns)
 
 
-def test_a_thirty_turn_tool_loop_is_llamas_render_every_turn_and_incremental():
-    tokenizer = tokenizer_of(TINY_LLAMA3)
-    renderer = renderer_for(tokenizer, model=ModelConfig(name=TINY_LLAMA3, builtin=TINY_LLAMA3))
+# Llama 3.2's template takes one call a turn (it raises on more); Qwen3-Coder's writes calls as XML.
+@pytest.mark.parametrize("name,per_turn", [(TINY_LLAMA3, (1,)), (TINY_QWEN3_CODER, (1, 1, 2))])
+def test_a_thirty_turn_tool_loop_is_the_familys_render_every_turn_and_incremental(name, per_turn):
+    tokenizer = tokenizer_of(name)
+    renderer = renderer_for(tokenizer, model=ModelConfig(name=name, builtin=name))
     assert not renderer.hazards.in_context and not renderer.hazards.refused_adds
-    # Llama 3.2's template takes one call a turn (it raises on more).
-    turns, deltas = run_loop(renderer, tokenizer, loop_turns(30, per_turn=(1,)))
+    turns, deltas = run_loop(renderer, tokenizer, loop_turns(30, per_turn=per_turn))
     assert deltas == turns, (deltas, turns)
 
 

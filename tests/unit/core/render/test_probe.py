@@ -130,9 +130,11 @@ def test_vllms_shipped_templates(tiny_model_dir):
     chatml = renderer_for(tokenizer_with(tiny_model_dir, (folder / "template_chatml.jinja").read_text()))
     assert not chatml.probe_report.wrong
     all_exact(chatml)
-    # No special tokens between messages: a cut could merge tokens, so nothing is proven.
+    # No special tokens between messages: a cut could merge tokens, so only a call's output after the call
+    # (cut at the call's closing tag) is proven; every delta's cut is checked as it runs, and the conversations
+    # stay exact.
     basic = renderer_for(tokenizer_with(tiny_model_dir, (folder / "template_basic.jinja").read_text()))
-    assert not basic.probe_report.proven
+    assert {step[3:] for step in basic.probe_report.proven} <= {("assistant+calls", "tool")}
     all_exact(basic)
     # Qwen3-style: reasoning of earlier turns is dropped once a new user message arrives. The analysis
     # anchors windows at the last user message and renders a new one in full; the tool loop is proven.
