@@ -36,6 +36,9 @@ class ScriptedEngineConfig(StrictModel):
     and tool-result tag): after a user message it calls the first offered tool, after a tool result it answers."""
     tool_result_marker: str = "<tool_response>"
     """The tag that marks a tool result in the prompt (see `turn_marker`)."""
+    calls_per_turn: int = Field(1, ge=1)
+    """Tools called in one turn (the first offered ones), when the request allows parallel calls: several calls in
+    one output, written in the model's tool-call format (`model.tool_parser`)."""
     thinks: bool = False
     """Write `<think>...</think>` before each answer and call, as a reasoning model does (Qwen3, DeepSeek-R1). A harmony
     model (gpt-oss) always writes its analysis channel first."""

@@ -21,10 +21,11 @@ from cluster.core.messages import Piece, ReasoningPiece, TextPiece, ToolCallPiec
 log = logging.getLogger(__name__)
 
 # tool-call section (with its tags) -> [(name, arguments json)] or None when malformed
-ToolCallExtractor = Callable[[str], Optional[list[tuple[str, str]]]]
+# (a tool-call section, the tools the request offered) -> [(name, arguments)], or None when it holds no call
+ToolCallExtractor = Callable[[str, Sequence[dict]], Optional[list[tuple[str, str]]]]
 
 
-def json_tool_call_extractor(section: str) -> Optional[list[tuple[str, str]]]:
+def json_tool_call_extractor(section: str, tools: Sequence[dict] = ()) -> Optional[list[tuple[str, str]]]:
     """Hermes-format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (no vLLM needed)."""
     body = section.removeprefix("<tool_call>").removesuffix("</tool_call>").strip()
     try:
@@ -58,11 +59,14 @@ class StreamingOutputParser:
         think_close: str = "</think>",
         tools_enabled: bool = True,
         start_in_reasoning: bool = False,
+        bare_start: str = "",
+        tools: Sequence[dict] = (),
     ) -> None:
         self._extract = extractor
         self._tool_open, self._tool_close = tool_open, tool_close
         self._think_open, self._think_close = think_open, think_close
         self._tools_enabled = tools_enabled
+        self._tools = tools  # the request's (ToolSpec): a family's parser types arguments by their schema
         self._buf = ""
         # text | tool | think; a prompt that ends in the think tag starts inside reasoning
         self._mode = "think" if start_in_reasoning else "text"
@@ -70,18 +74,29 @@ class StreamingOutputParser:
         # {content}`, which reasoning templates write with strip('\n') and lstrip('\n')): dropped after
         # either tag and before the closing one, so no whitespace-only message stands between reasoning and a call.
         self._trim_lead = start_in_reasoning
+        # A family whose calls may come without their tag (Llama 3's JSON): an output opening with
+        # `bare_start` is a call section; decided once the first text that is not blank arrives.
+        self._bare_start = bare_start if tools_enabled else ""
+        self._untagged = False  # the section in progress opened without its tag
         self.tool_calls = 0
 
     def feed(self, delta: str, token_ids: Sequence[int] = ()) -> list[Piece]:
         self._buf += delta
         out: list[Piece] = []
+        if self._bare_start and self._mode == "text":
+            head = self._buf.lstrip()
+            if not head or (len(head) < len(self._bare_start) and self._bare_start.startswith(head)):
+                return []  # not decided yet
+            if head.startswith(self._bare_start):
+                self._mode, self._untagged, self._buf = "tool", True, head
+            self._bare_start = ""
         while self._buf:
             if self._mode == "tool":
                 end = self._buf.find(self._tool_close) if self._tool_close else -1
                 if end < 0:  # no end tag (yet, or ever): the section runs on
                     break
                 block, self._buf = self._buf[:end], self._buf[end + len(self._tool_close) :]
-                self._mode = "text"
+                self._mode, self._trim_lead = "text", True  # the newline templates write between calls is layout
                 out.extend(self._tool_block(block))
                 continue
             close = self._think_close if self._mode == "think" else None
@@ -129,8 +144,9 @@ class StreamingOutputParser:
         return ReasoningPiece(text) if self._mode == "think" else TextPiece(text)
 
     def _tool_block(self, block: str, terminated: bool = True) -> list[Piece]:
-        raw = self._tool_open + block + (self._tool_close if terminated and self._tool_close else "")
-        calls = self._extract(raw)
+        opened, self._untagged = ("" if self._untagged else self._tool_open), False
+        raw = opened + block + (self._tool_close if terminated and self._tool_close else "")
+        calls = self._extract(raw, self._tools)
         if not calls:
             return [TextPiece(raw)]
         self.tool_calls += len(calls)
@@ -165,6 +181,7 @@ class ToolFormat:
     # tool calls (tool_choice required/named) work. Known here without importing vLLM,
     # for connection nodes that have none; a unit test checks it against vLLM.
     forcible: bool = True
+    bare_start: str = ""  # an output opening with this is a call without the start tag (vLLM's parser reads both)
 
 
 # Families whose tool-call section begins at a marker (vLLM parser name -> format).
@@ -172,7 +189,8 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("<tool_call>", "</tool_call>"),  # Hermes, Qwen2.5, Qwen3
     "qwen3_xml": ToolFormat("<tool_call>", "</tool_call>"),  # Qwen3-Coder XML calls
     "qwen3_coder": ToolFormat("<tool_call>", "</tool_call>"),
-    "llama3_json": ToolFormat("<|python_tag|>", None),  # Llama 3.1/3.2 JSON calls
+    # Llama 3.1/3.2 JSON calls: after <|python_tag|>, or a whole output that is `{"name": ..., "parameters": ...}`
+    "llama3_json": ToolFormat("<|python_tag|>", None, bare_start="{"),
     "mistral": ToolFormat("[TOOL_CALLS]", None, forcible=False),
 }
 
@@ -200,18 +218,30 @@ def vllm_tool_call_extractor(parser_name: str, tokenizer: Any) -> ToolCallExtrac
         from vllm.tool_parsers import ToolParserManager
     except Exception:  # vLLM not installed (a dev box without [cpu] or [vllm])
         log.warning("vLLM is not importable; using the plain JSON tool-call extractor")
-        return lambda section: json_tool_call_extractor(_strip_tags(section, parser_name))
+        return lambda section, tools=(): json_tool_call_extractor(_strip_tags(section, parser_name))
     parser = ToolParserManager.get_tool_parser(parser_name)(tokenizer)
     # A malformed section is returned as text, which is not an error worth a traceback.
     logging.getLogger(type(parser).__module__).setLevel(logging.CRITICAL)
 
-    def extract(section: str) -> Optional[list[tuple[str, str]]]:
-        info = parser.extract_tool_calls(section, None)  # type: ignore[arg-type]
+    def extract(section: str, tools: Sequence[dict] = ()) -> Optional[list[tuple[str, str]]]:
+        # The offered tools' schemas: a parser that writes values as text (Qwen3-Coder's XML) types them by it.
+        info = parser.extract_tool_calls(section, _ParserRequest(tools))  # type: ignore[arg-type]
         if not info.tools_called or not info.tool_calls:
             return None
         return [(tc.function.name, tc.function.arguments) for tc in info.tool_calls]
 
     return extract
+
+
+class _ParserRequest:
+    """What vLLM's tool parsers read of a request: its tools (as vLLM's own models) and tool choice."""
+
+    tool_choice = "auto"
+
+    def __init__(self, tools: Sequence[dict]) -> None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+        self.tools = [ChatCompletionToolsParam.model_validate(t) for t in tools] or None
 
 
 def _strip_tags(section: str, parser_name: str) -> str:

@@ -50,7 +50,7 @@ class EngineService:
         self.extractor = vllm_tool_call_extractor(config.model.tool_parser, tokenizer)
         tools = tool_format(config.model.tool_parser)
         think = reasoning_tags(config.model.reasoning_parser, tokenizer)
-        self.format = OutputFormat(tools.start, tools.end, think[0], think[1])
+        self.format = OutputFormat(tools.start, tools.end, think[0], think[1], tools.bare_start)
         # A family whose output is read from its tokens (harmony): its encoding, for a parser per request.
         self._harmony = (harmony_encoding(config.model.resolved_path())
                          if renderer_of(config.model).output == "harmony" else None)

@@ -22,6 +22,7 @@ class OutputFormat:
     tool_close: Optional[str] = "</tool_call>"
     think_open: str = "<think>"
     think_close: str = "</think>"
+    bare_start: str = ""  # an output that opens with this is a call section without its tag (Llama 3's JSON)
 
 
 async def stream_chunks(
@@ -56,6 +57,8 @@ async def stream_chunks(
         think_close=fmt.think_close,
         tools_enabled=bool(request.generation.tools) and request.generation.tool_choice != "none",
         start_in_reasoning=tail.rstrip().endswith(fmt.think_open),
+        bare_start=fmt.bare_start,
+        tools=request.generation.tools,
     )
     output_tokens = 0
     output_ids = array("i")

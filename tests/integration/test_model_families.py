@@ -21,7 +21,8 @@ import jsonschema
 import openai
 import pytest
 
-from cluster.models.names import TINY_GPTOSS, TINY_QWEN3
+from cluster.engines.scripted.engine import example_arguments
+from cluster.models.names import TINY_GPTOSS, TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
 from tests.integration.test_open_responses import CASES, RESPONSE_RESOURCE, sse_final_response
 from tests.support.apps import module_app, scripted_app
 from tests.support.local_cluster import stats
@@ -33,27 +34,48 @@ TOOL = {"type": "function", "name": "get_weather", "description": "The weather o
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
+TIME_TOOL = {"type": "function", "name": "get_time", "description": "The time in a city.",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "offset": {"type": "integer"}},
+                            "required": ["city", "offset"]}}
+
+
 @dataclass(frozen=True)
 class Family:
     model: str
     url: str
-    new_query: str  # why a new user query after a final answer renders in full (the family's own rule)
+    reasons: bool  # its model writes reasoning before a call or an answer
+    calls: int  # calls it writes in one turn when two tools are offered
+    new_query: str  # why a new user query after a final answer renders in full ("": it renders incrementally)
+
+    def call_turn(self, n: int = 1) -> list[str]:
+        return ["reasoning"] * self.reasons + ["function_call"] * n
+
+    def answer_turn(self) -> list[str]:
+        return ["reasoning"] * self.reasons + ["message"]
 
 
-# name -> (built-in model, scripted engine settings, why a new query renders in full)
+# name -> (built-in model, model settings, scripted engine settings (it writes the family's format), reasons,
+# calls a turn, why a new query renders in full)
 FAMILIES = {
-    "gpt-oss": (TINY_GPTOSS, {}, "final_answer_drops_reasoning"),  # harmony drops reasoning before a final answer
-    "qwen3": (TINY_QWEN3, {"thinks": True}, "content_dependent_state"),  # a new last query drops earlier thinking
+    # harmony: analysis, then one call (`<|call|>` ends the turn); reasoning is dropped before a final answer
+    "gpt-oss": (TINY_GPTOSS, {}, {}, True, 1, "final_answer_drops_reasoning"),
+    # <think>, then Hermes JSON calls; a new last user query drops the earlier thinking
+    "qwen3": (TINY_QWEN3, {}, {"thinks": True, "calls_per_turn": 2}, True, 2, "content_dependent_state"),
+    # XML calls, several a turn
+    "qwen3-coder": (TINY_QWEN3_CODER, {"tool_parser": "qwen3_xml"}, {"calls_per_turn": 2}, False, 2, ""),
+    # the call as a bare JSON object, one a turn; tool outputs as ipython turns
+    "llama3": (TINY_LLAMA3, {"tool_parser": "llama3_json"},
+               {"turn_marker": "<|start_header_id|>", "tool_result_marker": "ipython"}, False, 1, ""),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, serve_instance):
-    model, scripted, new_query = FAMILIES[request.param]
+    model, settings, scripted, reasons, calls, new_query = FAMILIES[request.param]
     args = scripted_app({"answer_text": ANSWER, "tokens_per_second": 400, "max_output_tokens": 256, **scripted},
-                        model={"name": model, "builtin": model, "max_model_len": 16384})
+                        model={"name": model, "builtin": model, "max_model_len": 16384, **settings})
     for url in module_app(f"{request.param}-scripted", f"/{request.param}", args, serve_instance, 240):
-        yield Family(model, url, new_query)
+        yield Family(model, url, reasons, calls, new_query)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -74,20 +96,25 @@ def test_the_open_responses_suite_passes(family, case):
     jsonschema.validate(response, RESPONSE_RESOURCE)
     assert any(item["type"] == expected for item in response["output"]), response["output"]
     # the family's reasoning (harmony's analysis channel, Qwen3's <think>) is an item before the call or answer
-    assert response["output"][0]["type"] == "reasoning", response["output"]
+    assert (response["output"][0]["type"] == "reasoning") == family.reasons, response["output"]
 
 
 def test_a_chained_sdk_tool_loop_over_http_gets_reasoning_calls_and_the_answer(family):
     c = client(family.url)
     before = stats(family.url)["render_inline"]
-    first = c.responses.create(model=family.model, input="What is the weather in Paris?", tools=[TOOL])
-    assert kinds(first) == ["reasoning", "function_call"], first.output
-    reasoning, call = first.output
-    assert reasoning.content[0].type == "reasoning_text" and "get_weather" in reasoning.content[0].text
-    assert call.name == "get_weather" and call.arguments.startswith("{") and call.call_id
-    second = c.responses.create(model=family.model, previous_response_id=first.id, tools=[TOOL], input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
-    assert kinds(second) == ["reasoning", "message"], second.output
+    first = c.responses.create(model=family.model, input="Weather and time in Paris?", tools=[TOOL, TIME_TOOL])
+    assert kinds(first) == family.call_turn(family.calls), first.output
+    if family.reasons:
+        assert first.output[0].content[0].type == "reasoning_text" and "get_weather" in first.output[0].content[0].text
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather", "get_time"][:family.calls]
+    # arguments are the JSON the tool's schema says, typed (the family writes them as JSON or as XML text)
+    assert [json.loads(c.arguments) for c in calls] == [
+        example_arguments(t["parameters"]) for t in (TOOL, TIME_TOOL)][:family.calls]
+    assert len({c.call_id for c in calls}) == family.calls
+    second = c.responses.create(model=family.model, previous_response_id=first.id, tools=[TOOL, TIME_TOOL], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"} for call in calls])
+    assert kinds(second) == family.answer_turn(), second.output
     assert second.output_text == ANSWER
     # the continuation reused the engine's prefix, and rendered only its new items
     assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2, second.usage
@@ -100,17 +127,19 @@ def test_a_streamed_turn_sends_reasoning_and_call_deltas(family):
     events = list(c.responses.create(model=family.model, input="Weather in Oslo?", tools=[TOOL], stream=True))
     types = [e.type for e in events]
     assert types[0] == "response.created" and types[-1] == "response.completed", types
-    assert "response.reasoning_text.delta" in types and "response.reasoning_text.done" in types
     assert "response.function_call_arguments.delta" in types and "response.function_call_arguments.done" in types
-    # the reasoning item closes before the call opens, as the model wrote them
-    assert types.index("response.reasoning_text.done") < types.index("response.function_call_arguments.delta")
+    assert ("response.reasoning_text.delta" in types) == ("response.reasoning_text.done" in types) == family.reasons
+    if family.reasons:  # the reasoning item closes before the call opens, as the model wrote them
+        assert types.index("response.reasoning_text.done") < types.index("response.function_call_arguments.delta")
     final = events[-1].response
-    assert kinds(final) == ["reasoning", "function_call"]
+    assert kinds(final) == family.call_turn()
 
 
 def test_stateless_reasoning_round_trips_sealed(family):
     """A stateless client (store=false) carries the reasoning back sealed; the server reads it
     into the prompt (harmony keeps analysis that comes before the calls the outputs answer)."""
+    if not family.reasons:
+        pytest.skip("the family writes no reasoning to carry")
     c = client(family.url)
     question = {"role": "user", "content": "What is the weather in Rome?"}
     first = c.responses.create(model=family.model, input=[question], tools=[TOOL], store=False,
@@ -143,22 +172,25 @@ def test_a_websocket_tool_loop_sends_only_new_items(family):
     before = stats(family.url)
     with c.responses.connect() as conn:
         first = sdk_response(conn, model=family.model, input="Weather in Lima?", tools=[TOOL])
-        assert kinds(first) == ["reasoning", "function_call"]
-        call = first.output[1]
+        assert kinds(first) == family.call_turn()
+        call = first.output[-1]
         second = sdk_response(conn, model=family.model, previous_response_id=first.id, tools=[TOOL], input=[
             {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"}])
         third = sdk_response(conn, model=family.model, previous_response_id=second.id, tools=[TOOL],
                              input="And in Quito?")
     after = stats(family.url)
-    assert kinds(second) == ["reasoning", "message"] and kinds(third) == ["reasoning", "function_call"]
+    assert kinds(second) == family.answer_turn() and kinds(third) == family.call_turn()
     ws = after["turn_transport"].get("websocket", 0) - before["turn_transport"].get("websocket", 0)
     assert ws == 3, after["turn_transport"]
     renders = after["render_inline"]["delta_renders"] - before["render_inline"]["delta_renders"]
-    # The tool output's turn rendered only its new items. The next question follows a final answer,
-    # and the family then drops the earlier reasoning from the prompt: that turn renders in full.
-    dropped = (after["render_inline"]["fallbacks"].get(family.new_query, 0)
-               - before["render_inline"]["fallbacks"].get(family.new_query, 0))
-    assert (renders, dropped) == (1, 1), after["render_inline"]
+    # The tool output's turn rendered only its new items. The next question follows a final answer: a
+    # family that then drops the earlier reasoning from the prompt renders that turn in full.
+    if family.new_query:
+        dropped = (after["render_inline"]["fallbacks"].get(family.new_query, 0)
+                   - before["render_inline"]["fallbacks"].get(family.new_query, 0))
+        assert (renders, dropped) == (1, 1), after["render_inline"]
+    else:
+        assert renders == 2, after["render_inline"]
 
 
 async def test_an_agents_sdk_agent_runs_its_tool_loop(family):
@@ -179,23 +211,23 @@ async def test_an_agents_sdk_agent_runs_its_tool_loop(family):
         result = await session.run(agent, "Weather in Paris?", auto_previous_response_id=True)
     assert result.final_output == ANSWER
     assert len(asked) == 1 and asked[0], asked
-    assert [kinds(r) for r in result.raw_responses] == [["reasoning", "function_call"], ["reasoning", "message"]]
+    assert [kinds(r) for r in result.raw_responses] == [family.call_turn(), family.answer_turn()]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_on_vllm(request, serve_instance):
     """The family's tiny model (random weights, the real tokenizer) on the real engine: vLLM's CPU engine."""
     pytest.importorskip("vllm")
-    model = FAMILIES[request.param][0]
+    model, settings = FAMILIES[request.param][:2]
     args = {
-        "model": {"name": model, "builtin": model, "max_model_len": 8192},
+        "model": {"name": model, "builtin": model, "max_model_len": 8192, **settings},
         "store": {"backend": "none"},
         "engine": {"backend": "vllm", "vllm": {"block_size": 32, "default_max_tokens": 16, "cpu_kvcache_space_gib": 1}},
         "connection": {"ray_actor_options": {"num_cpus": 0.1}}, "render": {"ray_actor_options": {"num_cpus": 0.1}},
         "engine_deployment": {"ray_actor_options": {"num_cpus": 0.5}},
     }
     for url in module_app(f"{request.param}-vllm", f"/{request.param}-vllm", args, serve_instance, 400):
-        yield Family(model, url, "")
+        yield Family(model, url, *FAMILIES[request.param][3:])
 
 
 @pytest.mark.vllm

@@ -65,6 +65,18 @@ def _head(salt, tokens: array) -> tuple:
     return (salt, tokens[:HEAD].tobytes())
 
 
+def written_calls(tool_parser: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls as the family writes them (vLLM's parser for `tool_parser` reads them back)."""
+    if tool_parser in ("qwen3_xml", "qwen3_coder"):  # Qwen3-Coder: XML
+        return "\n".join("<tool_call>\n<function=%s>\n%s</function>\n</tool_call>" % (name, "".join(
+            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in args.items()))
+            for name, args in calls)
+    if tool_parser == "llama3_json":  # Llama 3: the JSON object alone, calls joined by "; "
+        return "; ".join(json.dumps({"name": name, "parameters": args}) for name, args in calls)
+    return "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(args))
+                     for name, args in calls)  # Hermes (Qwen2.5, Qwen3)
+
+
 class ScriptedEngine:
     def __init__(
         self,
@@ -79,6 +91,7 @@ class ScriptedEngine:
         self.max_model_len = model.max_model_len
         # A harmony model (gpt-oss) writes channels, not tags: its answers and calls are written so.
         self.harmony = renderer_of(model).output == "harmony"
+        self.tool_parser = model.tool_parser  # how its calls are written (the family's format)
         self._encode, self._decode = encode, decode
         self._decode_raw = decode_raw or decode  # keeps special tokens: the template's turn markers
         # (cache salt, session) -> tokens in its "KV cache"; LRU, bounded like a real KV cache.
@@ -143,16 +156,15 @@ class ScriptedEngine:
             or self.last_turn(request.prompt_token_ids) == "user"
         )
         if wants_tool:
-            fn = offered[0]
+            fns = offered[:self.config.calls_per_turn] if gen.parallel_tool_calls else offered[:1]
             if isinstance(gen.tool_choice, dict) and gen.tool_choice.get("name"):
-                fn = next((f for f in offered if f["name"] == gen.tool_choice["name"]), fn)
-            args = example_arguments(fn.get("parameters") or {})
+                fns = [next((f for f in offered if f["name"] == gen.tool_choice["name"]), fns[0])]
+            calls = [(fn["name"], example_arguments(fn.get("parameters") or {})) for fn in fns]
             if self.harmony:
-                return (f"<|channel|>analysis<|message|>The user asked; {fn['name']} answers it.<|end|><|start|>"
-                        f"assistant<|channel|>commentary to=functions.{fn['name']} <|constrain|>json<|message|>"
-                        f"{json.dumps(args)}<|call|>")
-            return self._think(f"The user asked; {fn['name']} answers it.") + \
-                '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (fn["name"], json.dumps(args))
+                return "".join(f"<|channel|>analysis<|message|>The user asked; {name} answers it.<|end|><|start|>"
+                               f"assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+                               f"{json.dumps(args)}<|call|>" for name, args in calls[:1])  # <|call|> ends the turn
+            return self._think(f"The user asked; {calls[0][0]} answers it.") + written_calls(self.tool_parser, calls)
         if self.harmony:
             return (f"<|channel|>analysis<|message|>Time to answer.<|end|><|start|>assistant<|channel|>final<|message|>"
                     f"{self.config.answer_text}<|return|>")

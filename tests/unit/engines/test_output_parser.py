@@ -241,3 +241,47 @@ def test_newlines_around_reasoning_are_the_templates_layout_not_text(chunk):
     assert parse("<think>\nLook.\n\nThen act.\n</think>\n\n" + call) == [
         ReasoningPiece("Look.\n\nThen act."), ToolCallPiece("f", "{}")]
     assert parse("<think>\nDone.\n</think>\n\nThe answer.\n") == [ReasoningPiece("Done."), TextPiece("The answer.\n")]
+
+
+def test_xml_calls_are_typed_by_the_offered_tools_schema():
+    """Qwen3-Coder writes every argument as text (`<parameter=n>\\n3\\n</parameter>`); vLLM's parser types
+    it by the schema of the tool the request offered, so the call's arguments are the JSON a client expects."""
+    from transformers import AutoTokenizer
+
+    from cluster.engines.scripted.engine import written_calls
+    from cluster.models.builtin import ensure_builtin
+    from cluster.models.names import TINY_QWEN3_CODER
+
+    pytest.importorskip("vllm")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_builtin(TINY_QWEN3_CODER, weights=False))
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "n": {"type": "integer"}, "exact": {"type": "boolean"}}}}}]
+    text = "<think>\nWhich time?\n</think>\n\n" + written_calls("qwen3_xml", [("get_time", {"city": "Rome", "n": 3,
+                                                                                       "exact": True})])
+    pieces = run(StreamingOutputParser(vllm_tool_call_extractor("qwen3_xml", tokenizer), tools=tools), list(text))
+    assert pieces == [ReasoningPiece("Which time?"),
+                      ToolCallPiece("get_time", json.dumps({"city": "Rome", "n": 3, "exact": True}))]
+
+
+def test_a_llama_call_is_the_whole_output_as_json_without_its_tag():
+    """Llama 3 writes a custom tool's call as the bare JSON object (`<|python_tag|>` is for its built-in
+    tools); an answer that only contains braces stays text."""
+    from transformers import AutoTokenizer
+
+    from cluster.models.builtin import ensure_builtin
+    from cluster.models.names import TINY_LLAMA3
+
+    pytest.importorskip("vllm")
+    extractor = vllm_tool_call_extractor("llama3_json", AutoTokenizer.from_pretrained(
+        ensure_builtin(TINY_LLAMA3, weights=False)))
+    fmt = tool_format("llama3_json")
+
+    def parse(text, chunks):
+        parser = StreamingOutputParser(extractor, tool_open=fmt.start, tool_close=fmt.end, bare_start=fmt.bare_start)
+        return run(parser, [text[i:i + chunks] for i in range(0, len(text), chunks)])
+
+    for chunks in (1, 5, 1000):
+        assert parse(' {"name": "get_weather", "parameters": {"city": "Paris"}}', chunks) == [
+            ToolCallPiece("get_weather", '{"city": "Paris"}')]
+        assert parse("The set {1, 2} is small.", chunks) == [TextPiece("The set {1, 2} is small.")]
+        assert parse("{not a call", chunks) == [TextPiece("{not a call")]
