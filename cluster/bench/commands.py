@@ -32,6 +32,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tracing-cost": ("cluster.bench.tracing_cost", "a turn's cost with telemetry on against off"),
     "safety-loop": ("cluster.bench.safety_loop", "the safety checks' cost a turn, and a slow post-work hook's"),
     "store-latency": ("cluster.bench.store_latency", "what store: true costs a turn"),
+    "family-renders": ("cluster.bench.family_renders", "each model family's 30-turn tool loop: incremental turns "
+                                                       "and render CPU a turn, against every turn in full"),
 }
 DEFAULT = "loop"
 

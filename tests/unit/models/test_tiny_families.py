@@ -7,19 +7,17 @@ renderer on every turn."""
 
 from __future__ import annotations
 
-import random
 import unicodedata
 
 import pytest
 
+from cluster.bench.family_renders import TOOLS, loop_turns, rendered_loop, text_item
 from cluster.config import ModelConfig
 from cluster.core.render.chat_messages import messages_from_items
 from cluster.core.render.tokenizer import renderer_for
 from cluster.models.builtin import ensure_builtin
 from cluster.models.names import TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
 
-TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run a command.", "parameters": {
-    "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
 
 
 def tokenizer_of(name: str):
@@ -67,55 +65,19 @@ def test_the_template_analysis_anchors_windows_at_the_last_user_query(renderer):
     assert not renderer.probe_report.wrong
 
 
-def text_item(role: str, text: str) -> dict:
-    return {"type": "message", "role": role, "content": [{"type": "input_text" if role == "user" else "output_text",
-                                                          "text": text}]}
-
-
-def loop_turns(n: int, seed: int = 7, user_text=lambda i: f"Now part {i + 1}.", per_turn=(1, 1, 2)):
-    """A reasoning agent's tool loop: reasoning + 1-2 calls a turn, outputs of 200-5,000 characters;
-    every 10th turn a final answer and the user's next request."""
-    rng = random.Random(seed)
-    for i in range(n):
-        if i % 10 == 9:
-            yield ([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": f"All done for part {i}."}]},
-                    text_item("assistant", f"Part {i} done.")], [text_item("user", user_text(i))])
-            continue
-        calls = [{"type": "function_call", "call_id": f"c{i}-{k}", "name": "shell",
-                  "arguments": f'{{"cmd": "step {i} {k}"}}'} for k in range(rng.choice(per_turn))]
-        output = [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": f"Turn {i}: look further."}]},
-                  *calls]
-        outputs = [{"type": "function_call_output", "call_id": c["call_id"],
-                    "output": "".join(rng.choice("abcdefgh \n{}<>") for _ in range(rng.randint(200, 5000)))}
-                   for c in calls]
-        yield output, outputs
-
-
 def run_loop(renderer, tokenizer, turns, own=True) -> tuple[int, int]:
     """Every turn through the renderer as the turn driver runs it; each prompt must equal the
     family's own full render (`own`; else the renderer's full render). Returns (turns, incremental turns)."""
-    items = [text_item("user", "Fix the build.")]
-    first = renderer.full(items, None, TOOLS)
-    prefix, anchor, count = first.assemble(None)[0], first.anchor_start, len(items)
-    n = deltas = 0
-    for output, new in turns:
-        items = items + output + new
-        n += 1
-        res = renderer.delta(items[anchor:count], items[count:], anchor, None, TOOLS,
-                             history_roles=frozenset({"user", "assistant", "tool"}))
-        if res is None:
-            res = renderer.full(items, None, TOOLS)
-        else:
-            deltas += 1
-        prefix, prompt = res.assemble(prefix)
+    def check(items, prompt):
         if own:
             want = tokenizer.encode(tokenizer.apply_chat_template(
                 messages_from_items(items)[0], tools=TOOLS, add_generation_prompt=True, tokenize=False),
                 add_special_tokens=False)
         else:
             want = list(renderer.full(items, None, TOOLS).assemble(None)[1])
-        assert list(prompt) == want, f"turn {n}"
-        anchor, count = res.anchor_start, len(items)
+        assert list(prompt) == want, f"{len(items)} items"
+
+    n, deltas, _, _ = rendered_loop(renderer, turns, check)
     return n, deltas
 
 
