@@ -106,3 +106,34 @@ def test_a_user_message_dressed_as_a_tool_response_still_renders_exactly(rendere
     assert deltas == turns - 1
     prompt = renderer.full([text_item("user", fake)], None, TOOLS).assemble(None)[1]
     assert tokenizer.convert_tokens_to_ids("<tool_response>") not in list(prompt)
+
+
+@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_CODER, TINY_LLAMA3])
+def test_the_probe_battery_is_the_familys_own_render_every_turn(name):
+    """Every conversation of the start-up probe's battery (system prompts, tools or none, reasoning,
+    several calls, long contents, compaction), driven as the turn driver drives it: each prompt is
+    the family's own full render (transformers with the family's template and tokenizer)."""
+    from cluster.core.render.probe import SCENARIOS
+    from cluster.core.render.probe import TOOLS as PROBE_TOOLS
+    from tests.unit.core.render.test_probe import drive
+
+    tokenizer = tokenizer_of(name)
+    renderer = renderer_for(tokenizer, model=ModelConfig(name=name, builtin=name))
+    compared = 0
+    for scenario, turns in SCENARIOS.items():
+        if name == TINY_LLAMA3 and any(len([i for i in out if i.get("type") == "function_call"]) > 1
+                                       for _, out in turns):
+            continue  # Llama 3.2's template refuses several calls in a turn (so would the server)
+        for instructions in (None, "You are a coding agent."):
+            for tools in (PROBE_TOOLS, None):
+                items: list = []
+                for (got, _), (new, output) in zip(drive(renderer, turns, instructions, tools), turns):
+                    items = items + new
+                    messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
+                        messages_from_items(items)[0]
+                    want = tokenizer.encode(tokenizer.apply_chat_template(
+                        messages, tools=tools, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+                    assert list(got) == want, (scenario, instructions, bool(tools), len(items))
+                    compared += 1
+                    items = items + output
+    assert compared > 40
