@@ -119,3 +119,26 @@ def test_reasoning_effort_reaches_the_system_message_and_an_unknown_one_is_a_400
     with pytest.raises(ApiError) as err:
         renderer.full(items, None, None, "xhigh")
     assert err.value.status == 400 and err.value.param == "reasoning.effort"
+
+
+def test_the_probe_battery_is_vllms_harmony_render_every_turn(renderer):
+    """Every conversation of the start-up probe's battery, driven as the turn driver drives it:
+    each prompt is vLLM's own harmony render of the same messages."""
+    from cluster.core.render.chat_messages import messages_from_items
+    from cluster.core.render.probe import SCENARIOS
+    from cluster.core.render.probe import TOOLS as PROBE_TOOLS
+    from tests.unit.core.render.test_probe import drive
+
+    compared = 0
+    for scenario, turns in SCENARIOS.items():
+        for instructions in (None, "You are a coding agent."):
+            for tools in (PROBE_TOOLS, None):
+                items: list = []
+                for (got, _), (new, output) in zip(drive(renderer, turns, instructions, tools), turns):
+                    items = items + new
+                    messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
+                        messages_from_items(items, raw_arguments=True)[0]
+                    assert list(got) == vllm_render(messages, tools or []), (scenario, instructions, bool(tools))
+                    compared += 1
+                    items = items + output
+    assert compared > 40
