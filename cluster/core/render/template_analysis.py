@@ -333,9 +333,8 @@ class _Walker(ShapeReading):
         return node.node.name if isinstance(node, n.Call) and isinstance(node.node, n.Name) else None
 
 
-def analyze(source: str, protected: Iterable[str] = ()) -> TemplateHazards:
-    """The template's content-dependence, read from its AST (see the module docstring). `protected`:
-    the added tokens' text, which the renderer's guard marks in whatever a client sends."""
+def _parse(source: str):
+    """The template's AST, as transformers compiles chat templates (jinja2.TemplateSyntaxError if none)."""
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
@@ -348,10 +347,37 @@ def analyze(source: str, protected: Iterable[str] = ()) -> TemplateHazards:
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body, lineno=lineno)
 
-    digest = hashlib.sha256(source.encode()).hexdigest()
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]).parse(source)
+
+
+def concatenates_arguments(source: str) -> bool:
+    """Whether the template joins a call's `arguments` to text with `+` or `~` (DeepSeek-R1's does): it
+    needs them as the JSON string a client sent, not parsed for `tojson` (which makes `+` a TypeError)."""
+    import jinja2
+    from jinja2 import nodes
+
     try:
-        tree = env.parse(source)
+        tree = _parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_arguments(node) -> bool:
+        return (isinstance(node, nodes.Getattr) and node.attr == "arguments") or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "arguments")
+
+    return any(is_arguments(operand) for node in tree.find_all((nodes.Add, nodes.Concat))
+               for operand in ((node.left, node.right) if isinstance(node, nodes.Add) else node.nodes))
+
+
+def analyze(source: str, protected: Iterable[str] = ()) -> TemplateHazards:
+    """The template's content-dependence, read from its AST (see the module docstring). `protected`:
+    the added tokens' text, which the renderer's guard marks in whatever a client sends."""
+    import jinja2
+    from jinja2 import nodes
+
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    try:
+        tree = _parse(source)
     except jinja2.TemplateSyntaxError as err:
         return TemplateHazards(followed=False, where=[f"line {err.lineno}: cannot parse: {err.message}"],
                                digest=digest)

@@ -41,7 +41,7 @@ from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
 from cluster.core.render.renderer import IncrementalRenderer, TemplateHazards, anchored_window
-from cluster.core.render.template_analysis import analyze as analyze_template
+from cluster.core.render.template_analysis import analyze as analyze_template, concatenates_arguments
 
 log = logging.getLogger("loopserve.render")
 
@@ -171,6 +171,7 @@ def jinja_renderer(tokenizer, model: Optional[ModelConfig] = None) -> Incrementa
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     renderer = IncrementalRenderer(apply, guard.encode, added, decode=codec.decode_raw, eos=tokenizer.eos_token,
                                    template_source=template, guard=guard)
+    renderer.raw_arguments = concatenates_arguments(template)  # calls' arguments as sent, where the template joins them
     renderer.max_token_chars = max_token_chars(tokenizer)
     renderer.min_user_message_tokens = min_user_message_tokens(apply, guard.encode)
     return renderer

@@ -177,3 +177,13 @@ def test_an_orphaned_ray_worker_on_the_port_is_stopped(tmp_path):
         assert holders([port]) == []
     finally:
         kill_quietly(orphan_pid)
+
+
+def test_an_ended_connection_reaches_a_client_that_reads_nothing_within_30_s():
+    """The app ends a flooding socket; what HAProxy still holds for a client that reads nothing goes
+    after client-fin, not after `timeout client` (an hour): the flood test through HAProxy saw the
+    socket held open past 120 s without it."""
+    safe = secure_config(RAY_STATS.format(http=8000, stats=8404, metrics=9101))
+    frontend = [line.strip() for line in safe.split("frontend http_frontend\n")[1].split("backend none")[0].splitlines()]
+    assert "timeout client-fin 30s" in frontend
+    assert secure_config(safe).count("timeout client-fin") == 1

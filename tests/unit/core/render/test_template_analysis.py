@@ -189,3 +189,18 @@ def test_a_state_any_message_moves_stays_in_context():
                 "{%- endfor %}")
     h = analyze(template)
     assert not h.anchor_role and h.in_context == {"system", "user", "assistant", "tool"}, h.summary()
+
+
+def test_a_template_that_joins_arguments_to_text_gets_them_as_sent():
+    """DeepSeek-R1's template writes `'...' + tool['function']['arguments'] + '...'`: the arguments
+    must be the JSON string a client sent (parsed for `tojson` they make `+` a TypeError)."""
+    from cluster.core.render.template_analysis import concatenates_arguments
+
+    deepseek_like = ("{%- for m in messages %}{%- for tool in m.tool_calls or [] %}"
+                     "{{ '<call>' + tool['function']['name'] + '\\n' + tool['function']['arguments'] + '</call>' }}"
+                     "{%- endfor %}{%- endfor %}")
+    assert concatenates_arguments(deepseek_like)
+    assert concatenates_arguments("{{ m.tool_calls[0].function.name ~ m.tool_calls[0].function.arguments }}")
+    for template in ("{{ tool_call.arguments | tojson }}",  # Qwen3, Llama 3: parsed, then tojson
+                     "{% for k, v in tool_call.arguments|items %}{{ k + v }}{% endfor %}"):  # Qwen3-Coder: items
+        assert not concatenates_arguments(template)
