@@ -36,6 +36,9 @@ class ScriptedEngineConfig(StrictModel):
     and tool-result tag): after a user message it calls the first offered tool, after a tool result it answers."""
     tool_result_marker: str = "<tool_response>"
     """The tag that marks a tool result in the prompt (see `turn_marker`)."""
+    user_marker: str = ""
+    """Set for a template with no common turn marker (DeepSeek-R1's `<｜User｜>`): the prompt's last turn is a tool
+    result when `tool_result_marker` comes after the last `user_marker`, else a user message."""
     calls_per_turn: int = Field(1, ge=1)
     """Tools called in one turn (the first offered ones), when the request allows parallel calls: several calls in
     one output, written in the model's tool-call format (`model.tool_parser`)."""

@@ -192,6 +192,8 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
     # Llama 3.1/3.2 JSON calls: after <|python_tag|>, or a whole output that is `{"name": ..., "parameters": ...}`
     "llama3_json": ToolFormat("<|python_tag|>", None, bare_start="{"),
     "mistral": ToolFormat("[TOOL_CALLS]", None, forcible=False),
+    # DeepSeek-V3 / R1: calls between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>, a ```json block each
+    "deepseek_v3": ToolFormat("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
 }
 
 # Reasoning tags when no vLLM reasoning parser is configured.

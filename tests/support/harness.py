@@ -24,21 +24,21 @@ from cluster.core.turn.context import compaction_item
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.prepare import TurnSettings
 from cluster.core.turn.turn import until_stopped
-from cluster.engines.output_parser import vllm_tool_call_extractor
+from cluster.engines.output_parser import tool_format, vllm_tool_call_extractor
 from cluster.engines.prompts import SessionPrompts
 from cluster.engines.scripted.engine import ScriptedEngine
-from cluster.engines.stream import stream_chunks
+from cluster.engines.stream import OutputFormat, stream_chunks
 from cluster.protocol.sealing import Sealer
 
 
 class InProcessStack:
     def __init__(self, tokenizer, *, verify: bool = True, max_model_len: int = 32768, safety=None,
                  post_work=None, chunk_chars: int = 256, tracer=None, metrics=None, analysis: bool = True,
-                 **scripted: Any) -> None:
+                 tool_parser: str = "hermes", **scripted: Any) -> None:
         self.renderer = renderer_for(tokenizer, analysis=analysis)
         backend = tokenizer.backend_tokenizer
         self.engine = ScriptedEngine(
-            ModelConfig(max_model_len=max_model_len),
+            ModelConfig(max_model_len=max_model_len, tool_parser=tool_parser),
             ScriptedEngineConfig(**{"tokens_per_second": 1e6, "prefill_tokens_per_second": 1e9, **scripted}),
             encode=lambda s: backend.encode(s, add_special_tokens=False).ids,
             decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
@@ -46,7 +46,9 @@ class InProcessStack:
         )
         self.decode_raw = lambda ids: backend.decode(list(ids), skip_special_tokens=False)
         self.prompts = SessionPrompts()  # what an EngineReplica keeps: continuations send their tail
-        self.extractor = vllm_tool_call_extractor("hermes", tokenizer)
+        self.extractor = vllm_tool_call_extractor(tool_parser, tokenizer)
+        tools = tool_format(tool_parser)  # the family's call markers, as the EngineService reads them
+        self.format = OutputFormat(tools.start, tools.end, bare_start=tools.bare_start)
         self.render_jobs: list[RenderJob] = []
         self.engine_requests: list[EngineRequest] = []
         self.mismatches = 0
@@ -96,7 +98,7 @@ class InProcessStack:
             yield [EngineFailure(409, "base missing", code=PROMPT_BASE_MISSING)]
             return
         self.prompts.remember(whole)
-        async with aclosing(stream_chunks(self.engine, whole, self.extractor, decode_raw=self.decode_raw)) as chunks:
+        async with aclosing(stream_chunks(self.engine, whole, self.extractor, self.format, decode_raw=self.decode_raw)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

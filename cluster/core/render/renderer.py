@@ -15,6 +15,9 @@ Token-exact continuations: when the previous turn's generated tokens are known
 model generated, the delta reuses the generated token ids instead of
 re-tokenizing their text, so the engine's prefix cache covers them.
 
+A template may end a conversation with a tail that later messages replace: the delta then drops
+those last tokens of the cached prefix first (`RenderResult.retract`, cut at a special token).
+
 A template renders text (HF chat templates) or token ids (mistral_common, via
 vLLM's `MistralTokenizer`); the delta logic is the same on both.
 """
@@ -23,18 +26,20 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from cluster.core.messages import PriorOutput, RenderJob
 from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.chat_messages import Message, message_kind, messages_from_items
 from cluster.core.render.images import ImageTokens, context_images
+from cluster.core.render.template_shapes import TemplateHazards
 from cluster.protocol.errors import ApiError
 
 Template = Union[str, list[int]]  # a render: text, or token ids for templates that tokenize themselves
 # (messages, tools, add_generation_prompt, **template arguments) -> render
 ApplyTemplate = Callable[..., Template]
 Encode = Callable[[str], list[int]]
+MAX_RETRACT = 256  # the most characters (or token ids) of a template's tail a delta may take back
 
 
 def delta_steps(system: bool, tools: bool, reuse: bool, messages: Sequence[Message]) -> tuple:
@@ -73,11 +78,23 @@ class RenderResult:
     # Tokens the engine adds by expanding the image placeholders in `appended` (vision models):
     # the engine's prompt is this much longer than the ids (render/images.py).
     image_tokens: int = 0
+    # The cached prefix's last tokens this delta replaces, before `appended`: a closing tail that later
+    # messages render otherwise (DeepSeek-R1's template closes tool outputs one way at the end, another before a call).
+    retract: array = field(default_factory=lambda: array("i"))
+
+    def continues(self, base: array) -> bool:
+        """Whether this delta applies to the cached prefix `base` (it ends with the tail it retracts)."""
+        n = len(self.retract)
+        return self.full or not n or base[len(base) - n:] == self.retract
 
     def prefix(self, base: Optional[array]) -> array:
         """The new prefix given the cached prefix this delta extends (the one copy of the history a
         turn makes: the parent's prefix stays as it is, its state may be continued again)."""
-        return self.appended if self.full or base is None else base + self.appended
+        if self.full or base is None:
+            return self.appended
+        prefix = base[: len(base) - len(self.retract)]  # the one copy
+        prefix.extend(self.appended)
+        return prefix
 
     def assemble(self, base: Optional[array]) -> tuple[array, array]:
         """(prefix, prompt) given the cached prefix this delta extends."""
@@ -92,41 +109,6 @@ class RenderResult:
     @property
     def delta_tokens(self) -> int:
         return len(self.appended) + len(self.generation)
-
-
-@dataclass
-class TemplateHazards:
-    """What reading the chat template found content-dependent (template_analysis.py), by role."""
-
-    followed: bool = True  # False: it uses what the analysis cannot follow, nothing renders as a delta
-    in_context: set[str] = field(default_factory=set)
-    refused_adds: set[str] = field(default_factory=set)
-    where: list[str] = field(default_factory=list)  # what was found, for the log and the stats
-    # `loop.last` was taken as constant for assistant messages: a window ending with one renders in full.
-    assumes_input_last: bool = False
-    digest: str = ""  # the template's sha256 (what a mismatch report names)
-    # Earlier messages render by state this role's messages set (the last user query): a delta's window
-    # starts at the last message of the role and must hold one ("": no such state).
-    anchor_role: str = ""
-
-    def refusal(self, history_roles: Iterable[str], window_roles: Iterable[str], added_roles: Iterable[str],
-                last_role: Optional[str]) -> Optional[str]:
-        """Why a delta must render in full (None: the AST allows it)."""
-        if not self.followed:
-            return "template_not_analysable"
-        if self.in_context and not self.in_context.isdisjoint({*history_roles, *window_roles}):
-            return "content_dependent_in_context"
-        if self.refused_adds.intersection(added_roles):
-            return "content_dependent_state"
-        if last_role == "assistant" and self.assumes_input_last:
-            return "window_ends_with_assistant"
-        if self.anchor_role and self.anchor_role not in window_roles:
-            return "window_without_anchor"
-        return None
-
-    def summary(self) -> dict:
-        return {"followed": self.followed, "in_context": sorted(self.in_context),
-                "refused_adds": sorted(self.refused_adds), "anchor_role": self.anchor_role, "where": self.where[:20]}
 
 
 class IncrementalRenderer:
@@ -299,7 +281,9 @@ class IncrementalRenderer:
         except Exception:  # noqa: BLE001 - the window alone may not be a valid conversation
             self._fallback("window_render_failed", shape)
             return None
-        if not _starts(text, base) or not _starts(with_gen, text):
+        tail = base[self._kept(base, text):]
+        base = base[: len(base) - len(tail)]
+        if len(tail) > MAX_RETRACT or not _starts(text, base) or not _starts(with_gen, text):
             self._fallback("not_a_prefix", shape)
             return None
         delta_text, gen_text = text[len(base) :], with_gen[len(text) :]
@@ -310,7 +294,19 @@ class IncrementalRenderer:
         new_anchor = anchor_start + both_starts[self.window_start(both_msgs)] if both_starts else anchor_start
         appended = self._tokens(delta_text)
         return RenderResult(appended, self._tokens(gen_text), new_anchor, False, len(with_gen),
-                            image_tokens=self._image_tokens(appended, images))
+                            image_tokens=self._image_tokens(appended, images), retract=self._tokens(tail))
+
+    def _kept(self, base: Template, text: Template) -> int:
+        """How much of the anchor's render `base` the new render keeps: all, or up to the last special
+        token before they differ (a closing tail that the new messages replace; token ids cut anywhere)."""
+        lo, hi = 0, min(len(base), len(text))
+        while lo < hi:  # the common prefix's length, by slices (C speed on long renders)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if base[:mid] == text[:mid] else (lo, mid - 1)
+        if lo == len(base) or not isinstance(base, str):
+            return lo
+        return max((i + len(s) for s in self._specials if (i := base.rfind(s, max(0, lo - MAX_RETRACT), lo)) >= 0),
+                   default=0)
 
     def _delta_reusing(self, system, anchor_msgs, both_msgs, both_starts, anchor_start, tools,
                        prior: PriorOutput, apply: Callable[..., Template],

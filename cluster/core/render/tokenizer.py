@@ -40,7 +40,8 @@ from cluster.core.render.images import (
 from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
-from cluster.core.render.renderer import IncrementalRenderer, TemplateHazards, anchored_window
+from cluster.core.render.renderer import IncrementalRenderer, anchored_window
+from cluster.core.render.template_shapes import TemplateHazards
 from cluster.core.render.template_analysis import analyze as analyze_template, concatenates_arguments
 
 log = logging.getLogger("loopserve.render")

@@ -297,7 +297,8 @@ class TurnPreparer:
         try:
             job.trace = full_job.trace = telemetry.inject(telemetry.context_of(span))
             rendered = await self.render(job)
-            if rendered is None:  # the delta was not provably exact: render it all
+            # Not provably exact, or its tail is not this prefix's: render it all.
+            if rendered is None or (pre is not None and not rendered.continues(pre.token_ids)):
                 rendered = await self.render(full_job)
             span.set_attribute("loopserve.render.mode", "full" if rendered.full else "delta")
             span.set_attribute("loopserve.render.delta_tokens", rendered.delta_tokens)
@@ -322,7 +323,8 @@ class TurnPreparer:
         if prompt_len + image_tokens > st.context_limit:
             raise context_too_long(st.context_limit, prompt_len + image_tokens)
         return Prepared(ctx, Rendered(prefix, rendered.generation, rendered.anchor_start, extends,
-                                      rendered.prompt_override, images, image_tokens), tools_spec, key)
+                                      rendered.prompt_override, images, image_tokens,
+                                      len(rendered.retract) if extends else 0), tools_spec, key)
 
     @staticmethod
     def _image_count(items: list[dict[str, Any]], parent: Optional[ResponseState]) -> int:

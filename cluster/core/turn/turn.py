@@ -43,7 +43,8 @@ class Rendered:
     prefix_token_ids: array  # the context without generation prompt (cached for the next turn)
     generation_token_ids: array  # the generation prompt, after the prefix (empty with an override)
     anchor_start: int
-    # The prefix was extended, not re-rendered: the prompt starts with the parent's prompt.
+    # The prefix was extended, not re-rendered: the prompt starts with the parent's prompt, less its
+    # last `retracted` tokens (a template's closing tail the new messages replace).
     extends_parent: bool = False
     # A full render whose prompt is not prefix + generation prompt (no safe cut between them).
     prompt_override: Optional[array] = None
@@ -51,6 +52,7 @@ class Rendered:
     # the tokens the engine adds expanding them: the engine's prompt length is len(ids) + this.
     images: tuple[bytes, ...] = ()
     image_tokens: int = 0
+    retracted: int = 0
 
     @property
     def prompt_extends_prefix(self) -> bool:
@@ -259,7 +261,7 @@ class Turn:
         rendered = self.rendered
         base = self.parent.rendered if self.parent is not None else None
         base_id = base.engine_request_id if base is not None else None
-        base_len = len(base.token_ids) if base is not None else 0
+        base_len = len(base.token_ids) - rendered.retracted if base is not None else 0
         tail = not whole and base_id is not None and rendered.extends_parent and base_len < rendered.prompt_len
         return EngineRequest(
             request_id=self.engine_id,

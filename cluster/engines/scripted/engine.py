@@ -71,6 +71,10 @@ def written_calls(tool_parser: str, calls: list[tuple[str, dict]]) -> str:
         return "\n".join("<tool_call>\n<function=%s>\n%s</function>\n</tool_call>" % (name, "".join(
             f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in args.items()))
             for name, args in calls)
+    if tool_parser == "deepseek_v3":  # DeepSeek-V3 / R1: a ```json block a call, between the calls markers
+        return "<｜tool▁calls▁begin｜>%s<｜tool▁calls▁end｜>" % "\n".join(
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(args)}\n```<｜tool▁call▁end｜>"
+            for name, args in calls)
     if tool_parser == "llama3_json":  # Llama 3: the JSON object alone, calls joined by "; "
         return "; ".join(json.dumps({"name": name, "parameters": args}) for name, args in calls)
     return "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(args))
@@ -185,6 +189,12 @@ class ScriptedEngine:
         n = 256
         while True:
             text = self._decode_raw(list(prompt[-n:]))
+            if self.config.user_marker:  # whichever came last, a user message or a tool result
+                user, tool = text.rfind(self.config.user_marker), text.rfind(result)
+                if user >= 0 or tool >= 0 or n >= len(prompt):
+                    return "tool" if tool > user else "user" if user >= 0 else "other"
+                n *= 4
+                continue
             last = text.rfind(marker)
             before = text.rfind(marker, 0, last) if last > 0 else -1
             if before >= 0 or n >= len(prompt):

@@ -173,6 +173,8 @@ RECORDED = {
                    "</function>\n</tool_call>",
     "llama3_json": 'Let me read it.<|python_tag|>{"name": "read_file", "parameters": {"path": "a.py"}}',
     "mistral": 'Let me read it.[TOOL_CALLS][{"name": "read_file", "arguments": {"path": "a.py"}}]',
+    "deepseek_v3": "Let me read it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n"
+                   '```json\n{"path": "a.py"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
 }
 
 
@@ -181,7 +183,8 @@ def family_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tok.add_tokens(["<|python_tag|>", "[TOOL_CALLS]"])
+    tok.add_tokens(["<|python_tag|>", "[TOOL_CALLS]", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                    "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"])
     return tok
 
 
@@ -261,6 +264,27 @@ def test_xml_calls_are_typed_by_the_offered_tools_schema():
     pieces = run(StreamingOutputParser(vllm_tool_call_extractor("qwen3_xml", tokenizer), tools=tools), list(text))
     assert pieces == [ReasoningPiece("Which time?"),
                       ToolCallPiece("get_time", json.dumps({"city": "Rome", "n": 3, "exact": True}))]
+
+
+def test_deepseek_r1s_calls_after_its_reasoning_are_read_by_vllms_parser():
+    """What the scripted engine writes for DeepSeek-R1 (`<think>`, then two calls in its markers, each a
+    ```json block) is what vLLM's deepseek_v3 parser reads back, with R1's real tokenizer."""
+    from transformers import AutoTokenizer
+
+    from cluster.engines.scripted.engine import written_calls
+    from cluster.models.builtin import ensure_builtin
+    from cluster.models.names import TINY_DEEPSEEK_R1
+
+    pytest.importorskip("vllm")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_builtin(TINY_DEEPSEEK_R1, weights=False))
+    fmt = tool_format("deepseek_v3")
+    calls = [("read_file", {"path": "a.py"}), ("shell", {"cmd": "ls -la", "n": 2})]
+    text = "<think>\nRead, then list.\n</think>\n\n" + written_calls("deepseek_v3", calls)
+    for chunk in (1, 7, 10_000):
+        parser = StreamingOutputParser(vllm_tool_call_extractor("deepseek_v3", tokenizer),
+                                       tool_open=fmt.start, tool_close=fmt.end)
+        assert run(parser, [text[i:i + chunk] for i in range(0, len(text), chunk)]) == [
+            ReasoningPiece("Read, then list."), *(ToolCallPiece(n, json.dumps(a)) for n, a in calls)]
 
 
 def test_a_llama_call_is_the_whole_output_as_json_without_its_tag():

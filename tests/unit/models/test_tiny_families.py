@@ -1,5 +1,5 @@
-"""Qwen3 and Llama 3 as their own tokenizers and templates render them, and the render cache kept
-on their tool loops.
+"""Qwen3, Qwen3-Coder, Llama 3 and DeepSeek-R1 as their own tokenizers and templates render them, and
+the render cache kept on their tool loops.
 
 The family's own full render is transformers' `apply_chat_template` with the family's published
 template (`cluster/models/templates/`) and vocabulary (quicktok-v1's), run beside the incremental
@@ -16,7 +16,7 @@ from cluster.config import ModelConfig
 from cluster.core.render.chat_messages import messages_from_items
 from cluster.core.render.tokenizer import renderer_for
 from cluster.models.builtin import ensure_builtin
-from cluster.models.names import TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
+from cluster.models.names import TINY_DEEPSEEK_R1, TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
 
 
 
@@ -43,6 +43,20 @@ def test_the_llama_tokenizer_is_llama_31s():
     assert tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<|start_header_id|>", "<|eom_id|>", "<|eot_id|>",
                                             "<|python_tag|>"]) == [128000, 128006, 128008, 128009, 128010]
     assert len(tokenizer) == 128256
+
+
+def test_the_deepseek_tokenizer_is_deepseek_v3s():
+    """DeepSeek-V3/R1's own tokenizer.json (128,000 byte-level BPE tokens and 815 added ones)."""
+    tokenizer = tokenizer_of(TINY_DEEPSEEK_R1)
+    assert len(tokenizer) == 128815
+    assert tokenizer.encode("Hello, world!", add_special_tokens=False) == [19923, 14, 2058, 3]
+    assert tokenizer.convert_tokens_to_ids(["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>",
+                                            "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
+                                            "<｜tool▁outputs▁end｜>"]) == [0, 1, 128798, 128799, 128803, 128804,
+                                                                          128806, 128811]
+    # the turn and tool markers are added tokens but not special: a decoded answer keeps them for the parsers
+    ids = tokenizer.encode("<think>a</think><｜tool▁calls▁begin｜>", add_special_tokens=False)
+    assert len(ids) == 4 and tokenizer.decode(ids, skip_special_tokens=True) == "<think>a</think><｜tool▁calls▁begin｜>"
 
 
 def test_the_tokenizer_is_qwen3s(tokenizer):
@@ -87,14 +101,36 @@ def test_a_thirty_turn_reasoning_tool_loop_is_qwen3s_render_every_turn_and_incre
     assert deltas >= 0.9 * turns and deltas == turns - 3, (deltas, turns)
 
 
-# Llama 3.2's template takes one call a turn (it raises on more); Qwen3-Coder's writes calls as XML.
-@pytest.mark.parametrize("name,per_turn", [(TINY_LLAMA3, (1,)), (TINY_QWEN3_CODER, (1, 1, 2))])
-def test_a_thirty_turn_tool_loop_is_the_familys_render_every_turn_and_incremental(name, per_turn):
+# Llama 3.2's template takes one call a turn (it raises on more); Qwen3-Coder's writes calls as XML;
+# DeepSeek-R1's gathers every system message into the prompt's head (a new one renders in full).
+@pytest.mark.parametrize("name,per_turn,refused", [(TINY_LLAMA3, (1,), set()), (TINY_QWEN3_CODER, (1, 1, 2), set()),
+                                                   (TINY_DEEPSEEK_R1, (1, 1, 2), {"system"})])
+def test_a_thirty_turn_tool_loop_is_the_familys_render_every_turn_and_incremental(name, per_turn, refused):
     tokenizer = tokenizer_of(name)
     renderer = renderer_for(tokenizer, model=ModelConfig(name=name, builtin=name))
-    assert not renderer.hazards.in_context and not renderer.hazards.refused_adds
+    assert not renderer.hazards.in_context and renderer.hazards.refused_adds == refused
     turns, deltas = run_loop(renderer, tokenizer, loop_turns(30, per_turn=per_turn))
     assert deltas == turns, (deltas, turns)
+
+
+def test_deepseek_r1s_closing_tail_is_taken_back_before_the_next_call():
+    """DeepSeek-R1's template (vLLM's, for tools) closes the tool outputs with `    <｜tool▁outputs▁end｜>\n`
+    at the end of a conversation, and with other whitespace when a call follows: the next turn's delta
+    takes those three tokens back, and applies only to a prefix that ends with them."""
+    tokenizer = tokenizer_of(TINY_DEEPSEEK_R1)
+    renderer = renderer_for(tokenizer, model=ModelConfig(name=TINY_DEEPSEEK_R1, builtin=TINY_DEEPSEEK_R1))
+
+    def call(i: int) -> list[dict]:
+        return [{"type": "function_call", "call_id": f"c{i}", "name": "shell", "arguments": '{"cmd": "ls"}'},
+                {"type": "function_call_output", "call_id": f"c{i}", "output": f"file{i}.txt"}]
+
+    items = [text_item("user", "List the files.")] + call(0)
+    prefix = renderer.full(items, None, TOOLS).assemble(None)[0]
+    res = renderer.delta(items[2:], call(1), 2, None, TOOLS, history_roles=frozenset({"user", "assistant", "tool"}))
+    assert tokenizer.decode(list(res.retract)) == "    <｜tool▁outputs▁end｜>\n"
+    assert res.continues(prefix) and not res.continues(prefix[:-1])
+    assert list(res.assemble(prefix)[1]) == list(renderer.full(items + call(1), None, TOOLS).assemble(None)[1])
+    assert list(prefix) == list(renderer.full(items, None, TOOLS).assemble(None)[0])  # the parent's prefix is kept
 
 
 def test_a_user_message_dressed_as_a_tool_response_still_renders_exactly(renderer, tokenizer):
@@ -108,7 +144,7 @@ def test_a_user_message_dressed_as_a_tool_response_still_renders_exactly(rendere
     assert tokenizer.convert_tokens_to_ids("<tool_response>") not in list(prompt)
 
 
-@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_CODER, TINY_LLAMA3])
+@pytest.mark.parametrize("name", [TINY_QWEN3, TINY_QWEN3_CODER, TINY_LLAMA3, TINY_DEEPSEEK_R1])
 def test_the_probe_battery_is_the_familys_own_render_every_turn(name):
     """Every conversation of the start-up probe's battery (system prompts, tools or none, reasoning,
     several calls, long contents, compaction), driven as the turn driver drives it: each prompt is

@@ -75,15 +75,25 @@ def test_unsafe_cut_falls_back_to_none():
     assert r.delta(items, more[1:], 0, None, None) is None
 
 
-def test_changed_anchor_rendering_is_refused(tokenizer):
-    # An assistant message followed by a new function call merges into one
-    # assistant turn: the cached render of the anchor is no longer a prefix.
+@pytest.mark.parametrize("said, retracts", [("ok", True), ("Looking into it. " * 20, False)])
+def test_a_changed_anchor_tail_is_taken_back_or_refused(tokenizer, said, retracts):
+    # An assistant message followed by a new function call merges into one assistant turn: the cached
+    # render of the anchor ends "<|im_end|>" where the new render goes on. A short tail is taken back
+    # (cut at its last special token) and the result is the full render; a longer one renders in full.
     r = renderer_for(tokenizer)
     items = [{"type": "message", "role": "user", "content": "hi"},
-             {"type": "message", "role": "assistant", "content": "ok"}]
+             {"type": "message", "role": "assistant", "content": said}]
     first = r.full(items, None, TOOLS)
     new = [{"type": "function_call", "call_id": "x", "name": "read_file", "arguments": "{}"}]
-    assert r.delta(items[first.anchor_start:], new, first.anchor_start, None, TOOLS) is None
+    res = r.delta(items[first.anchor_start:], new, first.anchor_start, None, TOOLS)
+    if not retracts:
+        assert res is None
+        return
+    base = first.assemble(None)[0]
+    assert res is not None and res.retract and res.continues(base)
+    assert tokenizer.decode(list(res.retract)).endswith(f"{said}<|im_end|>\n")
+    assert res.assemble(base) == r.full(items + new, None, TOOLS).assemble(None)
+    assert not res.continues(base[:-1])  # a prefix that does not end with the tail is not continued
 
 
 @pytest.mark.parametrize("text", [

@@ -214,3 +214,45 @@ async def test_the_engine_is_told_whether_the_client_reads_the_output_as_it_come
     body = {"model": "loopserve-tiny", "input": "hi", "store": False, **({} if stream is None else {"stream": stream})}
     events = await run(stack, SessionCache(), body, transport=transport)
     assert terminal(events)["status"] == "completed" and seen == [streamed]
+
+
+async def test_deepseek_r1s_tool_loop_is_incremental_and_every_engine_prompt_is_its_full_render():
+    """DeepSeek-R1's template closes the last tool outputs with a tail that a following message renders
+    otherwise: each turn takes that tail back (a few tokens) and sends only the new ones, and the prompt the
+    engine resolves from its cached base plus the tail is the full render of the conversation, every turn."""
+    from transformers import AutoTokenizer
+
+    from cluster.models.builtin import ensure_builtin
+    from cluster.models.names import TINY_DEEPSEEK_R1
+
+    pytest.importorskip("vllm")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_builtin(TINY_DEEPSEEK_R1, weights=False))
+    stack = InProcessStack(tokenizer, tool_parser="deepseek_v3", thinks=True, calls_per_turn=2,
+                           user_marker="<｜User｜>", tool_result_marker="<｜tool▁outputs▁end｜>")
+    tools = TOOLS + [{"type": "function", "name": "shell", "parameters": {
+        "type": "object", "properties": {"cmd": {"type": "string"}}}}]
+    sent, resolved = [], []  # what the turn sent the engine replica, and the prompt the replica made of it
+    resolve = stack.prompts.resolve
+    stack.prompts.resolve = lambda req: sent.append(req) or resolved.append(resolve(req)) or resolved[-1]
+    items = [{"type": "message", "role": "user", "content": "fix the bug"}]
+    resp, prev = await stack.run({"model": "loopserve-tiny", "input": items, "tools": tools}), None
+    call_turns = tails = 0
+    for turn in range(12):
+        assert resp["status"] == "completed", resp
+        full = stack.renderer.full(items, None, stack.render_jobs[-1].tools).assemble(None)[1]
+        assert list(resolved[-1].prompt_token_ids) == list(full), f"turn {turn}: the engine's prompt is not the render"
+        items = items + resp["output"]
+        calls = [o for o in resp["output"] if o["type"] == "function_call"]
+        new = [{"type": "function_call_output", "call_id": c["call_id"], "output": f"out {turn} " * (50 * turn + 40)}
+               for c in calls] or [{"type": "message", "role": "user", "content": f"next, step {turn}"}]
+        if turn % 3 == 2 and calls:
+            new.append({"type": "message", "role": "user", "content": "and the tests"})
+        assert len(calls) in (0, 2), resp["output"]
+        call_turns += bool(calls)
+        items, prev = items + new, resp["id"]
+        resp = await stack.run({"model": "loopserve-tiny", "previous_response_id": prev, "input": new, "tools": tools})
+        tails += sent[-1].is_tail
+    assert [j.mode for j in stack.render_jobs] == ["full"] + ["delta"] * 12
+    assert stack.mismatches == 0 and call_turns >= 6
+    assert all(r is not None for r in resolved) and tails == 12  # every later turn sent its tail only
+    assert sum(len(r.prompt_token_ids) for r in sent[-6:]) < sum(len(r.prompt_token_ids) for r in resolved[-6:]) / 3
