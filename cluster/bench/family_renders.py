@@ -11,12 +11,12 @@ import random
 import time
 from typing import Iterator, Optional, Sequence
 
-from cluster.models.names import TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
+from cluster.models.names import TINY_DEEPSEEK_R1, TINY_LLAMA3, TINY_QWEN3, TINY_QWEN3_CODER
 
 TOOLS = [{"type": "function", "function": {"name": "shell", "description": "Run a command.", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
 # family -> calls a turn the loop draws from (Llama 3.2's template takes one)
-FAMILIES = {TINY_QWEN3: (1, 1, 2), TINY_QWEN3_CODER: (1, 1, 2), TINY_LLAMA3: (1,)}
+FAMILIES = {TINY_QWEN3: (1, 1, 2), TINY_QWEN3_CODER: (1, 1, 2), TINY_LLAMA3: (1,), TINY_DEEPSEEK_R1: (1, 1, 2)}
 HISTORY_ROLES = frozenset({"user", "assistant", "tool"})
 
 

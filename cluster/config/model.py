@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -9,6 +10,8 @@ from pydantic import Field, field_validator, model_validator
 from cluster.config.base import TINY_MODEL_NAME, StrictModel
 from cluster.config.renderers import RENDERERS
 from cluster.models.names import TINY_VISION, BuiltinModel
+
+SHIPPED_TEMPLATES = Path(__file__).resolve().parents[1] / "models" / "templates"  # chat templates loopserve ships
 
 
 class ImageInputConfig(StrictModel):
@@ -50,6 +53,10 @@ class ModelConfig(StrictModel):
     `mistral`, ...)."""
     reasoning_parser: Optional[str] = None
     """vLLM's reasoning parser for the model family (`qwen3`, `deepseek_r1`, ...); None: `<think>` tags."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template used instead of the tokenizer's own, as vLLM's `--chat-template`: a file path, or
+    the name of one loopserve ships (`deepseek-r1.jinja`: vLLM's DeepSeek-R1 tool template,
+    `cluster/models/templates/`). Unset: the tokenizer's."""
     max_model_len: int = 32768
     """Context length in tokens: a turn's prompt plus its output must fit."""
     images: Optional[ImageInputConfig] = None
@@ -67,6 +74,18 @@ class ModelConfig(StrictModel):
         if self.path is None and self.builtin == TINY_VISION and self.images is None:
             self.images = ImageInputConfig()
         return self
+
+    def chat_template_text(self) -> Optional[str]:
+        """The text of `chat_template` (None: unset); a ValueError naming the file when it cannot be read."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if not path.is_absolute() and not path.exists() and (SHIPPED_TEMPLATES / path).is_file():
+            path = SHIPPED_TEMPLATES / path
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"model.chat_template: cannot read {str(path)!r} ({e.__class__.__name__}: {e})") from None
 
     def resolved_path(self) -> str:
         if self.path:

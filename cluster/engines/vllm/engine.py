@@ -178,6 +178,7 @@ class VLLMEngine:
         self.llm = None
         self.kv_capacity_tokens = 0  # the engine's KV pool in tokens (known once started)
         self.pins_off_reason = "not started"  # why retained sessions' blocks are not pinned ("" when they are)
+        self.prefix_caching = False  # whether vLLM runs with its prefix cache (the config asks; the platform decides)
         self.block_size = 16
         self.preemptions = PreemptionCounter()
         # The model's own sampling defaults (its generation_config.json), for requests
@@ -228,7 +229,15 @@ class VLLMEngine:
             kwargs["num_gpu_blocks_override"] = cfg.num_gpu_blocks_override
         kwargs.update(executor_args(cfg, _on_cpu(), os.environ))
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config()
-        self.pins_off_reason = "" if cfg.session_pins and cfg.enable_prefix_caching else "off in the config"
+        # vLLM may turn prefix caching off for a model on a platform (MLA on a CPU without AMX): no turn
+        # then hits a cached prefix, and what loopserve retains for sessions saves nothing.
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        if cfg.enable_prefix_caching and not self.prefix_caching:
+            log.warning("vLLM turned prefix caching off for %s on this platform: every turn prefills its whole "
+                        "prompt", self.model.name)
+        self.pins_off_reason = ("" if cfg.session_pins and self.prefix_caching else
+                                "off in the config" if not cfg.session_pins or not cfg.enable_prefix_caching else
+                                "vLLM turned prefix caching off for this model on this platform")
         if not self.pins_off_reason:
             self.pins_off_reason = self.retention_check() or ""
             if self.pins_off_reason:
@@ -288,7 +297,7 @@ class VLLMEngine:
         return int(self.preemptions.kv_usage * self.kv_capacity_tokens) if self.kv_capacity_tokens else None
 
     def kv_stats(self) -> dict[str, Any]:
-        return {"preemptions": self.preemptions.preemptions}
+        return {"preemptions": self.preemptions.preemptions, "prefix_caching": int(self.prefix_caching)}
 
     def grammar_worker(self) -> Optional[dict[str, Any]]:
         gate = self.grammar_gate
@@ -346,7 +355,7 @@ class VLLMEngine:
             if self.decoded_images is None:
                 raise ValueError(f"model {self.model.name!r} takes no images")
             prompt["multi_modal_data"] = {"image": await self.decoded_images.rgb(request.images)}
-        if request.cache_salt and self.config.enable_prefix_caching:
+        if request.cache_salt and self.prefix_caching:
             prompt["cache_salt"] = request.cache_salt  # blocks hash with the tenant's salt
         stats = self.stats
         stats.requests += 1

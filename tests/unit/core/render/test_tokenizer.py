@@ -119,3 +119,23 @@ def test_the_floor_refuses_such_a_body_before_it_is_validated(tokenizer, monkeyp
     ok = admit_create({"input": [user("a")] * 100, "instructions": "be brief"}, transport="http", admit=None,
                       max_input_items=10_000, floor=stack.driver.preparer.check_body_floor)
     assert len(ok.input) == 100 and validated == [1]
+
+
+def test_an_operators_chat_template_replaces_the_tokenizers(tmp_path):
+    """`model.chat_template`, as vLLM's --chat-template: a shipped name or a file, read at load; a file
+    that cannot be read is a clear error naming it, not a render with the tokenizer's own template."""
+    from cluster.config import LoopserveConfig
+    from cluster.config.model import SHIPPED_TEMPLATES
+    from cluster.core.render.tokenizer import load_tokenizer
+
+    conversation = [{"role": "user", "content": "hi"}]
+    shipped = load_tokenizer(LoopserveConfig(model={"chat_template": "deepseek-r1.jinja"}))
+    assert shipped.chat_template == (SHIPPED_TEMPLATES / "deepseek-r1.jinja").read_text(encoding="utf-8")
+    assert "<｜User｜>hi" in shipped.apply_chat_template(conversation, tokenize=False)
+    own = tmp_path / "mine.jinja"
+    own.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}", encoding="utf-8")
+    assert load_tokenizer(LoopserveConfig(model={"chat_template": str(own)})).apply_chat_template(
+        conversation, tokenize=False) == "[user] hi\n"
+    assert "<|im_start|>user" in load_tokenizer(LoopserveConfig()).apply_chat_template(conversation, tokenize=False)
+    with pytest.raises(ValueError, match="model.chat_template: cannot read '.*missing.jinja'"):
+        load_tokenizer(LoopserveConfig(model={"chat_template": str(tmp_path / "missing.jinja")}))
