@@ -18,10 +18,13 @@ BESIDE_RAY = "vllm-beside-ray"
 def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Optional[int], budget: bool,
                    rates: tuple[float, float], kv_blocks: Optional[int] = None, sessions: int = 0, *,
                    connections: int = 1, store_dir: Optional[str] = None,
-                   serial_prefill: bool = True, lower_tier: float = 0.0) -> dict[str, Any]:
+                   serial_prefill: bool = True, lower_tier: float = 0.0,
+                   engine_model: Optional[str] = None) -> dict[str, Any]:
     """`store_dir`: a fresh SQLite store there (chains over HTTP or new sockets, on any connection
     replica); None: no store (`store: false` WebSocket sessions). `lower_tier`: the scripted engine's
-    modelled tier below its KV, this many times the KV (0: none)."""
+    modelled tier below its KV, this many times the KV (0: none). `engine_model`: the scripted engine
+    runs that engine model's steps (`engine.scripted.preset`) instead of `rates`, with its KV pool
+    unless `kv_tokens` is given."""
     import yaml
 
     args = yaml.safe_load(Path(config_path).read_text())["applications"][0]["args"]
@@ -46,6 +49,11 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
                                       "prefill_tokens_per_second": rates[0], "tokens_per_second": rates[1],
                                       "max_output_tokens": 64, "serial_prefill": serial_prefill,
                                       "answer_text": "I ran the tool and read its output; next I will fix the failing test. " * 3}
+        if engine_model:
+            from cluster.engines.scripted.cost_model import PRESETS
+
+            args["engine"]["scripted"].update(preset=engine_model, serial_prefill=False,
+                                              kv_capacity_tokens=kv_tokens or PRESETS[engine_model].kv_capacity_tokens)
         if lower_tier:
             args["engine"]["scripted"]["kv_lower_tier_tokens"] = int(lower_tier * (kv_tokens or 46_592))
         args["engine_deployment"].setdefault("ray_actor_options", {})["num_cpus"] = 0.1  # 4 replicas on a 4-CPU cluster

@@ -247,6 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--oversubscribe", type=float, default=None,
                     help="scripted engine: size the KV so the sessions' final histories are this x the total")
     ap.add_argument("--rates", default="1500,60", help="scripted engine: prefill,decode tokens/s (this CPU's vLLM)")
+    ap.add_argument("--engine-model", choices=["cpu", "h100-8b", "h100-8b-long"], default=None,
+                    help="scripted engine: a real engine's step times (engine.scripted.preset) instead of --rates")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every system this many times, interleaved (A B C A B C ...), each on a fresh server; "
                          "report the median of each figure (this machine drifts ~10%% between runs)")
@@ -309,7 +311,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                 args = loopserve_args(ns.config, engine, ns.replicas, sys_kv, system == "loopserve", rates,
                                       ns.kv_blocks, max(ns_values), connections=ns.connections,
                                       store_dir=str(out) if transports != ["ws"] else None,
-                                      serial_prefill=ns.prefill_unit == "serial", lower_tier=ns.lower_tier)
+                                      serial_prefill=ns.prefill_unit == "serial", lower_tier=ns.lower_tier,
+                                      engine_model=ns.engine_model)
                 url = stack.enter_context(loopserve(args, ns.ingress))
                 model = args["model"]["name"]
                 warm_up(system, url, model, "websocket", store=False)

@@ -60,6 +60,11 @@ class ScriptedEngineConfig(StrictModel):
     serial_prefill: bool = False
     """One compute unit for prefills (they run one at a time, as on a CPU engine whose cores every request shares),
     instead of each request prefilling at the full rate."""
+    preset: Optional[Literal["cpu", "h100-8b", "h100-8b-long"]] = None
+    """A model of a real engine's step times (engines/scripted/cost_model.py), in place of the two rates: steps batch
+    every request's next decode token with chunks of prefill, each as long as its tokens' compute and memory take
+    (attention grows with context). `h100-8b`/`h100-8b-long`: Llama-3.1-8B on one H100; `cpu`: SmolLM2-135M on this
+    machine's vLLM CPU engine. Its KV pool is the modelled cache unless `kv_capacity_tokens` says otherwise."""
 
 
 class VLLMEngineConfig(StrictModel):

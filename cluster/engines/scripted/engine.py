@@ -18,7 +18,9 @@ from cluster.config import ModelConfig, ScriptedEngineConfig
 from cluster.config.renderers import renderer_of
 from cluster.core.render.tokenizer import common_prefix
 from cluster.engines.base import EngineDelta, EngineRequest, EngineStats, KvFacts
+from cluster.engines.scripted.cost_model import PRESETS
 from cluster.engines.scripted.kv_model import KvBlockPool
+from cluster.engines.scripted.step_clock import StepClock
 
 
 def example_arguments(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -106,10 +108,13 @@ class ScriptedEngine:
         self._by_head: dict[tuple, tuple] = {}
         self._aborted: set[str] = set()
         self.stats = EngineStats()
-        # The modelled KV cache (a stand-in for vLLM's block pool), when configured.
-        self.kv: Optional[KvBlockPool] = (KvBlockPool(config.kv_capacity_tokens, config.kv_block_size,
+        # A model of a real engine's step times (`preset`): its clock batches prefill and decode.
+        self.clock = StepClock(PRESETS[config.preset]) if config.preset else None
+        # The modelled KV cache (a stand-in for vLLM's block pool), when configured (a preset's by default).
+        capacity = config.kv_capacity_tokens or (self.clock.model.kv_capacity_tokens if self.clock else None)
+        self.kv: Optional[KvBlockPool] = (KvBlockPool(capacity, config.kv_block_size,
                                                       lower_tokens=config.kv_lower_tier_tokens or 0)
-                                          if config.kv_capacity_tokens else None)
+                                          if capacity else None)
         self.kv_capacity_tokens = self.kv.capacity_tokens if self.kv is not None else 0
         # What the KV budget weighs an ended retention by (None: no tier below, a re-prefill).
         self.lower_tier_tokens_per_s = (config.kv_lower_tier_tokens_per_second
@@ -127,7 +132,7 @@ class ScriptedEngine:
     def kv_facts(self) -> KvFacts:
         block = self.kv.block_size if self.kv is not None else 1
         return KvFacts(self.kv_capacity_tokens, block, self.lower_tier_tokens_per_s,
-                       compute_bound=self.config.serial_prefill)
+                       compute_bound=self.config.serial_prefill or bool(self.clock and self.clock.model.compute_bound))
 
     def kv_in_use_tokens(self) -> Optional[int]:
         kv = self.kv
@@ -319,7 +324,10 @@ class ScriptedEngine:
                 if loaded:  # a copy up from host memory: no compute, the tier's transfer rate
                     await asyncio.sleep(loaded / self.config.kv_lower_tier_tokens_per_second)
                 prefill = (len(tokens) - cached) / self.config.prefill_tokens_per_second
-                if prefill > 0 and self.config.serial_prefill:
+                if self.clock is not None:
+                    await self.clock.prefill(len(tokens) - cached, cached)
+                    self.clock.start_decode(rid, len(tokens), len(out_ids) - len(emitted))
+                elif prefill > 0 and self.config.serial_prefill:
                     async with self._compute:
                         await asyncio.sleep(prefill)
                 elif prefill > 0:
@@ -344,7 +352,9 @@ class ScriptedEngine:
                     if preempted:
                         break
                     lag = start + (i - len(emitted) + 1) * per_token - time.perf_counter()
-                    if lag > 0.001:
+                    if self.clock is not None:
+                        await self.clock.next_token(rid)
+                    elif lag > 0.001:
                         await asyncio.sleep(lag)
                     prev = self._decode(emitted)
                     emitted.append(out_ids[i])
@@ -355,6 +365,8 @@ class ScriptedEngine:
                                       finish_reason=finish if last else None, prompt_tokens=n_prompt,
                                       cached_tokens=reported, token_ids=[out_ids[i]])
                 if preempted:
+                    if self.clock is not None:
+                        self.clock.stop(rid)
                     await self._freed()
                     continue  # recomputed: back to the waiting queue
                 if not out_ids:
@@ -366,6 +378,8 @@ class ScriptedEngine:
             raise
         finally:
             self._aborted.discard(rid)
+            if self.clock is not None:
+                self.clock.stop(rid)
             if kv.is_running(rid):
                 kv.finish(rid, prompt + array("i", emitted), pin=request.kv_pin if request.kv_ttl_s > 0 else "")
             # Blocks went back to the pool: requests waiting for room may fit now.
