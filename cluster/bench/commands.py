@@ -34,6 +34,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "store-latency": ("cluster.bench.store_latency", "what store: true costs a turn"),
     "family-renders": ("cluster.bench.family_renders", "each model family's 30-turn tool loop: incremental turns "
                                                        "and render CPU a turn, against every turn in full"),
+    "engine-model": ("cluster.bench.engine_model", "the scripted engine's `cpu` engine model against this machine's "
+                                                   "vLLM: prefill by context, decode step by batch and context"),
 }
 DEFAULT = "loop"
 

@@ -39,6 +39,9 @@ class EngineCostModel:
     max_batched_tokens: int  # tokens one step takes (decode first, then prefill chunks)
     kv_capacity_tokens: int  # one replica's KV pool
     compute_bound: bool = False  # prefills share one compute unit and wait for each other (a CPU)
+    attention_flops: float = 0.0  # achieved FLOP/s in attention (0: `flops`; a CPU's attention kernels reach less)
+    kv_bandwidth: float = 0.0  # achieved bytes/s reading KV (0: `bandwidth`; a CPU's scattered blocks read slower)
+    overlapped: bool = True  # compute and memory traffic overlap (a GPU: the longer of them); else they add up
 
     def step_time(self, decode_contexts: Sequence[int], prefill_chunks: Sequence[tuple[int, int]] = ()) -> float:
         """Seconds for one step: a decode token for each context in `decode_contexts` (tokens before
@@ -48,10 +51,11 @@ class EngineCostModel:
         pair = 4.0 * self.layers * self.attention_width
         tokens = len(decode_contexts) + sum(n for n, _ in prefill_chunks)
         attended = sum(decode_contexts) + sum(n * c + n * (n + 1) / 2 for n, c in prefill_chunks)
-        compute = 2.0 * self.params * tokens + pair * attended
+        compute = 2.0 * self.params * tokens / self.flops + pair * attended / (self.attention_flops or self.flops)
         kv_read = sum(decode_contexts) + sum(c + n for n, c in prefill_chunks)
-        memory = self.weight_bytes + self.kv_bytes_per_token * kv_read
-        return self.step_overhead_s + max(compute / self.flops, memory / self.bandwidth)
+        kv_bandwidth = self.kv_bandwidth or self.bandwidth
+        memory = self.weight_bytes / self.bandwidth + self.kv_bytes_per_token * kv_read / kv_bandwidth
+        return self.step_overhead_s + (max(compute, memory) if self.overlapped else compute + memory)
 
     def prefill_time(self, tokens: int, context: int = 0) -> float:
         """A prefill of `tokens` after `context` cached tokens, alone on the engine, in chunks."""
@@ -94,10 +98,13 @@ PRESETS: dict[str, EngineCostModel] = {
     "h100-8b": _llama_8b_h100("h100-8b", 420_000),
     # The same engine for contexts of 30-120k tokens (the KV pool holds 3 to 14 sessions of them).
     "h100-8b-long": _llama_8b_h100("h100-8b-long", 420_000),
-    # SmolLM2-135M in float32 on this machine's vLLM CPU engine (2 cores, VLLM_CPU_KVCACHE_SPACE=2:
+    # SmolLM2-135M in float32 on this machine's vLLM 0.32 CPU engine (2 cores, VLLM_CPU_KVCACHE_SPACE=2:
     # 46,592 tokens): 30 layers, 9 query heads x 64, 3 KV heads x 64 (45 KiB of KV a token in fp32).
-    # ~1,500 prefill and ~60 decode tokens/s at short contexts; prefills share the cores.
+    # Fitted to what that engine measured here (docs/benchmarks.md): 512 tokens prefilled after 0 / 2k
+    # / 4k / 7k cached in 706 / 1,147 / 1,596 / 2,192 ms; a decode step of 1 / 8 requests at 64 tokens
+    # 39 / 44 ms, of 1 / 8 at 4k 48 / 196 ms. Compute and memory add up; prefills share the cores.
     "cpu": EngineCostModel(name="cpu", params=1.345e8, layers=30, attention_width=576, kv_bytes_per_token=46_080,
-                           weight_bytes=5.38e8, flops=4.1e11, bandwidth=3.4e10, step_overhead_s=0.001,
-                           max_batched_tokens=4096, kv_capacity_tokens=46_592, compute_bound=True),
+                           weight_bytes=5.38e8, flops=2.2e11, bandwidth=3.0e10, step_overhead_s=0.020,
+                           max_batched_tokens=4096, kv_capacity_tokens=46_592, compute_bound=True,
+                           attention_flops=1.7e11, kv_bandwidth=1.4e10, overlapped=False),
 }

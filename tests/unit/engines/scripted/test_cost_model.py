@@ -114,3 +114,18 @@ def test_the_scripted_engine_runs_on_a_preset():
     assert first == (0, 4)
     assert engine.clock.steps >= 4  # a prefill step, then the decode steps
     assert engine.clock.busy_s >= PRESETS["cpu"].prefill_time(1000)
+
+
+# This machine's vLLM 0.32 CPU engine, SmolLM2-135M float32, 2 threads, measured by
+# `loopserve bench engine-model` (2026-12-06): seconds for 512 tokens prefilled after a cached context, and
+# for a decode step at (batch, context). The `cpu` preset is fitted to them.
+CPU_MEASURED_PREFILL = {0: 0.706, 2048: 1.147, 4096: 1.596, 7168: 2.192}
+CPU_MEASURED_DECODE = {(1, 64): 0.0394, (8, 64): 0.0439, (1, 4096): 0.0475, (8, 4096): 0.196, (16, 2048): 0.170}
+
+
+def test_the_cpu_preset_follows_this_machines_vllm_within_a_fifth():
+    cpu = PRESETS["cpu"]
+    for ctx, measured in CPU_MEASURED_PREFILL.items():
+        assert cpu.prefill_time(512, ctx) == pytest.approx(measured, rel=0.2), ctx
+    for (batch, ctx), measured in CPU_MEASURED_DECODE.items():
+        assert cpu.decode_step(batch, ctx) == pytest.approx(measured, rel=0.2), (batch, ctx)
