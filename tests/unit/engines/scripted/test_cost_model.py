@@ -117,7 +117,7 @@ def test_the_scripted_engine_runs_on_a_preset():
 
 
 # This machine's vLLM 0.32 CPU engine, SmolLM2-135M float32, 2 threads, measured by
-# `loopserve bench engine-model` (2026-12-06): seconds for 512 tokens prefilled after a cached context, and
+# `loopserve bench engine-model` (docs/benchmarks.md): seconds for 512 tokens prefilled after a cached context, and
 # for a decode step at (batch, context). The `cpu` preset is fitted to them.
 CPU_MEASURED_PREFILL = {0: 0.706, 2048: 1.147, 4096: 1.596, 7168: 2.192}
 CPU_MEASURED_DECODE = {(1, 64): 0.0394, (8, 64): 0.0439, (1, 4096): 0.0475, (8, 4096): 0.196, (16, 2048): 0.170}
