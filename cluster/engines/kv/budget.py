@@ -14,11 +14,13 @@ happening:
   queue, bounded (`max_queued_turns`, `max_queued_per_tenant`: past them `QueueFull`, a
   429 with Retry-After). A retained session's turn needs only its growth and may pass.
 - **Cost-aware waiting.** A waiting turn first takes the room of *soft* retentions (chains
-  that may come back but gave no sign). Beyond those, the queue's head waits no longer
-  than the re-prefill its eviction would cost at the measured prefill rate, unless
-  prefills share one compute unit (a CPU engine) and something runs: then waiting costs
-  no engine time, and the bound is `max_queue_wait_s`. With a tier below the engine (host
-  memory), an ended retention costs only the copy back, at the tier's rate.
+  that may come back but gave no sign). Beyond those, a retention is kept while its expected
+  saving exceeds the waiting it imposes: the queue's head waits until its wait x the turns
+  queued reaches the expected re-prefill of the cheapest retentions that free its room (their
+  tokens x their chance to come back, at the measured prefill rate; `kv/eviction.py`). A new
+  session on an engine whose prefills share one compute unit (a CPU engine) that runs something
+  costs no engine time waiting: its bound is `max_queue_wait_s` (whole sessions in waves). With a
+  tier below the engine (host memory), an ended retention costs only the copy back.
 - **Retention.** A session expected back (its socket is open, it called tools, it came
   back before, or its client declared a lifetime) keeps its prefix for a TTL learned from
   its own pauses, at least its declared `prompt_cache_options.ttl` (clamped). A chain that
@@ -374,19 +376,6 @@ class KvBudget(Evictions, Totals):
             self._tenant_queued[w.tenant] -= 1
             if not self._tenant_queued[w.tenant]:
                 del self._tenant_queued[w.tenant]
-
-    def _wait_bound(self, waiter: Waiter, hold: SessionHold) -> float:
-        """How long `waiter` may wait before it ends others' retention. Where prefills share one
-        compute unit and something runs, waiting costs the engine nothing: `max_queue_wait_s`.
-        Otherwise each second waited is lost, and ending retention costs the re-prefill of the
-        tokens it must free (at the measured rate): it waits no longer than that."""
-        bound = self.policy.max_queue_wait_s
-        lower = self.policy.lower_tier_tokens_per_s
-        if lower is None and (self.prefill_tps is None or (self.policy.compute_bound and self._running)):
-            return bound
-        # With a tier below, an ended retention costs a copy back (no compute), not a re-prefill.
-        deficit = max(0.0, self.used + self._extra(hold, waiter.need) - self.capacity)
-        return min(bound, deficit / (lower or self.prefill_tps))
 
     def _hold_no_touch(self, session: str) -> SessionHold:
         hold = self.sessions.get(session)

@@ -28,6 +28,10 @@ class Evictions:
     _tenant_queued: Any  # tenant -> its turns waiting in the queue
     _expiries: list  # (expiry, seq, session) heap
     _seq: Any
+    used: int
+    engine_excess: int
+    _running: int
+    prefill_tps: Any
 
     def _schedule_expiry(self, hold: SessionHold) -> None:
         heapq.heappush(self._expiries, (hold.expires_at, next(self._seq), hold.key))
@@ -114,18 +118,81 @@ class Evictions:
                 self.counters.evicted += 1
                 self.counters.over_share += 1
 
+    def return_chance(self, hold: SessionHold) -> float:
+        """The chance an idle retained session comes back while it is retained: this replica's
+        record (retentions a session came back to, against those that expired), from a start of
+        one; half that for a soft retention (a chain that gave no sign it will be back)."""
+        c = self.counters
+        chance = (c.returned_in_time + 1) / (c.returned_in_time + c.expired + 1)
+        return chance / 2 if hold.soft else chance
+
+    def _victims(self, waiter: Waiter, deficit: float) -> list[str]:
+        """The idle retentions that end so `waiter` gets `deficit` tokens, at the least expected
+        cost: each costs its chance to come back x the tokens it would prefill again. The
+        cheapest first until they cover the deficit, or the cheapest one that covers it alone,
+        whichever costs less (three of 300 rather than one of 1,000; one of 400 rather than two
+        of 300). The choice follows the sessions' state, not when they arrived or last ran
+        (least recently used breaks ties only); declared lifetimes go last."""
+        candidates = sorted(
+            (bool(h.min_ttl), self.return_chance(h) * h.retained, h.finished_at or 0.0, k)
+            for k in self._idle if k not in self._waiting and k != waiter.session for h in (self.sessions[k],))
+        greedy: list[str] = []
+        cost, left = 0.0, deficit
+        for declared, c, _, key in candidates:
+            if left <= 0:
+                break
+            greedy.append(key)
+            cost += c + declared * self.capacity  # a declared lifetime ends only when nothing else will do
+            left -= self.sessions[key].retained
+        single = min(((c + declared * self.capacity, key) for declared, c, _, key in candidates
+                      if self.sessions[key].retained >= deficit), default=None)
+        if single is not None and (left > 0 or single[0] < cost):
+            return [single[1]]
+        return greedy
+
+    def _eviction_cost(self, waiter: Waiter, hold: SessionHold) -> float:
+        """Tokens expected to be prefilled again (or copied back) if retention ends so `waiter`
+        fits: its victims' retained tokens, each by its chance to come back; what idle sessions
+        cannot free comes from sessions waiting behind it, counted in full."""
+        deficit = self.used + self._extra(hold, waiter.need) + self.engine_excess - self.capacity
+        if deficit <= 0:
+            return 0.0
+        cost = 0.0
+        for key in self._victims(waiter, deficit):
+            victim = self.sessions[key]
+            cost += self.return_chance(victim) * victim.retained
+            deficit -= victim.retained
+        return cost + max(0, deficit)
+
+    def _wait_bound(self, waiter: Waiter, hold: SessionHold) -> float:
+        """How long `waiter` may wait before it ends others' retention: until the waiting it
+        imposes (its wait, paid by every turn queued behind it) exceeds what the retention saves
+        (the expected re-prefill of its victims, at the engine's measured rate). A new session on
+        an engine whose prefills share one compute unit and that runs something loses no engine
+        time waiting, and room frees as sessions end: it waits up to `max_queue_wait_s` (waves
+        of whole sessions, not a retention ended at each turn). A session back for its next turn
+        gets no room by waiting (the others come back too): the cost rule holds for it always."""
+        bound = self.policy.max_queue_wait_s
+        lower = self.policy.lower_tier_tokens_per_s
+        resident = hold.retained > 0 or hold.turns > 0
+        if lower is None and (self.prefill_tps is None or
+                              (self.policy.compute_bound and self._running and not resident)):
+            return bound
+        # With a tier below, an ended retention costs a copy back (no compute), not a re-prefill.
+        seconds = self._eviction_cost(waiter, hold) / (lower or self.prefill_tps)
+        return min(bound, seconds / max(1, len(self.queue)))
+
     def _evict_for(self, waiter: Waiter, hold: SessionHold) -> None:
-        # Idle sessions first (least recently used first); then sessions whose turn waits
+        # Idle sessions first (cheapest first, `_victims`); then sessions whose turn waits
         # behind this one, the newest waiter first: those ahead of it keep their place.
         waiting = list(self.queue.values())
         at = next(i for i, w in enumerate(waiting) if w.ticket == waiter.ticket)
         behind = {w.session: i for i, w in enumerate(waiting) if i > at}
-        # (a lifetime its client declared keeps a session's place longest among the idle)
-        candidates = [(0, bool(h.min_ttl), h.finished_at or 0.0, k) for k in self._idle
-                      if k not in self._waiting for h in (self.sessions[k],)]
-        candidates += [(1, False, -i, k) for k, i in behind.items() if k != waiter.session
+        deficit = self.used + self._extra(hold, waiter.need) + self.engine_excess - self.capacity
+        candidates = self._victims(waiter, deficit)
+        candidates += [k for k, i in sorted(behind.items(), key=lambda kv: -kv[1]) if k != waiter.session
                        and self.sessions[k].retained and not self.sessions[k].turns]
-        for *_, key in sorted(candidates):
+        for key in candidates:
             if self._fits(hold, waiter.need, spare=False):
                 return
             self._end_retention(key, self.sessions[key])

@@ -370,15 +370,16 @@ def test_a_declared_lifetime_keeps_the_prefix_past_the_learned_ttl_and_is_clampe
 
 
 def test_the_wait_bound_is_the_reprefill_it_would_cost_unless_prefills_share_a_busy_engine():
-    # GPU-like: no compute unit shared; at 10,000 tokens/s, freeing 400 tokens costs 0.04 s
+    # GPU-like: no compute unit shared; at 10,000 tokens/s, freeing 400 tokens means ending a's
+    # retention, and a back later prefills all its 600 again: 0.06 s
     b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60)
     b.observe_prefill(10_000, 1.0)
     t, _ = req(b, "a", 600, now=0)
     b.finish(t, held=600, expect_back=True, now=1)
     running, _ = req(b, "r", 100, now=1)
     head, ok = req(b, "b", 700, now=2)  # 700 + 700 > 1000: 400 must be freed
-    assert not ok and b.next_deadline() == pytest.approx(2.04)
-    assert b.tick(now=2.05) == [head] and b.counters.evicted == 1
+    assert not ok and b.next_deadline() == pytest.approx(2.06)
+    assert b.tick(now=2.05) == [] and b.tick(now=2.07) == [head] and b.counters.evicted == 1
     # CPU-like (compute-bound) and busy: the turn waits up to max_queue_wait_s instead
     c = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60, compute_bound=True)
     c.observe_prefill(1_000, 1.0)
@@ -388,7 +389,7 @@ def test_the_wait_bound_is_the_reprefill_it_would_cost_unless_prefills_share_a_b
     head, ok = req(c, "b", 700, now=2)
     assert not ok and c.next_deadline() == 62 and c.tick(now=10) == []
     # ... until the engine has nothing to run: then each second waited is lost, and the wait is
-    # bounded by the re-prefill (300 tokens at 1,000/s once r left): overdue already, a goes
+    # bounded by the re-prefill (a's 600 tokens at 1,000/s once r left): overdue already, a goes
     assert c.finish(running, held=100, expect_back=False, now=11) == [head]
     assert c.counters.evicted == 1 and c.retained_sessions() == {}
 

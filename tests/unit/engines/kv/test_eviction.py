@@ -12,7 +12,8 @@ def budget(capacity=1000, **policy) -> KvBudget:
 
 def test_with_a_lower_tier_an_ended_retention_costs_only_its_copy_back_so_a_turn_waits_that_long():
     # A CPU-like engine that is busy would let the turn wait max_queue_wait_s (60 s) for the
-    # retained prefix; with a tier below, ending that retention costs 400 tokens at 100,000/s.
+    # retained prefix; with a tier below, ending that retention costs a copy back of its 600 tokens
+    # at 100,000/s.
     b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60,
                compute_bound=True, lower_tier_tokens_per_s=100_000)
     b.observe_prefill(1_000, 1.0)
@@ -20,5 +21,76 @@ def test_with_a_lower_tier_an_ended_retention_costs_only_its_copy_back_so_a_turn
     b.finish(t, held=600, expect_back=True, now=1)
     b.request("r", 100, 1)
     head, admitted = b.request("b", 700, 2)
-    assert head not in admitted and b.next_deadline() == pytest.approx(2.004)
-    assert b.tick(now=2.01) == [head] and b.counters.evicted == 1
+    assert head not in admitted and b.next_deadline() == pytest.approx(2.006)
+    assert b.tick(now=2.005) == [] and b.tick(now=2.01) == [head] and b.counters.evicted == 1
+
+
+def idle(b: KvBudget, sizes: dict[str, int], now: float = 0.0) -> None:
+    """Sessions that ran one turn each and are now in a tool pause, retained."""
+    for key, size in sizes.items():
+        t, _ = b.request(key, size, now)
+        b.finish(t, held=size, expect_back=True, now=now + 1)
+
+
+@pytest.mark.parametrize("order", ["abcd", "dcba", "cadb"])
+def test_the_cheapest_retention_ends_whatever_order_the_sessions_arrived_in(order):
+    # a head short of 350 tokens: two of 300 (cost 600) lose to the one 400 that covers it
+    # alone (cost 400); the 900 is never touched. The same choice for every arrival order.
+    b = budget(2000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=5)
+    sizes = {"a": 300, "b": 300, "c": 400, "d": 900}
+    idle(b, {k: sizes[k] for k in order})
+    head, admitted = b.request("new", 450, 2)  # 1900 held + 450 > 2000
+    assert head not in admitted
+    assert b.tick(now=7) == [head]
+    assert set(b.retained_sessions()) == {"a", "b", "d"}
+
+
+def test_small_retentions_end_before_one_large_when_together_they_cost_less():
+    b = budget(2000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=5)
+    idle(b, {"big": 1000, "a": 200, "b": 200, "c": 300})
+    head, _ = b.request("new", 650, 2)  # short of 350: a + b (400) rather than big (1000)
+    assert b.tick(now=7) == [head]
+    assert set(b.retained_sessions()) == {"big", "c"}
+
+
+def test_the_wait_bound_is_the_victims_expected_reprefill_shared_by_every_waiting_turn():
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60)
+    b.observe_prefill(1000, 1.0)  # 1,000 tokens/s, GPU-like (no shared compute unit)
+    idle(b, {"a": 600})
+    head, _ = b.request("b", 500, 2)
+    assert b.next_deadline() == pytest.approx(2.6)  # a's 600 tokens, sure to be back (no record yet)
+    b.request("c", 100, 2)
+    b.request("d", 100, 2)
+    # three turns wait now: each second waited costs three
+    assert b.next_deadline() == pytest.approx(2.2)
+
+
+def test_retentions_that_expired_unused_make_the_next_ones_cheaper_to_end():
+    b = budget(1000, ttl_initial_s=1, ttl_min_s=1, ttl_max_s=1, max_queue_wait_s=60)
+    b.observe_prefill(1000, 1.0)
+    idle(b, {"x": 100, "y": 100, "z": 100})
+    b.tick(now=5)  # all three expired: none came back
+    assert b.counters.expired == 3
+    assert b.return_chance(b.sessions["x"]) == pytest.approx(0.25)
+    idle(b, {"a": 600}, now=10)
+    head, _ = b.request("b", 500, 11.5)  # a retained until 12
+    assert b.next_deadline() == pytest.approx(11.5 + 0.25 * 0.6)
+    b.sessions["a"].soft = True
+    assert b.return_chance(b.sessions["a"]) == pytest.approx(0.125)
+
+
+def test_on_a_busy_cpu_engine_a_new_session_waits_for_room_but_a_returning_one_does_not():
+    # Compute-bound and running: a new session's wait costs no engine time and room frees as
+    # sessions end, so it waits up to max_queue_wait_s (whole sessions in waves). A session back
+    # for its next turn gets no room by waiting: the cost rule applies to it.
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60,
+               compute_bound=True)
+    b.observe_prefill(1000, 1.0)
+    idle(b, {"a": 400, "b": 200})
+    b.request("r", 300, 2)  # runs
+    new, _ = b.request("n", 300, 3)
+    assert b.next_deadline() == 63
+    b.cancel(new, 3)
+    back, admitted = b.request("b", 400, 4)  # b grows by 200: 100 short, a (400) would go
+    assert back not in admitted and b.next_deadline() == pytest.approx(4.4)
+    assert b.tick(now=4.5) == [back] and set(b.retained_sessions()) == set()
