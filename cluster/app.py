@@ -53,9 +53,12 @@ def engine_options(config: LoopserveConfig) -> dict[str, Any]:
         from ray.serve.config import RequestRouterConfig
 
         # New sessions go to the replica with the most KV headroom (reported through Serve's
-        # routing stats), then stay there: cluster/serve_plugins/kv_router.py.
+        # routing stats), then stay there: cluster/serve_plugins/kv_router.py. Without a KV
+        # budget there are no stats, and the router is the ring plus the chain's named replica:
+        # Serve's own ring would hash `key@replica` and scatter a chain continued from another
+        # connection replica (a re-prefill each time).
         opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=KV_PLACEMENT_ROUTER if config.engine.kv_budget.enabled else CONSISTENT_HASH_ROUTER,
+            request_router_class=KV_PLACEMENT_ROUTER,
             request_router_kwargs={
                 "num_virtual_nodes": routing.num_virtual_nodes,
                 "num_fallback_replicas": routing.num_fallback_replicas,

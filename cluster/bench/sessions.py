@@ -271,6 +271,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+# The KV budget's counters (engine `stats`, kv) a run reports as its own deltas.
+KV_COUNTS = ("retained", "returned_in_time", "expired", "released", "evicted", "evicted_soft", "reprefills")
+
+
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     """One run of the systems in `ns` at each N; prints the tables, writes `sessions.json` and
     the plot under `ns.out`, returns what it wrote."""
@@ -328,8 +332,10 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     capacity = max((s.get("capacity_tokens", 0) for s in after), default=0) or sys_kv
                     if engine == "vllm" and capacity:
                         real_kv_tokens = capacity
+                    kv_counts = {k: sum(s.get(k, 0) for s in after) - sum(s.get(k, 0) for s in before)
+                                 for k in KV_COUNTS}  # what the KV budget did in this run
                     record(f"{system}/{transport}", n, rows, elapsed, {"round": rnd, "preemptions": pre,
-                                                      "server_max_queue_wait_s": wait,
+                                                      "server_max_queue_wait_s": wait, "kv_counts": kv_counts,
                                                       "engine_replicas": len(after), "kv_tokens": capacity,
                                                       "session_moves": moves,
                                                       "killed_replica": getattr(kill, "killed", None)})

@@ -160,13 +160,6 @@ class KvBudgetConfig(StrictModel):
                                       "declaring); past it a turn's declared lifetime is not honoured and its "
                                       "retention is learned from its pauses like any other's. Idle declared "
                                       "retention never counts as autoscaling demand.")
-    compute_bound: Optional[bool] = Field(
-        None, description="Prefills share one compute unit (a CPU engine): a new session waiting while another runs "
-                          "loses no engine time, so it may wait up to `max_queue_wait_s` for retained prefixes (whole "
-                          "sessions in waves). Otherwise, and for a session back for its next turn, a waiting turn "
-                          "waits until its wait x the turns queued reaches the expected re-prefill its eviction "
-                          "would cost at the engine's measured prefill rate. Unset: true for vLLM on a CPU and the "
-                          "scripted engine's `serial_prefill`, false on GPUs.")
     max_queued_turns: int = Field(
         1024, ge=1, description="Turns one engine replica holds waiting for KV room; past it a turn is refused "
                                 "with a 429 (`kv_queue_full`, Retry-After).")

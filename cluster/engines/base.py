@@ -74,7 +74,6 @@ class KvFacts:
     # What the budget weighs an ended retention by: a tier below the engine's own KV reloads at
     # this rate (None: no tier, the prefix is computed again).
     lower_tier_tokens_per_s: Optional[float]
-    compute_bound: bool  # prefills share one compute unit (a CPU), so a wait bound grows with the queue
 
 
 class Engine(Protocol):

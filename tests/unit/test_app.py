@@ -31,8 +31,9 @@ def test_engine_deployment_is_session_affine_by_default():
     router = opts["request_router_config"]
     assert router.request_router_class == KV_PLACEMENT_ROUTER  # consistent hash + KV headroom for new sessions
     assert router.request_routing_stats_period_s == 1.0
+    # without a KV budget too: a chain continued from any connection replica goes where it ran
     assert engine_options(LoopserveConfig.model_validate({"engine": {"kv_budget": {"enabled": False}}})
-                          )["request_router_config"].request_router_class == CONSISTENT_HASH_ROUTER
+                          )["request_router_config"].request_router_class == KV_PLACEMENT_ROUTER
     assert router.request_router_kwargs == {"num_virtual_nodes": 100, "num_fallback_replicas": 1}
     assert opts["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 

@@ -44,7 +44,7 @@ class KvAdmission:
         capacity = config.capacity_tokens or facts.capacity_tokens
         if not (config.enabled and capacity):
             return None
-        policy = BudgetPolicy.of(config, facts.compute_bound, facts.lower_tier_tokens_per_s)
+        policy = BudgetPolicy.of(config, facts.lower_tier_tokens_per_s)
         return cls(KvGate(capacity, policy, block_size=facts.block_size), config, engine, max_replicas > 1)
 
     async def run(self, req: EngineRequest, stream: Stream) -> AsyncIterator[EngineChunk]:

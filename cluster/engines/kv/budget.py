@@ -13,13 +13,13 @@ happening:
   runs plus what is retained plus its reservation fits; otherwise it waits in one FIFO
   queue, bounded (`max_queued_turns`, `max_queued_per_tenant`: past them `QueueFull`, a
   429 with Retry-After). A retained session's turn needs only its growth and may pass.
-- **Cost-aware waiting.** A waiting turn first takes the room of *soft* retentions (chains
-  that may come back but gave no sign). Beyond those, a retention is kept while its expected
-  saving exceeds the waiting it imposes: the queue's head waits until its wait x the turns
+- **Waves, cost-aware waiting.** A waiting turn first takes the room of *soft* retentions
+  (chains that may come back but gave no sign). A session without a prefix here waits for room
+  while something runs, up to `max_queue_wait_s`: ending a retention for it only trades places,
+  so sessions that do not fit at once run in waves of whole sessions. A session back for its
+  next turn, or any turn on an engine with nothing to run, waits until its wait x the turns
   queued reaches the expected re-prefill of the cheapest retentions that free its room (their
-  tokens x their chance to come back, at the measured prefill rate; `kv/eviction.py`). A new
-  session on an engine whose prefills share one compute unit (a CPU engine) that runs something
-  costs no engine time waiting: its bound is `max_queue_wait_s` (whole sessions in waves). With a
+  tokens x their chance to come back, at the measured prefill rate; `kv/eviction.py`). With a
   tier below the engine (host memory), an ended retention costs only the copy back.
 - **Retention.** A session expected back (its socket is open, it called tools, it came
   back before, or its client declared a lifetime) keeps its prefix for a TTL learned from
@@ -207,6 +207,10 @@ class KvBudget(Evictions, Totals):
             return None
         head = next(iter(self.queue.values()))
         deadline = head.since + self._wait_bound(head, self._hold_no_touch(head.session))
+        for w in self.queue.values():  # sessions back to their prefix may end retention behind the head
+            hold = self._hold_no_touch(w.session)
+            if w is not head and (hold.retained or hold.turns):
+                deadline = min(deadline, w.since + self._wait_bound(w, hold))
         expiry = self._next_expiry()
         return deadline if expiry is None else min(deadline, expiry)
 
@@ -352,7 +356,8 @@ class KvBudget(Evictions, Totals):
             if not head_blocked and not self._fits(hold, w.need):
                 self._evict_soft_for(w, hold)
                 self._evict_over_share_for(w, hold)
-            overdue = not head_blocked and now - w.since >= self._wait_bound(w, hold)
+            # (a session back to its prefix gets no room by waiting, behind a blocked head too)
+            overdue = (not head_blocked or resident) and now - w.since >= self._wait_bound(w, hold)
             if not self._fits(hold, w.need, spare=not overdue) and overdue:
                 self._evict_for(w, hold)
                 urgent = not self._fits(hold, w.need, spare=False)

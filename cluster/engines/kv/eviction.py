@@ -165,18 +165,23 @@ class Evictions:
         return cost + max(0, deficit)
 
     def _wait_bound(self, waiter: Waiter, hold: SessionHold) -> float:
-        """How long `waiter` may wait before it ends others' retention: until the waiting it
-        imposes (its wait, paid by every turn queued behind it) exceeds what the retention saves
-        (the expected re-prefill of its victims, at the engine's measured rate). A new session on
-        an engine whose prefills share one compute unit and that runs something loses no engine
-        time waiting, and room frees as sessions end: it waits up to `max_queue_wait_s` (waves
-        of whole sessions, not a retention ended at each turn). A session back for its next turn
-        gets no room by waiting (the others come back too): the cost rule holds for it always."""
+        """How long `waiter` may wait before it ends others' retention.
+
+        A session without a prefix here (new, or one whose retention ended) waits for room while
+        something runs, up to `max_queue_wait_s`: ending a retention for it only trades places
+        (the session that loses its prefix is back within its pause and waits in turn), costs a
+        re-prefill, and adds no work to the engine's batch. Room frees as sessions end: whole
+        sessions are admitted in waves, not a retention ended at each turn. (Several replicas:
+        it moves where there is room after `move_after_s`.)
+
+        A session back for its next turn gets no room by waiting (the others come back too), and
+        an engine with nothing to run loses each second waited: they wait until their wait, paid
+        by every turn queued (wait x queued turns), reaches what the retention saves: the expected
+        re-prefill of its cheapest victims at the engine's measured rate."""
         bound = self.policy.max_queue_wait_s
         lower = self.policy.lower_tier_tokens_per_s
         resident = hold.retained > 0 or hold.turns > 0
-        if lower is None and (self.prefill_tps is None or
-                              (self.policy.compute_bound and self._running and not resident)):
+        if lower is None and (self.prefill_tps is None or (self._running and not resident)):
             return bound
         # With a tier below, an ended retention costs a copy back (no compute), not a re-prefill.
         seconds = self._eviction_cost(waiter, hold) / (lower or self.prefill_tps)

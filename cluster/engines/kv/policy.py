@@ -54,11 +54,6 @@ class BudgetPolicy:
     declared_share: float = 0.25
     max_queue_wait_s: float = 60.0  # then the head of the queue may end other sessions' retention
     max_sessions: int = 100_000  # sessions tracked for their pause statistics (LRU)
-    # Prefills share one compute unit (a CPU engine): a turn waiting while another runs loses
-    # no engine time, so it may wait up to `max_queue_wait_s`. Otherwise (a GPU's batch, or an
-    # engine with nothing to run) a waiting turn waits no longer than the re-prefill its eviction
-    # would cost, at the engine's measured prefill rate.
-    compute_bound: bool = False
     max_queued_turns: int = 1024  # turns waiting on one replica; past it a 429 (Retry-After)
     max_queued_per_tenant: int = 256
     tenant_share: float = 1.0  # of the capacity one tenant's retained prefixes may hold
@@ -67,12 +62,10 @@ class BudgetPolicy:
     lower_tier_tokens_per_s: Optional[float] = None
 
     @classmethod
-    def of(cls, config: "KvBudgetConfig", compute_bound: bool = False,
-           lower_tier_tokens_per_s: Optional[float] = None) -> "BudgetPolicy":
+    def of(cls, config: "KvBudgetConfig", lower_tier_tokens_per_s: Optional[float] = None) -> "BudgetPolicy":
         return cls(retention=config.retention, ttl_initial_s=config.ttl_initial_s, ttl_min_s=config.ttl_min_s,
                    ttl_max_s=config.ttl_max_s, ttl_pause_multiple=config.ttl_pause_multiple,
                    ttl_client_max_s=config.ttl_client_max_s, max_queue_wait_s=config.max_queue_wait_s,
-                   compute_bound=compute_bound if config.compute_bound is None else config.compute_bound,
                    max_queued_turns=config.max_queued_turns, max_queued_per_tenant=config.max_queued_per_tenant,
                    tenant_share=config.tenant_share, declared_share=config.declared_share,
                    lower_tier_tokens_per_s=config.lower_tier_tokens_per_s or lower_tier_tokens_per_s)

@@ -131,8 +131,7 @@ class ScriptedEngine:
 
     def kv_facts(self) -> KvFacts:
         block = self.kv.block_size if self.kv is not None else 1
-        return KvFacts(self.kv_capacity_tokens, block, self.lower_tier_tokens_per_s,
-                       compute_bound=self.config.serial_prefill or bool(self.clock and self.clock.model.compute_bound))
+        return KvFacts(self.kv_capacity_tokens, block, self.lower_tier_tokens_per_s)
 
     def kv_in_use_tokens(self) -> Optional[int]:
         kv = self.kv

@@ -290,7 +290,7 @@ class VLLMEngine:
             await self.llm.check_health()
 
     def kv_facts(self) -> KvFacts:
-        return KvFacts(self.kv_capacity_tokens, self.block_size, None, compute_bound=_on_cpu())
+        return KvFacts(self.kv_capacity_tokens, self.block_size, None)
 
     def kv_in_use_tokens(self) -> Optional[int]:
         """vLLM's block usage at its last step, in tokens."""

@@ -19,7 +19,7 @@ class FakeKvEngine:
     """A fake engine: only what the admission reads of one (its KV facts and in-use count)."""
 
     def __init__(self, capacity: int, block: int = 16) -> None:
-        self.facts = KvFacts(capacity, block, None, compute_bound=True)
+        self.facts = KvFacts(capacity, block, None)
         self.in_use: Optional[int] = None
 
     def kv_facts(self) -> KvFacts:

@@ -11,11 +11,10 @@ def budget(capacity=1000, **policy) -> KvBudget:
 
 
 def test_with_a_lower_tier_an_ended_retention_costs_only_its_copy_back_so_a_turn_waits_that_long():
-    # A CPU-like engine that is busy would let the turn wait max_queue_wait_s (60 s) for the
-    # retained prefix; with a tier below, ending that retention costs a copy back of its 600 tokens
-    # at 100,000/s.
+    # A busy engine would let a new session wait max_queue_wait_s (60 s) for room; with a tier
+    # below, ending a retention costs a copy back of its 600 tokens at 100,000/s, not a re-prefill.
     b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60,
-               compute_bound=True, lower_tier_tokens_per_s=100_000)
+               lower_tier_tokens_per_s=100_000)
     b.observe_prefill(1_000, 1.0)
     t, _ = b.request("a", 600, 0)
     b.finish(t, held=600, expect_back=True, now=1)
@@ -79,12 +78,10 @@ def test_retentions_that_expired_unused_make_the_next_ones_cheaper_to_end():
     assert b.return_chance(b.sessions["a"]) == pytest.approx(0.125)
 
 
-def test_on_a_busy_cpu_engine_a_new_session_waits_for_room_but_a_returning_one_does_not():
-    # Compute-bound and running: a new session's wait costs no engine time and room frees as
-    # sessions end, so it waits up to max_queue_wait_s (whole sessions in waves). A session back
-    # for its next turn gets no room by waiting: the cost rule applies to it.
-    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60,
-               compute_bound=True)
+def test_on_a_busy_engine_a_new_session_waits_for_room_but_a_returning_one_does_not():
+    # Something runs: a new session waits for room up to max_queue_wait_s (whole sessions in
+    # waves). A session back for its next turn gets no room by waiting: the cost rule applies.
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60)
     b.observe_prefill(1000, 1.0)
     idle(b, {"a": 400, "b": 200})
     b.request("r", 300, 2)  # runs
@@ -94,3 +91,17 @@ def test_on_a_busy_cpu_engine_a_new_session_waits_for_room_but_a_returning_one_d
     back, admitted = b.request("b", 400, 4)  # b grows by 200: 100 short, a (400) would go
     assert back not in admitted and b.next_deadline() == pytest.approx(4.4)
     assert b.tick(now=4.5) == [back] and set(b.retained_sessions()) == set()
+
+
+def test_a_session_back_to_its_prefix_behind_a_waiting_new_session_ends_retention_at_its_own_deadline():
+    b = budget(1000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60)
+    b.observe_prefill(1000, 1.0)
+    idle(b, {"a": 300, "b": 200, "c": 300})
+    b.request("r", 150, 2)  # runs
+    new, _ = b.request("n", 300, 3)  # waits for room (60 s: waves)
+    back, admitted = b.request("a", 400, 4)  # grows by 100: no room beside the head's wait
+    assert back not in admitted
+    # b (200, the cheapest) is worth 0.2 s of re-prefill, shared by the 2 waiting turns: 0.1 s
+    assert b.next_deadline() == pytest.approx(4.1)
+    assert b.tick(now=4.11) == [back]
+    assert set(b.retained_sessions()) == {"c"} and new in b.queue
