@@ -13,14 +13,14 @@ from typing import Optional
 from cluster.engines.scripted.cost_model import EngineCostModel
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself (list.remove), whatever its numbers
 class _Prefill:
     tokens: int  # still to compute
     context: int  # tokens before the next chunk
     done: asyncio.Future
 
 
-@dataclass
+@dataclass(eq=False)
 class _Decode:
     context: int
     remaining: int

@@ -51,7 +51,7 @@ class EchoEngine:
         pass
 
     def kv_facts(self) -> KvFacts:
-        return KvFacts(0, 16, None, False)  # capacity unknown: nothing to budget
+        return KvFacts(0, 16, None)  # capacity unknown: nothing to budget
 
     def kv_in_use_tokens(self):
         return None
