@@ -150,11 +150,16 @@ class Evictions:
             return [single[1]]
         return greedy
 
+    def _deficit(self, waiter: Waiter, hold: SessionHold) -> int:
+        """Tokens `waiter` lacks (what the budget holds, the engine's excess, and its own extra,
+        over the capacity; room kept for others' growth not counted)."""
+        return self.used + self._extra(hold, waiter.need) + self.engine_excess - self.capacity
+
     def _eviction_cost(self, waiter: Waiter, hold: SessionHold) -> float:
         """Tokens expected to be prefilled again (or copied back) if retention ends so `waiter`
         fits: its victims' retained tokens, each by its chance to come back; what idle sessions
         cannot free comes from sessions waiting behind it, counted in full."""
-        deficit = self.used + self._extra(hold, waiter.need) + self.engine_excess - self.capacity
+        deficit = self._deficit(waiter, hold)
         if deficit <= 0:
             return 0.0
         cost = 0.0
@@ -193,7 +198,7 @@ class Evictions:
         waiting = list(self.queue.values())
         at = next(i for i, w in enumerate(waiting) if w.ticket == waiter.ticket)
         behind = {w.session: i for i, w in enumerate(waiting) if i > at}
-        deficit = self.used + self._extra(hold, waiter.need) + self.engine_excess - self.capacity
+        deficit = self._deficit(waiter, hold)
         candidates = self._victims(waiter, deficit)
         candidates += [k for k, i in sorted(behind.items(), key=lambda kv: -kv[1]) if k != waiter.session
                        and self.sessions[k].retained and not self.sessions[k].turns]
