@@ -2,6 +2,8 @@
 
 - `ws`: one WebSocket held for the whole session (`store` as asked), chained by
   `previous_response_id`;
+- `ws-stored`: one WebSocket held for the whole session, `store: true`: its close says nothing of
+  the session's end (a stored response may be continued from anywhere), as HTTP's end does not;
 - `ws-reconnect`: a new WebSocket for every turn (`store: true`, chained by id): a client that
   reconnects, or whose turns land on any connection replica;
 - `http`: `POST /v1/responses` per turn (`store: true`, chained by id), as the openai SDKs'
@@ -21,7 +23,7 @@ from typing import Any, Callable, Optional
 
 from cluster.bench.client import ws_turn, ws_url
 
-TRANSPORTS = ("ws", "ws-reconnect", "http")
+TRANSPORTS = ("ws", "ws-stored", "ws-reconnect", "http")
 TOOL = {"type": "function", "name": "run_tests", "description": "Run the project's tests",
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
 
@@ -44,7 +46,7 @@ class SessionPlan:
 def turn_body(plan: SessionPlan, text: str, prev: Optional[dict[str, Any]], output_tokens: int) -> dict[str, Any]:
     """The turn's `response.create` body after the previous response `prev` (None: the first)."""
     body: dict[str, Any] = {"model": plan.model, "max_output_tokens": output_tokens, "temperature": 0,
-                            "store": plan.store or plan.transport != "ws"}
+                            "store": plan.store or plan.transport != "ws"}  # (ws-stored: stored)
     calls = [o for o in (prev or {}).get("output", []) if o.get("type") == "function_call"]
     if plan.shape == "agent":
         body["tools"] = [TOOL]

@@ -23,7 +23,8 @@ happening:
   tier below the engine (host memory), an ended retention costs only the copy back.
 - **Retention.** A session expected back (its socket is open, it called tools, it came
   back before, or its client declared a lifetime) keeps its prefix for a TTL learned from
-  its own pauses, at least its declared `prompt_cache_options.ttl` (clamped). A chain that
+  its own pauses, at least its declared `prompt_cache_options.ttl` (clamped) and the time its
+  prefix takes to compute again (`kv/eviction.py`). A chain that
   can be continued but gave no sign is kept softly. One tenant's retained tokens are
   capped at `tenant_share`. Others free their tokens at once.
 - **Tenants.** A waiting turn of a tenant under its fair share (the capacity over the tenants
@@ -44,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from cluster.engines.kv.policy import (  # noqa: F401 - the budget's vocabulary, re-exported
-    GROWTH_WEIGHT, KV_METRICS, PAUSE_DECAY, BudgetCounters, BudgetPolicy, PrefillRate, QueueFull, SessionHold, Waiter)
+    GROWTH_WEIGHT, KV_METRICS, PAUSE_DECAY, BudgetCounters, BudgetPolicy, LoopShape, PrefillRate, QueueFull, SessionHold,
+    Waiter)
 from cluster.engines.kv.accounting import Totals
 from cluster.engines.kv.eviction import Evictions
 
@@ -83,6 +85,8 @@ class KvBudget(Evictions, Totals):
     _expiries: list = field(default_factory=list)
     _seq: "itertools.count[int]" = field(default_factory=itertools.count)
     prefill: PrefillRate = field(default_factory=PrefillRate)  # what a re-prefill costs
+    shape: LoopShape = field(default_factory=LoopShape)  # sessions as wholes (`growth_room`)
+    _now: float = 0.0  # the clock of the latest call (`_expire` sets it)
 
     # -- what the engine replica calls ---------------------------------------------------
 
@@ -112,6 +116,7 @@ class KvBudget(Evictions, Totals):
             pause = max(0.0, now - hold.finished_at)
             hold.pause_high = pause if hold.pause_high is None else max(pause, PAUSE_DECAY * hold.pause_high)
             hold.returns += 1
+            hold.last_pause = pause
             if hold.retained:
                 self.counters.returned_in_time += 1
             elif hold.released:
@@ -124,7 +129,7 @@ class KvBudget(Evictions, Totals):
             self.growth_samples += 1
             self.growth_per_turn += weight * (growth - self.growth_per_turn)
         if starts:
-            self._start(ticket, session, need)
+            self._start(ticket, session, need, now)
             return ticket, [ticket]
         self.queue[ticket] = Waiter(ticket, session, need, now, tenant)
         self._waiting[session] += 1
@@ -158,6 +163,8 @@ class KvBudget(Evictions, Totals):
             return self.cancel(ticket, now)
         hold = self._hold(session)
         hold.finished_at = now
+        if hold.last_pause is not None:
+            self.shape.observe_turn(now - hold.started_at, hold.last_pause)
         if hold.min_ttl and self._tenant_declared[hold.tenant] - hold.declared_idle + held > \
                 self.policy.declared_share * self.capacity:
             hold.min_ttl = 0.0  # past its tenant's declared share: retained (or not) as any other session
@@ -187,6 +194,7 @@ class KvBudget(Evictions, Totals):
         """The session will not be back (its socket closed): its retained tokens go now."""
         hold = self.sessions.get(session)
         if hold is not None and hold.retained:
+            self.shape.observe_end(hold.retained)
             self._end_retention(session, hold)
             self.counters.released += 1
         return self._drain(now)
@@ -253,12 +261,6 @@ class KvBudget(Evictions, Totals):
     def headroom(self) -> int:
         return self.capacity - self.used - self.queued_tokens
 
-    def ttl(self, hold: SessionHold) -> float:
-        p = self.policy
-        learned = p.ttl_initial_s if hold.pause_high is None else \
-            min(p.ttl_max_s, max(p.ttl_min_s, p.ttl_pause_multiple * hold.pause_high))
-        return max(learned, hold.min_ttl)
-
     def snapshot(self, now: float) -> dict[str, float | int]:
         c = self.counters
         head_wait = now - next(iter(self.queue.values())).since if self.queue else 0.0
@@ -274,6 +276,7 @@ class KvBudget(Evictions, Totals):
                 "prefill_tokens_per_s": round(self.prefill_tps or 0.0, 1),
                 "growth_per_turn": round(self.growth_per_turn, 1),
                 "growth_room_tokens": self.growth_room(), "engine_excess_tokens": self.engine_excess,
+                "ended_session_tokens": round(self.shape.ended_tokens or 0), "engine_share": round(self.shape.engine_share or 0, 3),
                 "shared_tokens": sum(max(v) for v in self._shared.values())}
 
     # -- the rules -----------------------------------------------------------------------
@@ -307,19 +310,24 @@ class KvBudget(Evictions, Totals):
             return True  # alone on the replica: whatever it needs, nobody else is holding it back
         room = self.capacity
         if spare and not (hold.retained or hold.turns):
-            room -= self.growth_room()
+            room -= self.growth_room(need)
         room -= self.engine_excess  # the engine holds it, whatever the budget counted
         return self.used + self._extra(hold, need) <= room
 
-    def growth_room(self) -> int:
+    def growth_room(self, need: int = 0) -> int:
         """Room a session without a prefix here leaves free when it starts: one turn's growth
         (this replica's recent average) for each session that holds a prefix. Without it, a
         session let in on room that is only there for a moment forces one of those sessions
-        out at their next turn, and then itself at its next: each time a whole re-prefill."""
-        return int(self.growth_per_turn * self._resident)
+        out at their next turn, and then itself at its next: each time a whole re-prefill.
+        Where the engine is the loops' bottleneck, their growth to the size sessions here end
+        at (`LoopShape`), the new session's own (`need`) too: sessions that started together would
+        outgrow the pool halfway and each drop a prefix, where a second wave costs no throughput."""
+        to_end = self.shape.to_end(self._resident + (need > 0), self._used + need)
+        return max(int(self.growth_per_turn * self._resident), to_end)
 
-    def _start(self, ticket: int, session: str, need: int) -> None:
+    def _start(self, ticket: int, session: str, need: int, now: float) -> None:
         hold = self._hold(session)
+        hold.started_at = now
         self._change(hold, running=need, turns=1)  # a retained prefix stays counted: it is what this turn reuses
         self._admitted[ticket] = (session, need)
         self.counters.admitted += 1
@@ -354,7 +362,8 @@ class KvBudget(Evictions, Totals):
             if urgent or (head_blocked and not resident):
                 continue  # behind a head that waited too long, nobody passes
             if not head_blocked and not self._fits(hold, w.need):
-                self._evict_soft_for(w, hold)
+                if resident or not (self._running and self.shape.engine_bound):  # (a wave's newcomer trades places)
+                    self._evict_soft_for(w, hold)
                 self._evict_over_share_for(w, hold)
             # (a session back to its prefix gets no room by waiting, behind a blocked head too)
             overdue = (not head_blocked or resident) and now - w.since >= self._wait_bound(w, hold)
@@ -366,7 +375,7 @@ class KvBudget(Evictions, Totals):
                 wait = now - w.since
                 self.counters.queue_wait_s += wait
                 self.counters.max_queue_wait_s = max(self.counters.max_queue_wait_s, wait)
-                self._start(ticket, w.session, w.need)
+                self._start(ticket, w.session, w.need, now)
                 admitted.append(ticket)
             elif not head_blocked:
                 head_blocked = True

@@ -32,6 +32,19 @@ class Evictions:
     engine_excess: int
     _running: int
     prefill_tps: Any
+    shape: Any  # kv/policy.LoopShape
+    _now: float  # the clock of the latest call
+
+    def ttl(self, hold: SessionHold) -> float:
+        """2x its long pauses (clamped), at least its client's declared lifetime, and at least the
+        time its prefix takes to compute again (or copy back from a tier below; up to `ttl_max_s`):
+        an expiry frees room nobody asked for yet (a turn that needs it ends retention by the cost
+        rules), and on a slow engine a pause past the learned TTL cost a re-prefill longer than it."""
+        p = self.policy
+        learned = p.ttl_initial_s if hold.pause_high is None else \
+            min(p.ttl_max_s, max(p.ttl_min_s, p.ttl_pause_multiple * hold.pause_high))
+        rate = p.lower_tier_tokens_per_s or self.prefill_tps
+        return max(learned, hold.min_ttl, min(p.ttl_max_s, hold.retained / rate) if rate else 0.0)
 
     def _schedule_expiry(self, hold: SessionHold) -> None:
         heapq.heappush(self._expiries, (hold.expires_at, next(self._seq), hold.key))
@@ -60,6 +73,7 @@ class Evictions:
         return found
 
     def _expire(self, now: float) -> None:
+        self._now = now  # every call into the budget passes here first (`return_chance` reads it)
         aside = []  # a session whose turn waits is back: it keeps its place
         while self._expiries and self._expiries[0][0] <= now:
             entry = heapq.heappop(self._expiries)
@@ -69,6 +83,7 @@ class Evictions:
             if self._waiting[entry[2]]:
                 aside.append(entry)
                 continue
+            self.shape.observe_end(hold.retained)
             self._end_retention(entry[2], hold)
             self.counters.expired += 1
         for entry in aside:
@@ -121,9 +136,14 @@ class Evictions:
     def return_chance(self, hold: SessionHold) -> float:
         """The chance an idle retained session comes back while it is retained: this replica's
         record (retentions a session came back to, against those that expired), from a start of
-        one; half that for a soft retention (a chain that gave no sign it will be back)."""
+        one; half that for a soft retention (a chain that gave no sign it will be back). Past the
+        longest pause it has taken, by that pause over its idle time: a chain ends without a word
+        (an HTTP client; a socket whose responses are stored), and one idle well past its pauses
+        is more likely done than paused, and holds the largest history of all."""
         c = self.counters
         chance = (c.returned_in_time + 1) / (c.returned_in_time + c.expired + 1)
+        if hold.pause_high and hold.finished_at is not None and self._now - hold.finished_at > hold.pause_high:
+            chance *= hold.pause_high / (self._now - hold.finished_at)
         return chance / 2 if hold.soft else chance
 
     def _victims(self, waiter: Waiter, deficit: float) -> list[str]:

@@ -91,6 +91,8 @@ class SessionHold:
     # calls, never came back, no declared lifetime): its room goes to the first turn that needs it.
     soft: bool = False
     declared_idle: int = 0  # its tokens counted as idle under a declared lifetime (Totals._change)
+    started_at: float = 0.0  # when its latest turn was admitted
+    last_pause: Optional[float] = None  # the client's pause before its latest turn
 
     key: str = ""  # the session's key in the budget
     shared: int = 0  # of its tokens, a head its tenant's sessions share (counted once for all of them)
@@ -149,6 +151,43 @@ class PrefillRate:
         rate = tokens / seconds
         prev = self.tokens_per_s
         self.tokens_per_s = rate if prev is None else prev + self.WEIGHT * (rate - prev)
+
+
+class LoopShape:
+    """This replica's sessions as wholes: the tokens a session holds when it ends (its socket
+    closed, or its retention expired unused), and the share of a session's loop spent in the
+    engine (a turn's time against it plus the client's pause before it). Moving averages; None
+    until seen."""
+
+    WEIGHT = 0.2  # of the latest sample
+    # Turns that take longer than the pauses between them: the loop waits on the engine, and one
+    # more session running adds no throughput, only a prefix the pool must later drop.
+    ENGINE_BOUND = 0.5
+
+    def __init__(self) -> None:
+        self.ended_tokens: Optional[float] = None
+        self.engine_share: Optional[float] = None
+
+    def observe_end(self, tokens: int) -> None:
+        self.ended_tokens = self._moved(self.ended_tokens, float(tokens))
+
+    def observe_turn(self, turn_s: float, pause_s: float) -> None:
+        if turn_s + pause_s > 0:
+            self.engine_share = self._moved(self.engine_share, turn_s / (turn_s + pause_s))
+
+    @property
+    def engine_bound(self) -> bool:
+        return self.engine_share is not None and self.engine_share >= self.ENGINE_BOUND
+
+    def to_end(self, resident: int, used: int) -> int:
+        """Tokens the `resident` sessions (holding `used`) are expected to grow by before they
+        end, where the engine is the loops' bottleneck; 0 where it is not, or nothing ended yet."""
+        if self.ended_tokens is None or not self.engine_bound:
+            return 0
+        return max(0, int(self.ended_tokens * resident) - used)
+
+    def _moved(self, mean: Optional[float], sample: float) -> float:
+        return sample if mean is None else mean + self.WEIGHT * (sample - mean)
 
 
 class QueueFull(Exception):

@@ -96,6 +96,24 @@ def test_a_session_with_uneven_pauses_is_still_retained_through_its_longer_ones(
     assert b.counters.expired == 1 and b.counters.returned_in_time == 6 and b.counters.reprefills == 1
 
 
+def test_on_a_slow_engine_a_prefix_is_kept_at_least_as_long_as_computing_it_again_takes():
+    # 2,000 tokens at 200 tokens/s (a CPU): 10 s to prefill again, where its 1 s pauses alone
+    # would give 2 s. A pause of 4 s keeps the prefix. With a tier below at 10,000/s: 0.2 s, so
+    # the learned 2 s holds. Capped by ttl_max_s (the 10,000 tokens: 30, not 50 s).
+    def replica(**policy) -> KvBudget:
+        b = budget(20_000, ttl_initial_s=5, ttl_min_s=1, ttl_max_s=30, ttl_pause_multiple=2, **policy)
+        b.observe_prefill(2_000, 10.0)
+        for start, held in ((0, 1_000), (2, 2_000)):  # back after a 1 s pause
+            t, _ = req(b, "a", held, now=start)
+            b.finish(t, held=held, expect_back=True, now=start + 1)
+        t, _ = req(b, "big", 10_000, now=3)
+        b.finish(t, held=10_000, expect_back=True, now=4)
+        return b
+
+    assert replica().retained_sessions() == {"a": 3 + 10, "big": 4 + 30}
+    assert replica(lower_tier_tokens_per_s=10_000).retained_sessions() == {"a": 3 + 2, "big": 4 + 5}
+
+
 def test_the_queue_is_fifo_for_new_sessions_and_a_small_turn_does_not_pass_a_blocked_head():
     b = budget(1000)
     t1, _ = req(b, "a", 900, now=0)

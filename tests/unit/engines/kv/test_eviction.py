@@ -105,3 +105,22 @@ def test_a_session_back_to_its_prefix_behind_a_waiting_new_session_ends_retentio
     assert b.next_deadline() == pytest.approx(4.1)
     assert b.tick(now=4.11) == [back]
     assert set(b.retained_sessions()) == {"c"} and new in b.queue
+
+
+def test_a_chain_idle_far_past_its_longest_pause_ends_before_a_smaller_one_still_in_its_pause():
+    # An HTTP chain that ended says nothing: "done" kept its 900 tokens through a pause of 1 s
+    # and has been idle 11 s; "live" (300) pauses up to 10 s and is 2 s into this one. By size
+    # alone "live" would go, but "done" is the one unlikely to come back.
+    b = budget(2000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=5)
+    for key, size, pause in (("done", 900, 1.0), ("live", 300, 10.0)):
+        t, _ = b.request(key, size - 100, 0)
+        b.finish(t, held=size - 100, expect_back=True, now=1)
+        t, _ = b.request(key, size, 1 + pause)
+        b.finish(t, held=size, expect_back=True, now=2 + pause)
+    idle(b, {"other": 600}, now=12)
+    head, admitted = b.request("new", 500, 14)  # 1800 held + 500 > 2000: 300 short
+    assert head not in admitted
+    assert b.return_chance(b.sessions["done"]) == pytest.approx(1 / 11)  # longest pause 1 s, idle 11 s
+    assert b.return_chance(b.sessions["live"]) == pytest.approx(1.0)
+    assert b.tick(now=19) == [head]
+    assert set(b.retained_sessions()) == {"live", "other"}

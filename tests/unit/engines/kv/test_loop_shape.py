@@ -1,0 +1,70 @@
+"""Waves sized by whole sessions (kv/policy.LoopShape with kv/budget.py's admission): where the
+engine is the loops' bottleneck, a new session starts only when the sessions already here still
+fit at the size sessions end at; where the clients' pauses dominate, one turn's growth is kept.
+Pure logic on a fake clock."""
+
+import pytest
+
+from cluster.engines.kv.budget import BudgetPolicy, KvBudget
+from cluster.engines.kv.policy import LoopShape
+
+
+def replica_that_saw_a_session_end(turn_s: float, pause_s: float) -> KvBudget:
+    """A replica where one session ran two turns of `turn_s` with a pause of `pause_s` between
+    them, grew from 200 to 500 tokens and closed its socket."""
+    b = KvBudget(1100, BudgetPolicy(ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60))
+    t, _ = b.request("old", 200, 0)
+    b.finish(t, held=200, expect_back=True, now=turn_s)
+    t, _ = b.request("old", 500, turn_s + pause_s)
+    b.finish(t, held=500, expect_back=True, now=2 * turn_s + pause_s)
+    b.release("old", 2 * turn_s + pause_s)
+    return b
+
+
+def test_an_engine_bound_replica_admits_new_sessions_only_as_far_as_they_fit_at_their_end():
+    b = replica_that_saw_a_session_end(turn_s=10, pause_s=1)
+    assert b.shape.ended_tokens == 500 and b.shape.engine_share == pytest.approx(10 / 11)
+    now = 30
+    a, _ = b.request("a", 100, now)
+    c, admitted = b.request("b", 100, now)
+    assert admitted == [c]  # a and b grow to 500 each: 1,000 of 1,100
+    d, admitted = b.request("c", 100, now)
+    assert admitted == [] and d in b.queue  # c would grow to 500 too: the next wave
+    assert b.snapshot(now)["growth_room_tokens"] == 800
+    assert b.finish(a, held=500, expect_back=False, now=40) == [d]  # a ended: c starts in its place
+
+
+def test_where_pauses_dominate_every_session_starts_with_one_turns_growth_kept_free():
+    # The same sessions with turns a tenth of the pauses (a GPU's speed): one more session
+    # running is throughput, and a dropped prefix a fast re-prefill. All three start.
+    b = replica_that_saw_a_session_end(turn_s=0.1, pause_s=1)
+    assert b.shape.engine_share == pytest.approx(0.1 / 1.1)
+    admitted = [b.request(k, 100, 30)[1] for k in "abc"]
+    assert all(admitted) and b.snapshot(30)["growth_room_tokens"] == 900  # 300 a turn x 3
+
+
+def test_sessions_that_expire_unused_teach_the_end_size_too():
+    shape = LoopShape()
+    assert shape.to_end(resident=4, used=100) == 0  # nothing seen: nothing reserved
+    b = KvBudget(1000, BudgetPolicy(ttl_initial_s=5, ttl_min_s=5, ttl_max_s=5))
+    t, _ = b.request("http-chain", 300, 0)
+    b.finish(t, held=300, expect_back=True, now=1)
+    b.tick(now=10)
+    assert b.counters.expired == 1 and b.shape.ended_tokens == 300
+
+
+@pytest.mark.parametrize("engine_bound", [True, False])
+def test_a_new_session_on_a_busy_engine_bound_replica_waits_rather_than_take_a_soft_retention(engine_bound):
+    # A stored chain's first turn is kept softly (no sign it will be back). Where turns outlast
+    # the pauses, a newcomer that took its room while another session runs would only trade
+    # places with it (it is back within its pause, as a newcomer): it waits for the wave. Where
+    # pauses dominate, the newcomer's turn is throughput: it takes the soft room at once.
+    b = replica_that_saw_a_session_end(turn_s=10, pause_s=1) if engine_bound else \
+        replica_that_saw_a_session_end(turn_s=0.1, pause_s=1)
+    t, _ = b.request("chain", 400, 30)
+    b.finish(t, held=400, expect_back=False, now=31, continuable=True)
+    assert b.sessions["chain"].soft
+    b.request("running", 300, 31)
+    new, admitted = b.request("new", 500, 32)  # 700 held + 500 > 1,100
+    assert (new in admitted) is not engine_bound
+    assert ("chain" in b.retained_sessions()) is engine_bound
