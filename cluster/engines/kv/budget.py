@@ -173,7 +173,7 @@ class KvBudget(Evictions, Totals):
         if self.policy.retention and (firm or continuable) and held > 0:
             hold.soft = not firm
             self._change(hold, running=-need, turns=-1, retained=min(held, self.capacity))
-            hold.expires_at, hold.lapses_at = now + self.ttl(hold), now + self.ttl(hold, floor=False)
+            hold.expires_at = now + self.ttl(hold)
             self._schedule_expiry(hold)
             self.counters.retained += 1
             self._cap_tenant(hold.tenant)
@@ -362,8 +362,8 @@ class KvBudget(Evictions, Totals):
             if urgent or (head_blocked and not resident):
                 continue  # behind a head that waited too long, nobody passes
             if not head_blocked and not self._fits(hold, w.need):
-                # (a wave's newcomer would only trade places with a soft retention)
-                self._evict_soft_for(w, hold, soft=resident or not (self._running and self.shape.engine_bound))
+                if resident or not (self._running and self.shape.engine_bound):  # (a wave's newcomer trades places)
+                    self._evict_soft_for(w, hold)
                 self._evict_over_share_for(w, hold)
             # (a session back to its prefix gets no room by waiting, behind a blocked head too)
             overdue = (not head_blocked or resident) and now - w.since >= self._wait_bound(w, hold)

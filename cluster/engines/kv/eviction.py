@@ -35,18 +35,16 @@ class Evictions:
     shape: Any  # kv/policy.LoopShape
     _now: float  # the clock of the latest call
 
-    def ttl(self, hold: SessionHold, floor: bool = True) -> float:
-        """2x its long pauses (clamped), at least its client's declared lifetime, and (`floor`) at
-        least the time its prefix takes to compute again (or copy back from a tier below; up to
-        `ttl_max_s`): an expiry frees room nobody asked for yet, and on a slow engine a pause past
-        the learned TTL cost a re-prefill longer than it. Past the learned TTL (`lapses_at`) a
-        waiting turn ends it at once, as a soft retention (`_evict_soft_for`)."""
+    def ttl(self, hold: SessionHold) -> float:
+        """2x its long pauses (clamped), at least its client's declared lifetime, and at least the
+        time its prefix takes to compute again (or copy back from a tier below; up to `ttl_max_s`):
+        an expiry frees room nobody asked for yet (a turn that needs it ends retention by the cost
+        rules), and on a slow engine a pause past the learned TTL cost a re-prefill longer than it."""
         p = self.policy
         learned = p.ttl_initial_s if hold.pause_high is None else \
             min(p.ttl_max_s, max(p.ttl_min_s, p.ttl_pause_multiple * hold.pause_high))
         rate = p.lower_tier_tokens_per_s or self.prefill_tps
-        rebuild = min(p.ttl_max_s, hold.retained / rate) if rate and floor else 0.0
-        return max(learned, hold.min_ttl, rebuild)
+        return max(learned, hold.min_ttl, min(p.ttl_max_s, hold.retained / rate) if rate else 0.0)
 
     def _schedule_expiry(self, hold: SessionHold) -> None:
         heapq.heappush(self._expiries, (hold.expires_at, next(self._seq), hold.key))
@@ -98,16 +96,14 @@ class Evictions:
         hold.soft = False
         self.dropped.append(key)
 
-    def _evict_soft_for(self, waiter: Waiter, hold: SessionHold, soft: bool = True) -> None:
-        """Retentions past their learned TTL, and (`soft`) soft retentions (a chain that may come
-        back but gave no sign), give their room to a waiting turn at once, least recently used
-        first."""
+    def _evict_soft_for(self, waiter: Waiter, hold: SessionHold) -> None:
+        """Soft retentions (a chain that may come back but gave no sign) give their room to a
+        waiting turn at once, least recently used first."""
         for key in list(self._idle):
             if self._fits(hold, waiter.need):
                 return
             victim = self.sessions[key]
-            lapsed = victim.lapses_at <= self._now
-            if (lapsed or soft and victim.soft) and key not in self._waiting and key != waiter.session:
+            if victim.soft and key not in self._waiting and key != waiter.session:
                 self._end_retention(key, victim)
                 self.counters.evicted += 1
                 self.counters.evicted_soft += 1

@@ -79,7 +79,6 @@ class SessionHold:
     turns: int = 0  # its turns in flight
     retained: int = 0  # tokens of its prefix kept for its next turn
     expires_at: float = 0.0
-    lapses_at: float = 0.0  # its learned TTL's end: kept past it only while nobody needs the room
     finished_at: Optional[float] = None  # when its last turn ended (its pause starts)
     # Its long pauses: the longest one, decaying by PAUSE_DECAY a pause (a TTL must cover the
     # pauses a session actually takes, not their mean: half of them are longer than that).
@@ -129,7 +128,7 @@ class BudgetCounters:
     expired: int = 0
     released: int = 0
     evicted: int = 0  # retentions ended early so a waiting turn could run
-    evicted_soft: int = 0  # of those, soft retentions (a chance the chain returns) and those past their learned TTL
+    evicted_soft: int = 0  # of those, retentions held only on the chance the chain returns
     reprefills: int = 0  # turns of a session whose retention had ended (its prefix may be gone)
     refused: int = 0  # turns refused: the queue (or the tenant's share of it) was full
     over_share: int = 0  # retentions ended because their tenant held more than its share

@@ -582,17 +582,3 @@ def test_a_session_back_under_its_declared_lifetime_is_counted_as_running_then_i
     assert b._declared_idle_tokens == 12_000 and b._tenant_declared["T"] == 12_000
     b.release("a", 7.0)
     assert b._declared_idle_tokens == 0 and not b._tenant_declared
-
-
-def test_a_retention_kept_past_its_learned_ttl_gives_its_room_to_the_first_turn_that_waits():
-    # On a slow engine "a" is kept 10 s (its re-prefill) though its pauses give 2 s: only while
-    # nobody needs the room. A new session waiting when its learned TTL ends (5 s) takes it at once.
-    b = budget(3_000, ttl_initial_s=5, ttl_min_s=1, ttl_max_s=30, ttl_pause_multiple=2, max_queue_wait_s=60)
-    b.observe_prefill(2_000, 10.0)
-    for start, held in ((0, 1_000), (2, 2_000)):  # back after a 1 s pause
-        t, _ = req(b, "a", held, now=start)
-        b.finish(t, held=held, expect_back=True, now=start + 1)
-    req(b, "running", 500, now=4)
-    _, ok = req(b, "new", 1_000, now=4.5)
-    assert not ok and b.retained_sessions() == {"a": 13}  # within its learned 2 s: the new one waits
-    assert b.tick(now=5.5) and "a" not in b.retained_sessions()
