@@ -14,7 +14,8 @@ happening:
   queue, bounded (`max_queued_turns`, `max_queued_per_tenant`: past them `QueueFull`, a
   429 with Retry-After). A retained session's turn needs only its growth and may pass.
 - **Waves, cost-aware waiting.** A waiting turn first takes the room of *soft* retentions
-  (chains that may come back but gave no sign). A session without a prefix here waits for room
+  (chains that may come back but gave no sign) and of lapsed ones (idle past twice every pause
+  their chain took: more likely ended than paused). A session without a prefix here waits for room
   while something runs, up to `max_queue_wait_s`: ending a retention for it only trades places,
   so sessions that do not fit at once run in waves of whole sessions. A session back for its
   next turn, or any turn on an engine with nothing to run, waits until its wait x the turns
@@ -24,17 +25,17 @@ happening:
 - **Retention.** A session expected back (its socket is open, it called tools, it came
   back before, or its client declared a lifetime) keeps its prefix for a TTL learned from
   its own pauses, at least its declared `prompt_cache_options.ttl` (clamped) and the time its
-  prefix takes to compute again (`kv/eviction.py`). A chain that
-  can be continued but gave no sign is kept softly. One tenant's retained tokens are
-  capped at `tenant_share`. Others free their tokens at once.
+  prefix takes to compute again (`kv/eviction.py`). A chain that can be continued but gave no
+  sign is kept softly. One tenant's retained tokens are capped at `tenant_share`. Others free
+  their tokens at once.
 - **Tenants.** A waiting turn of a tenant under its fair share (the capacity over the tenants
   here) takes room at once from idle retention of tenants over theirs; retention beyond a
   tenant's fair share is left out of the autoscaling demand.
 - **Accounting.** Re-prefills, waits, refusals, expirations and evictions are counted.
 
 The engine itself must keep the retained sessions' blocks while others run: vLLM's
-scheduler subclass in `vllm/retention.py` pins them, the scripted engine's modelled
-cache (`scripted/kv_model.py`) does the same. This module only decides.
+scheduler subclass in `vllm/retention.py` pins them, the scripted engine's modelled cache
+(`scripted/kv_model.py`) does the same. This module only decides.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class KvBudget(Evictions, Totals):
             hold.pause_high = pause if hold.pause_high is None else max(pause, PAUSE_DECAY * hold.pause_high)
             hold.returns += 1
             hold.last_pause = pause
+            hold.pause_max = max(pause, hold.pause_max or 0.0)
             if hold.retained:
                 self.counters.returned_in_time += 1
             elif hold.released:
@@ -271,8 +273,8 @@ class KvBudget(Evictions, Totals):
                 "admitted": c.admitted, "waited": c.queued, "queue_wait_s": round(c.queue_wait_s, 3),
                 "max_queue_wait_s": round(c.max_queue_wait_s, 3), "retained": c.retained,
                 "returned_in_time": c.returned_in_time, "expired": c.expired, "released": c.released,
-                "evicted": c.evicted, "evicted_soft": c.evicted_soft, "reprefills": c.reprefills,
-                "refused": c.refused, "over_share": c.over_share, "declared_over_share": c.declared_over_share,
+                "evicted": c.evicted, "evicted_soft": c.evicted_soft, "evicted_lapsed": c.evicted_lapsed,
+                "reprefills": c.reprefills, "refused": c.refused, "over_share": c.over_share, "declared_over_share": c.declared_over_share,
                 "prefill_tokens_per_s": round(self.prefill_tps or 0.0, 1),
                 "growth_per_turn": round(self.growth_per_turn, 1),
                 "growth_room_tokens": self.growth_room(), "engine_excess_tokens": self.engine_excess,
@@ -362,8 +364,8 @@ class KvBudget(Evictions, Totals):
             if urgent or (head_blocked and not resident):
                 continue  # behind a head that waited too long, nobody passes
             if not head_blocked and not self._fits(hold, w.need):
-                if resident or not (self._running and self.shape.engine_bound):  # (a wave's newcomer trades places)
-                    self._evict_soft_for(w, hold)
+                # (a wave's newcomer would only trade places with a soft chain: lapsed ones only)
+                self._evict_idle_for(w, hold, soft=resident or not (self._running and self.shape.engine_bound))
                 self._evict_over_share_for(w, hold)
             # (a session back to its prefix gets no room by waiting, behind a blocked head too)
             overdue = (not head_blocked or resident) and now - w.since >= self._wait_bound(w, hold)

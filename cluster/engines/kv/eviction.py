@@ -96,17 +96,35 @@ class Evictions:
         hold.soft = False
         self.dropped.append(key)
 
-    def _evict_soft_for(self, waiter: Waiter, hold: SessionHold) -> None:
-        """Soft retentions (a chain that may come back but gave no sign) give their room to a
-        waiting turn at once, least recently used first."""
+    LAPSE_MULTIPLE = 2.0  # idle this many times a chain's longest pause: more likely ended
+
+    def lapsed(self, hold: SessionHold) -> bool:
+        """Idle more than twice the longest pause its chain ever took (two pauses seen at least,
+        at least `ttl_min_s`), with no declared lifetime: an HTTP chain or a stored socket's
+        chain that ended without a word. The re-prefill floor of `ttl` keeps such a chain for
+        long on a slow engine; a waiting turn need not wait for that."""
+        if hold.min_ttl or hold.returns < 2 or hold.pause_max is None or hold.finished_at is None:
+            return False
+        idle = self._now - hold.finished_at
+        return idle > max(self.policy.ttl_min_s, self.LAPSE_MULTIPLE * hold.pause_max)
+
+    def _evict_idle_for(self, waiter: Waiter, hold: SessionHold, soft: bool = True) -> None:
+        """Lapsed retentions, and (`soft`) soft ones (a chain that may come back but gave no
+        sign), give their room to a waiting turn at once, least recently used first."""
         for key in list(self._idle):
             if self._fits(hold, waiter.need):
                 return
             victim = self.sessions[key]
-            if victim.soft and key not in self._waiting and key != waiter.session:
-                self._end_retention(key, victim)
-                self.counters.evicted += 1
+            if key in self._waiting or key == waiter.session:
+                continue
+            if soft and victim.soft:
                 self.counters.evicted_soft += 1
+            elif self.lapsed(victim):
+                self.counters.evicted_lapsed += 1
+            else:
+                continue
+            self._end_retention(key, victim)
+            self.counters.evicted += 1
 
     def fair_share(self, extra_tenant: Optional[str] = None) -> float:
         """Each tenant's even part of the capacity, among the tenants holding retained prefixes

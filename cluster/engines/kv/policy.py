@@ -83,6 +83,10 @@ class SessionHold:
     # Its long pauses: the longest one, decaying by PAUSE_DECAY a pause (a TTL must cover the
     # pauses a session actually takes, not their mean: half of them are longer than that).
     pause_high: Optional[float] = None
+    # Its longest pause, undecayed: a chain idle well past every pause it ever took has more
+    # likely ended than paused (`Evictions.lapsed`), where the decayed one would call a 3 s
+    # pause after a run of short ones an end.
+    pause_max: Optional[float] = None
     released: bool = False  # its retention ended before it came back (expired, released, evicted)
     tenant: str = ""
     returns: int = 0  # turns after its first: a chain that came back is expected back again
@@ -129,6 +133,7 @@ class BudgetCounters:
     released: int = 0
     evicted: int = 0  # retentions ended early so a waiting turn could run
     evicted_soft: int = 0  # of those, retentions held only on the chance the chain returns
+    evicted_lapsed: int = 0  # of those, retentions idle far past every pause their chain took
     reprefills: int = 0  # turns of a session whose retention had ended (its prefix may be gone)
     refused: int = 0  # turns refused: the queue (or the tenant's share of it) was full
     over_share: int = 0  # retentions ended because their tenant held more than its share
@@ -156,10 +161,15 @@ class PrefillRate:
 class LoopShape:
     """This replica's sessions as wholes: the tokens a session holds when it ends (its socket
     closed, or its retention expired unused), and the share of a session's loop spent in the
-    engine (a turn's time against it plus the client's pause before it). Moving averages; None
-    until seen."""
+    engine (a turn's time against it plus the client's pause before it). None until seen.
 
-    WEIGHT = 0.2  # of the latest sample
+    The end size is a high estimate, not a mean: a wave sized by the mean outgrows the pool
+    whenever its sessions end above it, and an expiry mid-session (a pause past its TTL, not an
+    end) pulls a mean down. It rises to a larger end at once and falls a tenth of the way to a
+    smaller one. The engine share is a moving average."""
+
+    WEIGHT = 0.2  # of the latest turn in the engine share
+    END_FALL = 0.1  # of the way down to a smaller end
     # Turns that take longer than the pauses between them: the loop waits on the engine, and one
     # more session running adds no throughput, only a prefix the pool must later drop.
     ENGINE_BOUND = 0.5
@@ -169,11 +179,14 @@ class LoopShape:
         self.engine_share: Optional[float] = None
 
     def observe_end(self, tokens: int) -> None:
-        self.ended_tokens = self._moved(self.ended_tokens, float(tokens))
+        prev = self.ended_tokens
+        self.ended_tokens = float(tokens) if prev is None or tokens >= prev else prev + self.END_FALL * (tokens - prev)
 
     def observe_turn(self, turn_s: float, pause_s: float) -> None:
         if turn_s + pause_s > 0:
-            self.engine_share = self._moved(self.engine_share, turn_s / (turn_s + pause_s))
+            share = turn_s / (turn_s + pause_s)
+            prev = self.engine_share
+            self.engine_share = share if prev is None else prev + self.WEIGHT * (share - prev)
 
     @property
     def engine_bound(self) -> bool:
@@ -185,9 +198,6 @@ class LoopShape:
         if self.ended_tokens is None or not self.engine_bound:
             return 0
         return max(0, int(self.ended_tokens * resident) - used)
-
-    def _moved(self, mean: Optional[float], sample: float) -> float:
-        return sample if mean is None else mean + self.WEIGHT * (sample - mean)
 
 
 class QueueFull(Exception):

@@ -124,3 +124,41 @@ def test_a_chain_idle_far_past_its_longest_pause_ends_before_a_smaller_one_still
     assert b.return_chance(b.sessions["live"]) == pytest.approx(1.0)
     assert b.tick(now=19) == [head]
     assert set(b.retained_sessions()) == {"live", "other"}
+
+
+def chain(b: KvBudget, key: str, pauses: list[float], start: float = 0.0, size: int = 300,
+          min_ttl_s: float = 0.0) -> float:
+    """A chain of turns of 1 s each, 100 tokens more each, with `pauses` between them, kept
+    through its pauses (it called tools); returns when its last turn ended."""
+    now = start
+    for i, pause in enumerate([0.0] + pauses):
+        now += pause
+        ticket, _ = b.request(key, size + 100 * i, now, min_ttl_s=min_ttl_s)
+        now += 1
+        b.finish(ticket, held=size + 100 * i, expect_back=True, now=now)
+    return now
+
+
+def test_a_chain_idle_past_twice_every_pause_it_took_gives_its_room_at_once_but_a_long_pauser_does_not():
+    # "done" paused 0.5 s each time and has been idle 4 s: it most likely ended (an HTTP chain
+    # says nothing). "long" once paused 3 s, then 0.5 s three times: its decayed longest pause
+    # is 1.5 s, but it is 4 s into a pause shorter than the one it took. A new session on a busy
+    # replica takes "done"'s room at once and leaves "long" alone (no wait for a TTL that the
+    # re-prefill floor keeps long on a slow engine).
+    b = budget(2000, ttl_initial_s=1000, ttl_min_s=1, ttl_max_s=2000, max_queue_wait_s=60)
+    b.observe_prefill(100, 1.0)  # a slow engine: 600 tokens take 6 s again
+    end = chain(b, "done", [0.5, 0.5, 0.5], start=2.5)
+    assert chain(b, "long", [3.0, 0.5, 0.5]) == end
+    assert b.sessions["long"].pause_max == 3.0 and b.sessions["long"].pause_high < 2.0
+    b.request("r", 300, end + 3)  # runs
+    new, admitted = b.request("n", 700, end + 4)  # 600 + 600 + 300 + 700 > 2000
+    assert new in admitted and b.counters.evicted_lapsed == 1 and b.counters.evicted_soft == 0
+    assert set(b.retained_sessions()) == {"long"}
+
+
+def test_a_chain_with_a_declared_lifetime_or_too_few_pauses_is_never_lapsed():
+    b = budget(2000, ttl_initial_s=1000, ttl_min_s=1, ttl_max_s=2000)
+    end = chain(b, "young", [0.5])  # one pause seen: not enough to tell its end from a pause
+    chain(b, "declared", [0.5, 0.5], min_ttl_s=600)
+    b._expire(end + 100)
+    assert not b.lapsed(b.sessions["young"]) and not b.lapsed(b.sessions["declared"])

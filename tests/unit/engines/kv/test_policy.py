@@ -68,3 +68,16 @@ def test_a_new_session_on_a_busy_engine_bound_replica_waits_rather_than_take_a_s
     new, admitted = b.request("new", 500, 32)  # 700 held + 500 > 1,100
     assert (new in admitted) is not engine_bound
     assert ("chain" in b.retained_sessions()) is engine_bound
+
+
+def test_the_end_size_rises_to_a_larger_end_at_once_and_falls_slowly_to_smaller_ones():
+    # A wave sized by the mean would outgrow the pool when its sessions end above it; an expiry
+    # mid-session (a 1,000-token chain whose pause outlasted its TTL) is not an end.
+    shape = LoopShape()
+    shape.observe_end(4000)
+    shape.observe_end(5000)
+    assert shape.ended_tokens == 5000
+    shape.observe_end(1000)
+    assert shape.ended_tokens == pytest.approx(4600)
+    shape.observe_end(5000)
+    assert shape.ended_tokens == 5000
