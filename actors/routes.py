@@ -127,11 +127,14 @@ async def models(request: Request, conn: "ConnectionServices" = Conn) -> Any:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "loopserve"}]}
 
 
-async def admitted_body(request: Request, conn: "ConnectionServices", p) -> Any:
+async def admitted_body(request: Request, conn: "ConnectionServices", p, optional: bool = False) -> Any:
     """A create's body, admitted before it is read and parsed: every create counts, valid or not,
-    with the bytes it declares; one that came chunked is charged to the key's input bytes as read."""
+    with the bytes it declares; one that came chunked is charged to the key's input bytes as read.
+    `optional`: an empty body is none (`POST /v1/conversations` may send nothing)."""
     declared = declared_bytes(request)
     conn.auth.admit_request(p, declared)
+    if optional and declared == 0 and "transfer-encoding" not in request.headers:
+        return None
     return await json_body(request, conn.config.limits.max_request_bytes,
                            charge=None if declared else lambda n: conn.auth.charge_input(p, n))
 
@@ -182,6 +185,57 @@ async def retrieve(request: Request, response_id: str, stream: bool = False, sta
 
         return StreamingResponse(replay(), media_type="text/event-stream")
     return conn.read(p, JSONResponse(await conn.responses.retrieve(response_id, p.tenant)))
+
+
+# -- Conversations ----------------------------------------------------------------
+@router.post("/v1/conversations")
+async def conversation_create(request: Request, conn: "ConnectionServices" = Conn) -> dict[str, Any]:
+    p = conn.principal(request.headers)
+    return await conn.conversations.create(await admitted_body(request, conn, p, optional=True), p.tenant)
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def conversation_retrieve(request: Request, conversation_id: str, conn: "ConnectionServices" = Conn):
+    p = conn.read_principal(request.headers)
+    return conn.read(p, JSONResponse(await conn.conversations.retrieve(conversation_id, p.tenant)))
+
+
+@router.post("/v1/conversations/{conversation_id}")
+async def conversation_update(request: Request, conversation_id: str, conn: "ConnectionServices" = Conn):
+    p = conn.principal(request.headers)
+    return await conn.conversations.update(conversation_id, await admitted_body(request, conn, p), p.tenant)
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def conversation_delete(request: Request, conversation_id: str, conn: "ConnectionServices" = Conn):
+    return await conn.conversations.delete(conversation_id, conn.read_principal(request.headers).tenant)
+
+
+@router.post("/v1/conversations/{conversation_id}/items")
+async def conversation_items_create(request: Request, conversation_id: str, conn: "ConnectionServices" = Conn):
+    p = conn.principal(request.headers)
+    return await conn.conversations.add_items(conversation_id, await admitted_body(request, conn, p), p.tenant)
+
+
+@router.get("/v1/conversations/{conversation_id}/items")
+async def conversation_items(request: Request, conversation_id: str, after: Optional[str] = None, limit: int = 20,
+                             order: str = "desc", conn: "ConnectionServices" = Conn) -> JSONResponse:
+    p = conn.read_principal(request.headers)
+    page = await conn.conversations.list_items(conversation_id, p.tenant, after=after, limit=limit, order=order)
+    return conn.read(p, JSONResponse(page))
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}")
+async def conversation_item(request: Request, conversation_id: str, item_id: str, conn: "ConnectionServices" = Conn):
+    p = conn.read_principal(request.headers)
+    return conn.read(p, JSONResponse(await conn.conversations.get_item(conversation_id, item_id, p.tenant)))
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+async def conversation_item_delete(request: Request, conversation_id: str, item_id: str,
+                                   conn: "ConnectionServices" = Conn):
+    p = conn.read_principal(request.headers)
+    return await conn.conversations.delete_item(conversation_id, item_id, p.tenant)
 
 
 @router.post("/v1/responses")

@@ -54,6 +54,7 @@ def build_response(
         "output": [],
         "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
         "previous_response_id": previous_response_id,
+        "conversation": {"id": request.conversation_id} if getattr(request, "conversation_id", None) else None,
         "prompt_cache_key": request.prompt_cache_key,
         "reasoning": (request.reasoning.model_dump() if request.reasoning else {"effort": None, "summary": None}),
         "safety_identifier": request.safety_identifier,

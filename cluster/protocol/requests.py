@@ -157,6 +157,12 @@ class ContextManagement(_Tolerant):
     compact_threshold: Optional[int] = Field(default=None, ge=1)
 
 
+class ConversationRef(_Tolerant):
+    """`conversation: {"id": ...}` (a bare id string is the same)."""
+
+    id: str = Field(max_length=MAX_NAME_CHARS)
+
+
 class ResponsesRequest(_Tolerant):
     """The body of `POST /v1/responses` (and the fields of WS `response.create`)."""
 
@@ -164,6 +170,8 @@ class ResponsesRequest(_Tolerant):
     input: Union[str, list[InputItem], None] = None
     instructions: Optional[str] = None
     previous_response_id: Optional[str] = Field(default=None, max_length=MAX_NAME_CHARS)
+    # The conversation this response reads and appends to; exclusive with previous_response_id.
+    conversation: Union[Annotated[str, Field(max_length=MAX_NAME_CHARS)], ConversationRef, None] = None
     store: Optional[bool] = True
     stream: Optional[bool] = None
     tools: Optional[list[dict[str, Any]]] = None
@@ -244,6 +252,10 @@ class ResponsesRequest(_Tolerant):
         return v
 
     @property
+    def conversation_id(self) -> Optional[str]:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation or None
+
+    @property
     def is_warm_up(self) -> bool:
         """`generate: false`, or `prompt_cache_options.prewarm`: prefill and cache, no output."""
         prewarm = self.prompt_cache_options is not None and self.prompt_cache_options.prewarm is True
@@ -300,6 +312,10 @@ def parse_request(body: Any, *, max_input_items: Optional[int] = None, depth_che
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    if req.conversation_id and req.previous_response_id:
+        raise ApiError(400, "Mutually exclusive parameters: Ensure you are only providing one of: "
+                            "'previous_response_id' or 'conversation'.", param="conversation",
+                       code="mutually_exclusive_parameters")
     choice = req.tool_choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         names = {t.get("name") for t in req.tools or [] if t.get("type") == "function"}

@@ -53,6 +53,7 @@ from cluster.serving.clients import (
     SafetyClient,
     deployment_retry,
 )
+from cluster.serving.conversations import ConversationsService
 from cluster.serving.responses import ResponsesService
 from cluster.serving.turns import TurnsService
 from cluster.store import ResponseStore, open_store
@@ -114,6 +115,8 @@ class ConnectionServices:
         self.memory = CacheMemory(config.cache.max_entries, config.cache.max_bytes, config.cache.connections_max_bytes)
         self.responses = ResponsesService(self.driver, self.registry, store, max_background=config.limits.max_background,
                                           max_background_per_tenant=config.limits.max_background_per_tenant)
+        self.conversations = ConversationsService(store, model=config.model.name, max_items=config.limits.max_input_items)
+        self.responses.conversations = self.conversations
         self.post_work.add("persist", self.responses.persist, retry_for_s=config.store.write_retry_s)
         if safety is not None:
             self.post_work.add("output_safety", OutputTailCheck(safety, self.safety_ledger,
@@ -133,7 +136,7 @@ class ConnectionServices:
             self.post_work.add(spec, load_hook(spec, config))
         self.turns = TurnsService(config, driver=self.driver, responses=self.responses, auth=self.auth,
                                   memory=self.memory, engine=engine, metrics=self.metrics,
-                                  settle=self.settle_responses)
+                                  settle=self.settle_responses, conversations=self.conversations)
         self.metrics.observe("loopserve.session_cache.bytes", self._cache_bytes, "bytes held by session caches", "By")
         self.metrics.observe("loopserve.session_cache.entries", self._cache_entries, "responses held by session caches")
 

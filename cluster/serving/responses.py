@@ -23,6 +23,7 @@ from cluster.core.turn.compaction import (
     summarise,
 )
 from cluster.core.turn.context import without_private
+from cluster.core.turn.conversation import ConversationPort
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import TurnRecord
 from cluster.core.turn.turn import TurnRequest, TurnScope
@@ -60,6 +61,7 @@ class ResponsesService:
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
         self.background: dict[str, BackgroundJob] = {}  # response id -> its job, while it runs
+        self.conversations: Optional[ConversationPort] = None  # its turns' conversations (set by the replica)
 
     # -- lookups -----------------------------------------------------------------
     async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
@@ -109,7 +111,7 @@ class ResponsesService:
 
     def _stored(self, state: ResponseState, response: dict[str, Any]) -> StoredResponse:
         # an opened compaction keeps its summary
-        inputs = [_listed(item, server_side=True) for item in _input_with_ids(state)]
+        inputs = [listed_item(item, server_side=True) for item in input_with_ids(state)]
         return StoredResponse(
             id=state.response_id, tenant=state.owner,
             previous_response_id=response.get("previous_response_id"), created_at=float(response["created_at"]),
@@ -189,7 +191,7 @@ class ResponsesService:
             raise not_found(response_id)
         # Only the page is listed (listing all 10,000 items for a `limit=1` page cost
         # ~20-45 ms a read, charged as the page); finding `after` is a scan of ids.
-        items = _input_with_ids(state)
+        items = input_with_ids(state)
         if order == "desc":
             items = items[::-1]
         if after is not None:
@@ -198,7 +200,7 @@ class ResponsesService:
                 raise ApiError(400, f"No item with id '{after}' in this response's input.", param="after",
                                code="invalid_value")
             items = items[ids.index(after) + 1 :]
-        page = [without_private(_listed(i, server_side=True)) for i in items[:limit]]
+        page = [without_private(listed_item(i, server_side=True)) for i in items[:limit]]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
@@ -227,7 +229,7 @@ class ResponsesService:
         parent = await self._parent(req, tenant)
         items = (list(parent.items) if parent else []) + await self.driver.preparer.input_items(req, parent, tenant)
         usage = usage_object(0, 0, 0)
-        output = [_listed(item) for item in kept_messages(items)]
+        output = [listed_item(item) for item in kept_messages(items)]
         if needs_summary(items):
             summary, usage = await summarise(self.driver.run, self.driver.settings, items, tenant)
             output.append(compacted_window(items, summary, self.driver.sealer, tenant)[1])
@@ -265,7 +267,7 @@ class ResponsesService:
 
         try:
             scope = TurnScope(SessionCache(1), session_key=session_key, owner=tenant, lookup=self.lookup_for(tenant),
-                              on_state=remember)
+                              on_state=remember, conversations=self.conversations)
             async for ev in self.driver.run(TurnRequest(req, scope, response_id=rid)):
                 if "response" in ev:
                     job.response = ev["response"]
@@ -326,7 +328,7 @@ class ResponsesService:
 TERMINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")
 
 
-def _input_with_ids(state: ResponseState) -> list[dict[str, Any]]:
+def input_with_ids(state: ResponseState) -> list[dict[str, Any]]:
     """A response's input items, each given its id if it had none (stable from then on)."""
     items = state.items[state.input_start : state.output_start]
     for item in items:
@@ -335,7 +337,7 @@ def _input_with_ids(state: ResponseState) -> list[dict[str, Any]]:
     return items
 
 
-def _listed(item: dict[str, Any], server_side: bool = False) -> dict[str, Any]:
+def listed_item(item: dict[str, Any], server_side: bool = False) -> dict[str, Any]:
     """An input item as the API lists it (input items, compaction output): typed, with an id, a
     status and content parts, as the Response item schemas require."""
     out = {"type": item.get("type", "message"), **(item if server_side else without_private(item))}

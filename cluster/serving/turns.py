@@ -21,6 +21,7 @@ from cluster.config import LoopserveConfig
 from cluster.core.events import Event
 from cluster.core.messages import TurnProgress
 from cluster.core.turn.cache import CacheMemory, SessionCache
+from cluster.core.turn.conversation import ConversationPort
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.turn import TurnRequest, TurnScope, cache_salt
 from cluster.core.websocket.inflight import ReplicaHeld
@@ -56,8 +57,9 @@ class Socket:
 class TurnsService:
     def __init__(self, config: LoopserveConfig, *, driver: TurnDriver, responses: ResponsesService,
                  auth: Authenticator, memory: CacheMemory, engine: EngineClient, metrics: telemetry.Metrics,
-                 settle: Callable[[list[str]], Awaitable[bool]]) -> None:
+                 settle: Callable[[list[str]], Awaitable[bool]], conversations: Optional[ConversationPort] = None) -> None:
         self.config = config
+        self.conversations = conversations
         self.driver, self.responses, self.auth, self.memory = driver, responses, auth, memory
         self.engine, self.metrics = engine, metrics
         self.sockets: set[Socket] = set()
@@ -82,8 +84,8 @@ class TurnsService:
                            depth_checked=True,  # json_body bounded its nesting before parsing it
                            floor=self.driver.preparer.check_body_floor)
         parsed_at = time.perf_counter()
-        session_key = ids.session_key(session_header(headers) or req.prompt_cache_key or req.previous_response_id,
-                                      principal.tenant)
+        session_key = ids.session_key(session_header(headers) or req.prompt_cache_key or req.previous_response_id
+                                      or req.conversation_id, principal.tenant)
         if req.background:
             return self.responses.start_background(req, principal.tenant, session_key)
         events = self.driver.run(TurnRequest(
@@ -95,6 +97,7 @@ class TurnsService:
                 lookup=self.responses.lookup_for(principal.tenant),
                 on_state=self.responses.remember,
                 trace_parent=telemetry.extract_headers(headers),
+                conversations=self.conversations,
             ),
             received_at=received_at,
             parsed_at=parsed_at,
@@ -164,6 +167,7 @@ class TurnsService:
             lookup=self.responses.lookup_for(principal.tenant),
             on_state=self.responses.remember,
             trace_parent=telemetry.extract_headers(headers),
+            conversations=self.conversations,
             include_timing=headers.get("x-responsesapi-include-timing-metrics", "").lower() in ("1", "true"),
         )
         session = WebSocketSession(

@@ -178,6 +178,16 @@ def state_from_chain(chain: StoredChain) -> ResponseState:
         last_output = output_as_context(rec.output)
         items.extend(last_output)
     last = chain.last
+    return state_from_items(items, response_id=last.id, model=last.model, owner=last.tenant,
+                            output_start=len(items) - len(last_output), instructions=last.instructions,
+                            tools=last.tools, affinity_key=last.affinity_key,
+                            engine_replica=last.engine_replica or "", response=last.response, blocked=last.blocked)
+
+
+def state_from_items(items: list[dict[str, Any]], *, response_id: str, model: str, owner: str,
+                     output_start: Optional[int] = None, **fields: Any) -> ResponseState:
+    """A context as a continuation state with nothing rendered (a stored chain, or a
+    conversation's items): its function calls and those still waiting for their output."""
     known: set[str] = set()
     pending: list[str] = []
     for item in items:
@@ -186,21 +196,8 @@ def state_from_chain(chain: StoredChain) -> ResponseState:
             pending.append(item["call_id"])
         elif item.get("type") == "function_call_output" and item.get("call_id") in pending:
             pending.remove(item["call_id"])
-    return ResponseState(
-        response_id=last.id,
-        model=last.model,
-        items=items,
-        output_start=len(items) - len(last_output),
-        instructions=last.instructions,
-        tools=last.tools,
-        rendered=None,
-        known_call_ids=frozenset(known),
-        pending_call_ids=tuple(pending),
-        store=True,
-        owner=last.tenant,
-        affinity_key=last.affinity_key,
-        engine_replica=last.engine_replica or "",
-        response=last.response,
-        blocked=last.blocked,
-    )
-
+    return ResponseState(response_id=response_id, model=model, items=items,
+                         output_start=len(items) if output_start is None else output_start,
+                         instructions=fields.pop("instructions", None), tools=fields.pop("tools", []),
+                         rendered=None, known_call_ids=frozenset(known), pending_call_ids=tuple(pending),
+                         store=True, owner=owner, **fields)

@@ -17,6 +17,7 @@ from cluster.store.base import (
     link_from_row,
     items_table,
 )
+from cluster.store.conversations import FIRST_SEQ, LAST_SEQ, Sql, StoredConversation, conversation_tables, item_rows
 
 MIGRATIONS = [
     # version 1
@@ -40,7 +41,10 @@ MIGRATIONS = [
     ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS engine_replica TEXT"],
     # version 6: whether a response compacted its context (a chain's walk stops there)
     ["ALTER TABLE responses ADD COLUMN IF NOT EXISTS compacted INTEGER NOT NULL DEFAULT 0", BACKFILL_COMPACTED],
+    # version 7: conversations and their items
+    conversation_tables("BIGSERIAL PRIMARY KEY", "DOUBLE PRECISION"),
 ]
+CONVERSATIONS = Sql(positional=True)
 
 CHAIN = chain_query("$1", "$2")
 PLACEHOLDERS = ",".join(f"${i}" for i in range(1, COLUMN_COUNT + 1))
@@ -124,3 +128,60 @@ class PostgresStore:
                                response_id, tenant)
             result = await conn.execute("DELETE FROM responses WHERE id = $1 AND tenant = $2", response_id, tenant)
         return result.endswith(" 1")
+
+    # -- conversations ------------------------------------------------------------
+    async def put_conversation(self, conversation: StoredConversation, items: list[dict]) -> None:
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(CONVERSATIONS.insert, *conversation.row())
+            await conn.executemany(CONVERSATIONS.add_item, item_rows(conversation.id, conversation.tenant, items))
+
+    async def get_conversation(self, conversation_id: str, tenant: str) -> Optional[StoredConversation]:
+        row = await self._pool.fetchrow(CONVERSATIONS.get, conversation_id, tenant)
+        return StoredConversation.from_row(row) if row else None
+
+    async def set_conversation_metadata(self, conversation_id: str, tenant: str, metadata: dict) -> bool:
+        import json
+
+        result = await self._pool.execute(CONVERSATIONS.set_metadata, json.dumps(metadata), conversation_id, tenant)
+        return result.endswith(" 1")
+
+    async def delete_conversation(self, conversation_id: str, tenant: str) -> bool:
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(CONVERSATIONS.delete_items, conversation_id, tenant)
+            result = await conn.execute(CONVERSATIONS.delete, conversation_id, tenant)
+        return result.endswith(" 1")
+
+    async def append_conversation_items(self, conversation_id: str, tenant: str, items: list[dict],
+                                        head_response_id: Optional[str] = None) -> bool:
+        async with self._pool.acquire() as conn, conn.transaction():
+            version = await conn.fetchval(CONVERSATIONS.bump, len(items), conversation_id, tenant)
+            if version is None:
+                return False
+            await conn.executemany(CONVERSATIONS.add_item, item_rows(conversation_id, tenant, items))
+            if head_response_id is not None:
+                await conn.execute(CONVERSATIONS.set_head, head_response_id, version, conversation_id, tenant)
+        return True
+
+    async def conversation_item(self, conversation_id: str, tenant: str, item_id: str) -> Optional[tuple[int, dict]]:
+        import json
+
+        row = await self._pool.fetchrow(CONVERSATIONS.get_item, conversation_id, tenant, item_id)
+        return (int(row[0]), json.loads(row[1])) if row else None
+
+    async def conversation_items(self, conversation_id: str, tenant: str, *, after_seq: Optional[int] = None,
+                                 limit: int, order: str = "asc") -> list[tuple[int, dict]]:
+        import json
+
+        sql = CONVERSATIONS.page_asc if order == "asc" else CONVERSATIONS.page_desc
+        start = after_seq if after_seq is not None else (FIRST_SEQ if order == "asc" else LAST_SEQ)
+        rows = await self._pool.fetch(sql, conversation_id, tenant, start, limit)
+        return [(int(r[0]), json.loads(r[1])) for r in rows]
+
+    async def delete_conversation_item(self, conversation_id: str, tenant: str, item_id: str) -> bool:
+        async with self._pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(CONVERSATIONS.get_item, conversation_id, tenant, item_id)
+            if row is None:
+                return False
+            await conn.execute(CONVERSATIONS.delete_item, row[0])
+            await conn.fetchval(CONVERSATIONS.bump, 1, conversation_id, tenant)
+        return True

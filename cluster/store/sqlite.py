@@ -21,6 +21,7 @@ from cluster.store.base import (
     link_from_row,
     items_table,
 )
+from cluster.store.conversations import FIRST_SEQ, LAST_SEQ, Sql, StoredConversation, conversation_tables, item_rows
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS loopserve_schema (version INTEGER NOT NULL)""",
@@ -31,7 +32,9 @@ SCHEMA = [
         compacted INTEGER NOT NULL DEFAULT 0)""",
     """CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, id)""",
     *items_table("INTEGER PRIMARY KEY AUTOINCREMENT"),
+    *conversation_tables("INTEGER PRIMARY KEY AUTOINCREMENT", "REAL"),
 ]
+CONVERSATIONS = Sql(positional=False)
 
 CHAIN = chain_query("?", "?")
 PLACEHOLDERS = ",".join("?" * COLUMN_COUNT)
@@ -68,7 +71,7 @@ class SQLiteStore:
                     db.execute("BEGIN")
                     for stmt in MIGRATE_LEGACY_ITEMS:
                         db.execute(stmt)
-            db.execute("UPDATE loopserve_schema SET version = 6")
+            db.execute("UPDATE loopserve_schema SET version = 7")  # 6 -> 7: conversations (CREATE IF NOT EXISTS above)
             return db
 
         self._db = await asyncio.to_thread(open_db)
@@ -127,3 +130,71 @@ class SQLiteStore:
                                   (response_id, tenant)).rowcount
 
         return await self._run(remove) > 0
+
+    # -- conversations ------------------------------------------------------------
+    async def put_conversation(self, conversation: StoredConversation, items: list[dict]) -> None:
+        def write(db: sqlite3.Connection) -> None:
+            with db:
+                db.execute("BEGIN")
+                db.execute(CONVERSATIONS.insert, conversation.row())
+                db.executemany(CONVERSATIONS.add_item, item_rows(conversation.id, conversation.tenant, items))
+
+        await self._run(write)
+
+    async def get_conversation(self, conversation_id: str, tenant: str) -> Optional[StoredConversation]:
+        row = await self._run(lambda db: db.execute(CONVERSATIONS.get, (conversation_id, tenant)).fetchone())
+        return StoredConversation.from_row(row) if row else None
+
+    async def set_conversation_metadata(self, conversation_id: str, tenant: str, metadata: dict) -> bool:
+        cur = await self._run(lambda db: db.execute(CONVERSATIONS.set_metadata,
+                                                    (json.dumps(metadata), conversation_id, tenant)))
+        return cur.rowcount > 0
+
+    async def delete_conversation(self, conversation_id: str, tenant: str) -> bool:
+        def remove(db: sqlite3.Connection) -> int:
+            with db:
+                db.execute("BEGIN")
+                db.execute(CONVERSATIONS.delete_items, (conversation_id, tenant))
+                return db.execute(CONVERSATIONS.delete, (conversation_id, tenant)).rowcount
+
+        return await self._run(remove) > 0
+
+    async def append_conversation_items(self, conversation_id: str, tenant: str, items: list[dict],
+                                        head_response_id: Optional[str] = None) -> bool:
+        def write(db: sqlite3.Connection) -> bool:
+            with db:
+                db.execute("BEGIN")
+                row = db.execute(CONVERSATIONS.bump, (len(items), conversation_id, tenant)).fetchone()
+                if row is None:
+                    return False
+                db.executemany(CONVERSATIONS.add_item, item_rows(conversation_id, tenant, items))
+                if head_response_id is not None:
+                    db.execute(CONVERSATIONS.set_head, (head_response_id, row[0], conversation_id, tenant))
+                return True
+
+        return await self._run(write)
+
+    async def conversation_item(self, conversation_id: str, tenant: str, item_id: str) -> Optional[tuple[int, dict]]:
+        row = await self._run(lambda db: db.execute(CONVERSATIONS.get_item,
+                                                    (conversation_id, tenant, item_id)).fetchone())
+        return (int(row[0]), json.loads(row[1])) if row else None
+
+    async def conversation_items(self, conversation_id: str, tenant: str, *, after_seq: Optional[int] = None,
+                                 limit: int, order: str = "asc") -> list[tuple[int, dict]]:
+        sql = CONVERSATIONS.page_asc if order == "asc" else CONVERSATIONS.page_desc
+        start = after_seq if after_seq is not None else (FIRST_SEQ if order == "asc" else LAST_SEQ)
+        rows = await self._run(lambda db: db.execute(sql, (conversation_id, tenant, start, limit)).fetchall())
+        return [(int(r[0]), json.loads(r[1])) for r in rows]
+
+    async def delete_conversation_item(self, conversation_id: str, tenant: str, item_id: str) -> bool:
+        def remove(db: sqlite3.Connection) -> bool:
+            with db:
+                db.execute("BEGIN")
+                row = db.execute(CONVERSATIONS.get_item, (conversation_id, tenant, item_id)).fetchone()
+                if row is None:
+                    return False
+                db.execute(CONVERSATIONS.delete_item, (row[0],))
+                db.execute(CONVERSATIONS.bump, (1, conversation_id, tenant)).fetchone()
+                return True
+
+        return await self._run(remove)

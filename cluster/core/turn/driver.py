@@ -48,6 +48,9 @@ from cluster.protocol.requests import PROMPT_CACHE_TTLS, ResponsesRequest
 from cluster.protocol.sealing import Sealer
 
 
+CONVERSATION_ENDS = frozenset({"response.completed", "response.incomplete"})
+
+
 def _is_input_error(exc: BaseException) -> bool:
     """Errors a chat template raises on input it cannot render (client errors, not ours)."""
     try:
@@ -152,7 +155,11 @@ class TurnDriver:
                 for ev in first_events:
                     progress.observe(ev)
                     yield ev
+                # A turn on a conversation appends to it before its terminal event leaves.
+                conversation = None if t.request.is_warm_up else t.request.conversation_id
                 async for ev in (stream.warm_up() if t.request.is_warm_up else stream.generate()):
+                    if conversation and ev["type"] in CONVERSATION_ENDS:
+                        ev = await self._append(t, stream, ev)
                     progress.observe(ev)
                     yield ev
             finally:
@@ -206,6 +213,12 @@ class TurnDriver:
                           else f"ended {parent.blocked.get('status', 'without a result')}")
                 raise ApiError(400, f"Previous response with id '{prev_id}' {reason} and cannot be continued.",
                                code="previous_response_blocked", param="previous_response_id")
+        if req.conversation_id:
+            if scope.conversations is None:
+                raise ApiError(400, "This server keeps no conversations: it runs without a response store.",
+                               param="conversation", code="conversations_unavailable")
+            parent = await scope.conversations.parent(req.conversation_id, owner, cache, lookup)
+            root.set_attribute("loopserve.cache", "conversation" if parent.rendered is None else "hit")
         if parent is not None and parent.affinity_key:
             # Keep the chain on the engine replica that holds its prefix KV.
             session_key = parent.affinity_key
@@ -268,6 +281,21 @@ class TurnDriver:
             turn.steps.output_start = len(asm.response["output"])  # the item is in the context already
         return stream, events
 
+
+    async def _append(self, t: TurnRequest, stream: TurnStream, ev: Event) -> Event:
+        """The turn's input and output added to its conversation; if that failed, the terminal
+        event says so (the response failed: nothing of it is in the conversation)."""
+        response = ev["response"]
+        if response.get("incomplete_details") and response["incomplete_details"].get("reason") == "content_filter":
+            return ev  # a stopped answer is not part of the conversation
+        try:
+            if stream.turn.state is None:
+                raise server_error("The response's state was not kept.")
+            await t.scope.conversations.append(t.request.conversation_id, stream.turn.owner, stream.turn.state, response)
+            return ev
+        except ApiError as err:
+            error = {"code": err.code or "server_error", "message": err.message}
+            return {**ev, "type": "response.failed", "response": {**response, "status": "failed", "error": error}}
 
     async def _cache_options(self, t: TurnRequest, ctx: Any) -> tuple[float, Optional[CacheCheck]]:
         """`prompt_cache_options`: the retention the client asks for (seconds), and the comparison

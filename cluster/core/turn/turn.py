@@ -9,7 +9,7 @@ import hashlib
 import time
 from array import array
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
 from cluster import telemetry
 from cluster.core.messages import (  # noqa: F401 - TurnTiming: the driver's exports
@@ -24,6 +24,7 @@ from cluster.core.messages import (  # noqa: F401 - TurnTiming: the driver's exp
 from cluster.core.render.chat_messages import item_roles
 from cluster.core.turn.cache import RenderedPrefix, RenderKey, ResponseState, SessionCache, items_nbytes
 from cluster.core.turn.context import (ResolvedContext, output_as_context, output_call_ids)
+from cluster.core.turn.conversation import ConversationPort, Lookup
 from cluster.core.turn.post_work import PostWorkQueue
 from cluster.protocol.requests import ResponsesRequest
 
@@ -351,10 +352,6 @@ class Turn:
         return t
 
 
-# A parent response not in the connection's cache: the store, or the replica's registry.
-Lookup = Callable[[str], Awaitable[Optional[ResponseState]]]
-
-
 @dataclass(frozen=True)
 class TurnScope:
     """What every turn of one connection shares, built once where it opens: a WebSocket, or the
@@ -365,6 +362,7 @@ class TurnScope:
     transport: str = "http"  # "http" | "websocket"
     owner: Optional[str] = None  # the tenant
     lookup: Optional[Lookup] = None  # a parent not in `cache` (the store, the replica's registry)
+    conversations: Optional[ConversationPort] = None  # turns on a conversation (`conversation`)
     on_state: Optional[Callable[[ResponseState], None]] = None  # the new state, before the terminal event
     trace_parent: Any = None  # an incoming `traceparent`: each turn is one span tree under it
     include_timing: bool = False  # send Codex's timing event

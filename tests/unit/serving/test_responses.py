@@ -25,8 +25,8 @@ async def test_a_page_lists_only_its_items_and_pages_cover_the_input_in_order(to
     charged as one item."""
     service, rid = await stored_response(tokenizer, 3_000)
     listed = []
-    real = responses._listed
-    monkeypatch.setattr(responses, "_listed", lambda item, **kw: listed.append(item) or real(item, **kw))
+    real = responses.listed_item
+    monkeypatch.setattr(responses, "listed_item", lambda item, **kw: listed.append(item) or real(item, **kw))
     page = await service.input_items(rid, "t", after=None, limit=1, order="asc")
     assert len(listed) == 1 and page["has_more"] is True
     assert page["data"][0]["content"] == [{"type": "input_text", "text": "item 0"}]
