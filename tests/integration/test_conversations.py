@@ -8,6 +8,8 @@ say it answers so only if the conversation's history reached the engine."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
@@ -90,7 +92,8 @@ async def test_an_agent_keeps_its_history_in_a_conversation_across_runs_and_repl
 
 
 def test_responses_on_a_conversation_over_http_then_websocket_continue_its_context(conv_url):
-    client = sdk(conv_url)
+    # One replica for all of it: a background response is polled where it runs.
+    client = sdk(conv_url).with_options(default_headers={"x-session-id": "one-client"})
     conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": f"I am {SECRET}."}],
                                        metadata={"topic": "secrets"})
     assert client.conversations.retrieve(conv.id).metadata == {"topic": "secrets"}
@@ -116,6 +119,20 @@ def test_responses_on_a_conversation_over_http_then_websocket_continue_its_conte
     assert client.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id).id == added.data[0].id
     fourth = client.responses.create(model="loopserve-tiny", input="Now?", conversation=conv.id)
     assert fourth.output_text == SCRIPTED_ANSWER  # every item that held the secret was deleted
+
+    # streamed (SSE) and background responses append as well
+    events = list(client.responses.create(model="loopserve-tiny", input=f"{SECRET} again", conversation=conv.id,
+                                          stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.conversation.id == conv.id
+    queued = client.responses.create(model="loopserve-tiny", input="And now?", conversation=conv.id, background=True)
+    for _ in range(200):
+        polled = client.responses.retrieve(queued.id)
+        if polled.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert polled.status == "completed" and polled.output_text == SECRET_ANSWER  # it read the streamed turn's items
+    last = list(client.conversations.items.list(conv.id, limit=1))
+    assert last[0].id == polled.output[0].id
 
     with pytest.raises(BadRequestError) as err:
         client.responses.create(model="loopserve-tiny", input="x", conversation=conv.id, previous_response_id=first.id)
