@@ -150,6 +150,15 @@ class ConversationsService:
                                                                    head_response_id=state.response_id))
         if not ok:  # deleted while the turn ran
             raise wire.conversation_not_found(conversation_id)
+        if state.blocked:  # its output's tail was flagged while this write was on its way
+            await self.forget_output(conversation_id, owner, response.get("output") or [])
+
+    async def forget_output(self, conversation_id: str, owner: str, output: list[dict[str, Any]]) -> None:
+        """A response flagged after its terminal event (output safety on its tail): its output
+        leaves the conversation, so no later turn reads it (a conversation has no parent to block)."""
+        for item in output:
+            if isinstance(item.get("id"), str):
+                await self._call(self.store.delete_conversation_item(conversation_id, owner, item["id"]))
 
 
 def _with_id(item: dict[str, Any]) -> dict[str, Any]:

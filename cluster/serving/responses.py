@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from cluster.core.events import build_response, usage_object
 from cluster.core.replay import replay_events
@@ -23,7 +23,6 @@ from cluster.core.turn.compaction import (
     summarise,
 )
 from cluster.core.turn.context import without_private
-from cluster.core.turn.conversation import ConversationPort
 from cluster.core.turn.driver import TurnDriver
 from cluster.core.turn.post_work import TurnRecord
 from cluster.core.turn.turn import TurnRequest, TurnScope
@@ -31,6 +30,9 @@ from cluster.protocol.errors import ApiError, previous_response_not_found
 from cluster.protocol.ids import new_id
 from cluster.protocol.requests import parse_request
 from cluster.store import ResponseStore, StoredResponse, state_from_chain
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cluster.serving.conversations import ConversationsService
 
 log = logging.getLogger(__name__)
 ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
@@ -61,7 +63,7 @@ class ResponsesService:
         self.registry = registry  # replica-wide: store:true states, tenant-checked on every read
         self.store = store
         self.background: dict[str, BackgroundJob] = {}  # response id -> its job, while it runs
-        self.conversations: Optional[ConversationPort] = None  # its turns' conversations (set by the replica)
+        self.conversations: Optional["ConversationsService"] = None  # its turns' conversations (set by the replica)
 
     # -- lookups -----------------------------------------------------------------
     async def lookup(self, response_id: str, tenant: str) -> Optional[ResponseState]:
@@ -121,8 +123,12 @@ class ResponsesService:
         )
 
     async def mark_blocked(self, record: TurnRecord) -> None:
-        """A stored response flagged after its terminal event: make the flag durable."""
+        """A stored response flagged after its terminal event: make the flag durable. A response
+        on a conversation leaves it: its output items are taken out of the conversation."""
         state: Optional[ResponseState] = record.state
+        conversation = (record.response or {}).get("conversation")
+        if conversation and self.conversations is not None and state is not None and state.owner is not None:
+            await self.conversations.forget_output(conversation["id"], state.owner, record.response["output"])
         if self.store is None or state is None or not state.store or state.blocked is None or state.owner is None:
             return
         await self.store.mark_blocked(state.response_id, state.owner, state.blocked)

@@ -130,3 +130,27 @@ async def test_a_conversation_deleted_while_its_turn_ran_fails_the_response_and_
     with pytest.raises(ApiError) as err:
         await service.retrieve(conv, "t")
     assert err.value.status == 503 and err.value.code == "store_unavailable"
+
+
+async def test_an_answer_flagged_after_its_terminal_event_leaves_the_conversation(tokenizer, service):
+    # Output safety classifies a streamed answer's tail as post-inference work: when it flags it,
+    # the answer's items leave the conversation and the next turn reads the items without them.
+    from cluster.core.turn.post_work import TurnRecord
+    from cluster.serving.responses import ResponsesService
+
+    stack = InProcessStack(tokenizer)
+    responses = ResponsesService(stack.driver, SessionCache(4), None)
+    responses.conversations = service
+    conv = (await service.create({}, "t"))["id"]
+    cache = SessionCache()
+    answer = (await turn(stack, service, conv, "hello", cache=cache))["response"]
+    state = cache.get(answer["id"])
+    state.blocked = {"flagged": True}  # what the late flag does to the state first
+    await responses.mark_blocked(TurnRecord(response_id=answer["id"], model="m", owner="t", status="completed",
+                                            usage={}, store=True, response=answer, state=state))
+    page = await service.list_items(conv, "t", after=None, limit=20, order="asc")
+    assert [i["role"] for i in page["data"]] == ["user"]
+    await turn(stack, service, conv, "again", cache=cache)
+    assert stack.render_jobs[-1].delta is False  # not from the flagged state
+    prompt = stack.decode_raw(stack.engine_requests[-1].prompt_token_ids)
+    assert answer["output"][0]["content"][0]["text"] not in prompt and "hello" in prompt
