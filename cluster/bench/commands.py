@@ -36,6 +36,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                                        "and render CPU a turn, against every turn in full"),
     "engine-model": ("cluster.bench.engine_model", "the scripted engine's `cpu` engine model against this machine's "
                                                    "vLLM: prefill by context, decode step by batch and context"),
+    "mcp-loop": ("cluster.bench.mcp_loop", "an N-step tool loop run by the client (function tools) against run "
+                                           "by the server (remote MCP tools): completion, prefill, TTFT"),
     "kv-grid": ("cluster.bench.kv_grid", "the KV policy on against off at each engine model (cpu, h100-8b, "
                                          "h100-8b-long) over every transport, rounds alternating, medians"),
 }

@@ -17,6 +17,7 @@ from cluster.config.deployments import DeploymentResources
 from cluster.config.engine import (AnswerRule, ChannelTlsConfig, EngineConfig, KvBudgetConfig, ScriptedEngineConfig,
                                    VLLMEngineConfig)
 from cluster.config.limits import LimitsConfig
+from cluster.config.mcp import McpConfig
 from cluster.config.model import ImageInputConfig, ModelConfig
 from cluster.config.ops import OpsConfig
 from cluster.config.post_work import PostWorkConfig
@@ -29,7 +30,7 @@ from cluster.config.websocket import WebSocketConfig
 
 __all__ = ["AnswerRule", "ApiKey", "AuthConfig", "CacheConfig", "ChannelTlsConfig",
            "DeploymentResources", "EngineConfig", "GuardConfig", "ImageInputConfig", "KeysMissing", "KvBudgetConfig", "LimitsConfig",
-           "LoopserveConfig", "ModelConfig", "OpsConfig", "PostWorkConfig", "RoutingConfig", "SafetyConfig",
+           "LoopserveConfig", "McpConfig", "ModelConfig", "OpsConfig", "PostWorkConfig", "RoutingConfig", "SafetyConfig",
            "ScriptedEngineConfig", "SealingConfig", "StoreConfig", "StrictModel", "TelemetryConfig", "TINY_MODEL_NAME",
            "VLLMEngineConfig", "WebSocketConfig"]
 
@@ -49,6 +50,7 @@ class LoopserveConfig(StrictModel):
     sealing: SealingConfig = Field(default_factory=SealingConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    mcp: McpConfig = Field(default_factory=McpConfig)
     ops: OpsConfig = Field(default_factory=OpsConfig)
     connection: DeploymentResources = Field(default_factory=DeploymentResources)
     """The connection replicas (HTTP and WebSocket ingress, the turn core, per-socket caches)."""

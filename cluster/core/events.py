@@ -14,6 +14,7 @@ from openai.types.responses import ResponseCompletedEvent, ResponseFailedEvent, 
 
 from cluster.core.generation import sampling_of
 from cluster.protocol.errors import ApiError
+from cluster.core.mcp import echoed_tool
 from cluster.protocol.ids import new_id
 
 Event = dict[str, Any]  # a stream event as JSON, shaped as `openai.types.responses.ResponseStreamEvent`
@@ -88,6 +89,8 @@ def echo_tools(tools: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             strict = tool.get("strict")
             tool = {**tool, "description": tool.get("description"), "parameters": tool.get("parameters"),
                     "strict": strict if isinstance(strict, bool) else None}
+        elif tool.get("type") == "mcp":  # its credentials are never echoed (nor stored: the response holds this)
+            tool = echoed_tool(tool)
         echoed.append(tool)
     return echoed
 
@@ -137,6 +140,16 @@ class EventAssembler:
     @property
     def output_index(self) -> int:
         return len(self.response["output"]) - 1
+
+    def event(self, type_: str, **fields: Any) -> Event:
+        """One more event of this response (an item's own events: cluster/core/turn/mcp_steps.py)."""
+        return self._ev(type_, **fields)
+
+    def open_item(self, item: dict[str, Any]) -> list[Event]:
+        """A whole item appended to the output (what was open closes first): `output_item.added`."""
+        events = self._close_open()
+        self.response["output"].append(item)
+        return events + [self._ev("response.output_item.added", output_index=self.output_index, item=dict(item))]
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> list[Event]:

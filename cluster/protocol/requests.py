@@ -23,6 +23,8 @@ from pydantic import (
 )
 
 from cluster.protocol.errors import ApiError, from_validation_error, invalid_request
+from cluster.protocol.mcp_items import (MCP_ITEM_TYPES, McpApprovalRequestItem, McpApprovalResponseItem, McpCallItem,
+                                        McpListToolsItem)
 from cluster.protocol.request_bounds import MAX_JSON_DEPTH, echo_error, json_depth_error  # noqa: F401
 
 
@@ -86,7 +88,8 @@ class ItemReference(_Tolerant):
     id: str = Field(max_length=MAX_NAME_CHARS)
 
 
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "compaction", "item_reference")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "compaction", "item_reference",
+              *MCP_ITEM_TYPES)
 
 
 def _item_tag(value: Any) -> Optional[str]:
@@ -105,6 +108,9 @@ InputItem = Annotated[
         Annotated[ReasoningItem, Tag("reasoning")],
         Annotated[CompactionItem, Tag("compaction")],
         Annotated[ItemReference, Tag("item_reference")],
+        Annotated[McpListToolsItem, Tag("mcp_list_tools")], Annotated[McpCallItem, Tag("mcp_call")],
+        Annotated[McpApprovalRequestItem, Tag("mcp_approval_request")],
+        Annotated[McpApprovalResponseItem, Tag("mcp_approval_response")],
     ],
     Discriminator(_item_tag),
 ]

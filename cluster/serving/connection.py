@@ -54,6 +54,7 @@ from cluster.serving.clients import (
     deployment_retry,
 )
 from cluster.serving.conversations import ConversationsService
+from cluster.serving.mcp_client import McpClient
 from cluster.serving.responses import ResponsesService
 from cluster.serving.turns import TurnsService
 from cluster.store import ResponseStore, open_store
@@ -108,9 +109,11 @@ class ConnectionServices:
         if render.local is not None:
             settings.max_token_chars = render.local.max_token_chars
             settings.min_user_message_tokens = render.local.min_user_message_tokens
+        self.mcp = McpClient(config.mcp) if config.mcp.enabled else None  # `mcp` tools, run by this replica
         self.driver = TurnDriver(settings, render=render, engine=engine, safety=safety,
                                  post_work=self.post_work, metrics=self.metrics,
-                                 items=store.get_item if store is not None else None, sealer=cluster_sealer(config))
+                                 items=store.get_item if store is not None else None, sealer=cluster_sealer(config),
+                                 mcp=self.mcp)
         self.registry = SessionCache(config.cache.replica_max_entries, config.cache.replica_max_bytes)
         self.memory = CacheMemory(config.cache.max_entries, config.cache.max_bytes, config.cache.connections_max_bytes)
         self.responses = ResponsesService(self.driver, self.registry, store, max_background=config.limits.max_background,

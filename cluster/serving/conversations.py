@@ -16,7 +16,7 @@ from cluster.core.turn.conversation import Lookup
 from cluster.protocol import conversations as wire
 from cluster.protocol.errors import ApiError
 from cluster.protocol.ids import new_id
-from cluster.serving.responses import ID_PREFIX, input_with_ids, listed_item
+from cluster.serving.items import ID_PREFIX, input_with_ids, listed_item
 from cluster.store.base import state_from_items
 from cluster.store.conversations import StoredConversation
 
@@ -145,7 +145,8 @@ class ConversationsService:
         if self.store is None:
             raise no_store()
         items = [listed_item(i, server_side=True) for i in input_with_ids(state)]
-        items += [listed_item(i, server_side=True) for i in response.get("output") or []]
+        inputs = {i["id"] for i in items}  # what a response outputs before generating is its input too (MCP)
+        items += [listed_item(i, server_side=True) for i in response.get("output") or [] if i.get("id") not in inputs]
         ok = await self._call(self.store.append_conversation_items(conversation_id, owner, items,
                                                                    head_response_id=state.response_id))
         if not ok:  # deleted while the turn ran

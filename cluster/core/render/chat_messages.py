@@ -113,10 +113,13 @@ def messages_from_items(items: Sequence[dict[str, Any]], image_text: str = "[ima
             # Templates decide what earlier reasoning they show (Qwen3: only the current turn's).
             reasoning = content_text(item.get("content")) or content_text(item.get("summary"))
             continue
-        elif kind == "function_call":
+        elif kind == "function_call" or kind == "mcp_approval_request" or (kind == "mcp_call" and not
+                                                                           item.get("approval_request_id")):
+            # A server-run MCP call is the model's tool call (its id the call's id) and, once it
+            # ran, the tool's answer; an approval request is the call the model made, unanswered.
             call = {
                 "type": "function",
-                "id": item["call_id"],
+                "id": item["call_id"] if kind == "function_call" else item["id"],
                 "function": {"name": item["name"], "arguments": (item.get("arguments") or "{}") if raw_arguments
                              else _arguments(item.get("arguments") or "{}")},
             }
@@ -129,6 +132,14 @@ def messages_from_items(items: Sequence[dict[str, Any]], image_text: str = "[ima
             if reasoning:
                 _attach_reasoning(messages[-1], reasoning)
             reasoning = ""
+            if kind == "mcp_call" and _ran(item):
+                messages.append({"role": "tool", "tool_call_id": item["id"], "content": mcp_result(item)})
+                starts.append(i)
+        elif kind == "mcp_call" or (kind == "mcp_approval_response" and not item.get("approve")):
+            # An approved call's result, or a refusal: the answer to the approval request's call.
+            content = mcp_result(item) if kind == "mcp_call" else "The user did not approve this call."
+            messages.append({"role": "tool", "tool_call_id": item["approval_request_id"], "content": content})
+            starts.append(i)
         elif kind == "function_call_output":
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"],
@@ -141,9 +152,23 @@ def messages_from_items(items: Sequence[dict[str, Any]], image_text: str = "[ima
     return messages, starts
 
 
+def _ran(item: dict[str, Any]) -> bool:
+    return item.get("output") is not None or bool(item.get("error"))
+
+
+def mcp_result(item: dict[str, Any]) -> str:
+    """An MCP call's answer as the model reads it: its output, or its error."""
+    if item.get("output") is not None:
+        return str(item["output"])
+    error = item.get("error")
+    if isinstance(error, dict):  # OpenAI's typed errors: a message, or the tool's own content
+        error = error.get("message") or content_text(error.get("content")) or json.dumps(error)
+    return f"Error: {error or 'no result'}"
+
+
 # The chat role each item type becomes in `messages_from_items` (a message: its own role).
 _ITEM_ROLES = {"reasoning": "assistant", "function_call": "assistant", "function_call_output": "tool",
-               "compaction": "system"}
+               "compaction": "system", "mcp_approval_request": "assistant"}
 
 
 def item_roles(items: Sequence[dict[str, Any]]) -> frozenset[str]:
@@ -152,6 +177,13 @@ def item_roles(items: Sequence[dict[str, Any]]) -> frozenset[str]:
     for item in items:
         kind = item.get("type", "message")
         role = item.get("role") if kind == "message" else _ITEM_ROLES.get(kind)
+        if kind == "mcp_call":  # the model's call (unless approved before), and its answer once it ran
+            if not item.get("approval_request_id"):
+                roles.add("assistant")
+            if item.get("approval_request_id") or _ran(item):
+                roles.add("tool")
+        elif kind == "mcp_approval_response" and not item.get("approve"):
+            roles.add("tool")
         if role is not None:
             roles.add("system" if role == "developer" else role)
     return frozenset(roles)
@@ -167,7 +199,9 @@ def _is_assistant_run(items: Sequence[dict[str, Any]], start: int, end: int) -> 
         kind = item.get("type", "message")
         if kind == "reasoning":
             continue
-        if kind == "function_call":
+        if kind in ("function_call", "mcp_approval_request", "mcp_list_tools"):
+            continue
+        if kind == "mcp_call" and not item.get("approval_request_id") and not _ran(item):
             continue
         if kind == "message" and item.get("role") == "assistant":
             continue

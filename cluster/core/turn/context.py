@@ -80,10 +80,13 @@ def reject_non_text(new_items: list[dict[str, Any]], model: str) -> None:
 
 def output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Output items as they re-enter the context (the same dict shape as input items). A
-    compaction item in the output is already in the context, opened, where the turn compacted."""
+    compaction item in the output is already in the context, opened, where the turn compacted; so
+    are what a turn outputs before it generates (an MCP server's tool list, an approved MCP call:
+    turn/mcp_steps.py)."""
     items = []
     for item in output:
-        if item.get("type") == "compaction":
+        kind = item.get("type")
+        if kind in ("compaction", "mcp_list_tools") or (kind == "mcp_call" and item.get("approval_request_id")):
             continue
         if item.get("type") == "message":
             items.append({"type": "message", "role": "assistant", "id": item["id"], "content": item["content"]})

@@ -29,6 +29,7 @@ from cluster.core.turn.prepare import (
     TurnPreparer,
     TurnSettings,
 )
+from cluster.core.turn.mcp_steps import McpPort, McpTurn, item_events
 from cluster.core.turn.stream import TurnStream
 from cluster.core.generation import sampling_of
 from cluster.core.turn.controls import generation_of
@@ -44,7 +45,7 @@ from cluster.core.turn.turn import (
 )
 from cluster.protocol.errors import ApiError, previous_response_not_found, server_error
 from cluster.protocol.ids import new_id
-from cluster.protocol.requests import PROMPT_CACHE_TTLS, ResponsesRequest
+from cluster.protocol.requests import PROMPT_CACHE_TTLS, ResponsesRequest, parse_request
 from cluster.protocol.sealing import Sealer
 
 
@@ -73,6 +74,7 @@ class TurnDriver:
         metrics: Optional[telemetry.Metrics] = None,
         items: Optional[ItemLookup] = None,
         sealer: Optional[Sealer] = None,
+        mcp: Optional[McpPort] = None,
     ) -> None:
         self.settings = settings
         self.model_name = settings.model_name
@@ -83,7 +85,7 @@ class TurnDriver:
         self.sealer = sealer
         self.preparer = TurnPreparer(settings, render=render, items=items, tracer=self.tracer, sealer=sealer)
         self.services = TurnServices(engine=engine, metrics=self.metrics, tracer=self.tracer, post_work=post_work,
-                                     preparer=self.preparer)
+                                     preparer=self.preparer, mcp=mcp)
 
     async def count_input_tokens(self, req: ResponsesRequest, parent: Optional[ResponseState], owner: str) -> int:
         return await self.preparer.count_input_tokens(req, parent, owner)
@@ -164,6 +166,8 @@ class TurnDriver:
                     yield ev
             finally:
                 stream.safety.cancel()
+                if stream.turn.steps.mcp is not None:
+                    stream.turn.steps.mcp.cancel()  # calls a turn that ended early no longer waits for
                 streaming.end()
                 turn = stream.turn
                 root.set_attribute("gen_ai.usage.input_tokens", turn.prompt_len)
@@ -222,6 +226,9 @@ class TurnDriver:
         if parent is not None and parent.affinity_key:
             # Keep the chain on the engine replica that holds its prefix KV.
             session_key = parent.affinity_key
+        mcp = await self._mcp(t, parent, tctx) if any(tool.get("type") == "mcp" for tool in req.tools or []) else None
+        if mcp is not None:
+            req = mcp.request  # the servers' tools offered as functions; what it output first is input
         compaction: Optional[dict[str, Any]] = None
         try:
             prep, compaction = await self._prepare(req, parent, timing, tctx, owner)
@@ -257,8 +264,8 @@ class TurnDriver:
         timing.response_id = response_id
         root.set_attribute("loopserve.response_id", response_id)
         sampling = sampling_of(req, st.sampling_defaults)  # what the engine runs and the response reports
-        response = build_response(response_id=response_id, model=self.model_name, request=req, previous_response_id=prev_id,
-                                  sampling=sampling)
+        response = build_response(response_id=response_id, model=self.model_name, request=t.request,
+                                  previous_response_id=prev_id, sampling=sampling)
         seal = None
         if self.sealer is not None and INCLUDE_REASONING in (req.include or []):
             sealer = self.sealer
@@ -272,14 +279,30 @@ class TurnDriver:
         turn = Turn(origin=t, response_id=response_id, model=self.model_name, session_key=session_key, parent=parent,
                     context=ctx, rendered=rendered, render_key=key, tools=tools_spec, max_tokens=max_tokens,
                     timing=timing, generation=generation_of(req, tools_spec, max_tokens, sampling),
-                    trace=tctx, cache_ttl_s=cache_ttl_s, cache_check=cache_check, steps=Steps(inbox=t.agent))
+                    trace=tctx, cache_ttl_s=cache_ttl_s, cache_check=cache_check, steps=Steps(inbox=t.agent, mcp=mcp))
         stream = TurnStream(turn, asm, safety, self.services)
         events = asm.start()
         timing.first_event = time.perf_counter() - timing.started
         if compaction is not None:
             events += asm.compaction(compaction)
             turn.steps.output_start = len(asm.response["output"])  # the item is in the context already
+        if mcp is not None:
+            for item in mcp.before:  # tool lists and approved calls: in the context already (as input)
+                events += item_events(asm, item)
+            turn.steps.output_start = len(asm.response["output"])
         return stream, events
+
+    async def _mcp(self, t: TurnRequest, parent: Optional[ResponseState], tctx: Any) -> McpTurn:
+        """The response's MCP servers: their tools listed (or found in the context), the calls the
+        client approved run; the request as the model sees it."""
+        req, port = t.request, self.services.mcp
+        new_input = req.input_items()
+        mcp = await McpTurn.start(port, req.tools or [], parent.items if parent is not None else [], new_input,
+                                  t.scope.owner or "", port.max_calls if port is not None else 0, tctx)
+        mcp.request = req.model_copy(update={
+            "tools": mcp.offered(req.tools or []), "tool_choice": mcp.tool_choice(req.tool_choice),
+            "input": parse_request({"input": new_input + mcp.before}).input if mcp.before else req.input})
+        return mcp
 
 
     async def _append(self, t: TurnRequest, stream: TurnStream, ev: Event) -> Event:

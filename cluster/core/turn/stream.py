@@ -18,15 +18,14 @@ from typing import Any, AsyncIterator, Optional
 from cluster import telemetry
 from cluster.core.events import Event, EventAssembler, timing_event, usage_object
 from cluster.core.messages import (ENGINE_CORE_TIMINGS, PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure,
-                                   EngineQueued, ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, TurnTiming,
-                                   done_of)
+                                   EngineQueued, ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, done_of)
 from cluster.core.safety.gate import TurnSafety
 from cluster.core.turn.cache_diagnostics import diagnostics
 from cluster.core.turn.controls import tool_call_limit
+from cluster.core.turn import steps
 from cluster.core.turn.post_work import TurnRecord
 from cluster.core.turn.turn import Turn, TurnServices
 from cluster.protocol.errors import ApiError, server_error
-from cluster.protocol.requests import parse_request
 
 # Tokens a prefix hit may fall short of the whole reusable prefix: the last block (a CPU engine's
 # blocks are 128 tokens) and the last token, which the engine computes again.
@@ -153,6 +152,19 @@ class TurnStream:
             if step.ended:
                 return
             done = step.done
+            mcp = turn.steps.mcp
+            if mcp is not None and (mcp.running or mcp.refused):  # its server-run calls, awaited
+                for ev in await mcp.settle(asm, turn.steps.output_start):
+                    yield ev
+                if mcp.continues(asm.response["output"][turn.steps.output_start:]) and not (
+                        turn.stop is not None and turn.stop.is_set()):
+                    try:  # no client round trip: the results go into the next engine call
+                        await steps.after_mcp_calls(turn, asm, self.services.preparer)
+                    except ApiError as err:
+                        for ev in self._failed(err):
+                            yield ev
+                        return
+                    continue
             waited = time.perf_counter()
             injected = await self._injected_outputs(done)
             timing.tool_wait += time.perf_counter() - waited
@@ -165,7 +177,7 @@ class TurnStream:
             for ev in asm.add_items(injected):
                 yield ev
             try:
-                await self._next_step(done, injected)
+                await steps.after_injected(turn, asm, self.services.preparer, done, injected)
             except ApiError as err:
                 for ev in self._failed(err):
                     yield ev
@@ -201,33 +213,6 @@ class TurnStream:
         if not calls:
             return None
         return await turn.steps.inbox.collect(calls, stop=turn.stop.event if turn.stop is not None else None)
-
-    async def _next_step(self, done: EngineDone, injected: list[dict[str, Any]]) -> None:
-        """The next engine call of a multi-agent response: its context gains this step's output
-        and the injected tool outputs (rendered as a continuation: only those new items)."""
-        turn, asm = self.turn, self.asm
-        parent = turn.snapshot(asm.response["output"][turn.steps.output_start:len(asm.response["output"]) - len(injected)],
-                               asm.response, done.replica, engine_ran=True, done=done)
-        # A continuation of this response after its last step, with the injected tool outputs.
-        req = turn.request
-        step_req = req.model_copy(update={"input": parse_request({"input": injected}).input,
-                                          "previous_response_id": turn.response_id})
-        preparer = self.services.preparer
-        context, rendered = (await preparer.prepare(step_req, parent, TurnTiming(), turn.trace, turn.owner))[:2]
-        # max_output_tokens bounds the whole response; the context bounds each call.
-        settings = preparer.settings
-        budget = (req.max_output_tokens or settings.default_max_tokens) - turn.steps.used[2] - turn.output_tokens
-        room = settings.max_model_len - rendered.engine_len
-        turn.max_tokens = max(1, min(budget, room))
-        steps = turn.steps
-        if not steps.count:
-            steps.first_span = (turn.context.new_start, len(turn.context.items))
-        inputs, cached, outputs = steps.used
-        steps.used = (inputs + turn.prompt_len, cached + turn.cached_tokens, outputs + turn.output_tokens)
-        turn.parent, turn.context, turn.rendered = parent, context, rendered
-        steps.count += 1
-        steps.output_start = len(asm.response["output"])
-        turn.cached_tokens = turn.output_tokens = 0
 
     async def _generate_step(self, step: "_Step") -> AsyncIterator[Event]:
         """One engine call's output as events. Ending the response on the way (failed, blocked,
@@ -327,7 +312,9 @@ class TurnStream:
                 safety.on_output(part)
             self.tool_calls += 1
             self._first_token()
-            return asm.tool_call(piece.name, piece.arguments)
+            mcp = self.turn.steps.mcp  # a server's tool: an `mcp_call` run now (or an approval request)
+            return (mcp is not None and mcp.released(asm, piece.name, piece.arguments)) or \
+                asm.tool_call(piece.name, piece.arguments)
         if isinstance(piece, TextPiece):
             emit = asm.text
         elif isinstance(piece, ReasoningPiece):

@@ -25,6 +25,7 @@ from cluster.core.render.chat_messages import item_roles
 from cluster.core.turn.cache import RenderedPrefix, RenderKey, ResponseState, SessionCache, items_nbytes
 from cluster.core.turn.context import (ResolvedContext, output_as_context, output_call_ids)
 from cluster.core.turn.conversation import ConversationPort, Lookup
+from cluster.core.turn.mcp_steps import McpPort, McpTurn, without_credentials
 from cluster.core.turn.post_work import PostWorkQueue
 from cluster.protocol.requests import ResponsesRequest
 
@@ -177,6 +178,7 @@ class TurnServices:
     tracer: Any
     post_work: Optional[PostWorkQueue] = None
     preparer: Optional["StepPreparer"] = None  # prepares each later engine call of a multi-agent response
+    mcp: Optional[McpPort] = None  # the cluster's MCP client (`mcp` tools run by the server)
 
 
 class ToolOutputInbox(Protocol):
@@ -195,6 +197,7 @@ class Steps:
     output_start: int = 0  # where the current step's output begins in the response's output
     first_span: tuple[int, int] = (0, 0)  # (input_start, output_start) of the first step's context
     used: tuple[int, int, int] = (0, 0, 0)  # input, cached and output tokens of the earlier steps
+    mcp: Optional[McpTurn] = None  # its server-run MCP tools: a step after their calls needs no client
 
 
 @dataclass
@@ -321,7 +324,7 @@ class Turn:
             items=ctx.items + out_items,
             output_start=output_start,
             instructions=req.instructions,
-            tools=list(req.tools or []),
+            tools=without_credentials(req.tools) if self.steps.mcp is not None else list(req.tools or []),
             rendered=RenderedPrefix(self.render_key, len(ctx.items), rendered.prefix_token_ids, rendered.anchor_start,
                                     engine_request_id, prior, rendered.images, rendered.image_tokens,
                                     self._roles()),
