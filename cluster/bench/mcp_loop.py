@@ -14,7 +14,8 @@ The scripted engine follows the task by rules (`task_rules`). The real engine is
 (`tool_choice` of the tool) for `steps` steps; the server-side run ends at the same count
 (`mcp.max_calls_per_response`), the client-side run with one `tool_choice: none` turn.
 Reported per mode: client-clock completion, engine prefill tokens (input less cached, every
-engine call), and the time to the first event of each engine call's output (TTFT).
+engine call), and each engine call's time to its first output (TTFT: from the request, or from
+the result of the call before it, to the first token or item).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ async def client_side(url: str, model: str, mcp_url: str, steps: int, forced: bo
     prefill, ttft, calls = 0, [], 0
     async with Client(mcp_url) as tools, connect(ws_url(url), max_size=None, open_timeout=30) as ws:
         body: dict[str, Any] = {"model": model, "instructions": INSTRUCTIONS, "tools": [ADVANCE],
-                                "input": TASK_PROMPT, "store": False}
+                                "input": TASK_PROMPT, "store": False,
+                                "max_output_tokens": 4096}
         while True:
             if forced:
                 body["tool_choice"] = {"type": "function", "name": "advance"} if calls < steps else "none"
@@ -65,7 +67,7 @@ async def client_side(url: str, model: str, mcp_url: str, steps: int, forced: bo
             response = turn.last["response"]
             usage = response["usage"]
             prefill += usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
-            ttft.append(turn.first_event_s)
+            ttft.append(turn.first_token_s)
             call = next((o for o in response["output"] if o["type"] == "function_call"), None)
             if call is None:
                 break
@@ -85,30 +87,32 @@ async def server_side(url: str, model: str, mcp_url: str, forced: bool) -> dict[
     tool = {"type": "mcp", "server_label": "tasks", "server_url": mcp_url, "allowed_tools": ["advance"],
             "require_approval": "never"}
     body: dict[str, Any] = {"model": model, "instructions": INSTRUCTIONS, "tools": [tool], "input": TASK_PROMPT,
-                            "store": False}
+                            "store": False, "max_output_tokens": 4096}
     if forced:
         body["tool_choice"] = {"type": "mcp", "server_label": "tasks", "name": "advance"}
-    marks: list[float] = []
+    ttft: list[float] = []
     started = time.perf_counter()
-    waiting = [True]
+    ready = [started]  # when the step's input was there: the request sent, then each call's result
 
     async def on_event(ev: dict) -> None:
-        # A step's output begins with its first item after the calls before it completed.
+        # A step's first output: its first item after the results of the calls before it.
         kind = ev.get("type", "")
-        if kind == "response.output_item.added" and ev["item"]["type"] in ("mcp_call", "message") and waiting[0]:
-            marks.append(time.perf_counter() - started)
-            waiting[0] = False
+        if kind == "response.output_item.added" and ev["item"]["type"] in ("mcp_call", "message") and ready:
+            ttft.append(time.perf_counter() - ready.pop())
         elif kind in ("response.mcp_call.completed", "response.mcp_call.failed"):
-            waiting[0] = True
+            ready[:] = [time.perf_counter()]
 
     async with connect(ws_url(url), max_size=None, open_timeout=30) as ws:
         turn = await ws_turn(ws, body, timeout=600, on_event=on_event)
     response = turn.last["response"]
     usage = response["usage"]
     calls = [o for o in response["output"] if o["type"] == "mcp_call"]
+    if response["status"] != "completed" or any(c.get("error") for c in calls):
+        print(f"server-side: {response['status']} {response.get('incomplete_details')} "
+              f"{[c.get('error') for c in calls if c.get('error')][:1]}", flush=True)
     return {"done_s": turn.wall_s, "prefill_tokens": usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"],
-            "calls": sum(1 for c in calls if c.get("status") == "completed"), "engine_calls": len(marks),
-            "ttft_s": [b - a for a, b in zip([0.0] + marks, marks)]}
+            "calls": sum(1 for c in calls if c.get("status") == "completed"), "engine_calls": len(ttft),
+            "ttft_s": ttft}
 
 
 def report(rows: dict[str, list[dict[str, Any]]]) -> str:

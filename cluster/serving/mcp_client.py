@@ -9,10 +9,12 @@ with a message the client may see; the request's headers never reach a log, a sp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 import time
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import httpx2
@@ -99,6 +101,7 @@ class McpClient:
         self.tracer = tracer or telemetry.tracer()
         self.resolver = resolver
         self._in_flight: dict[str, int] = {}  # tenant -> MCP exchanges running (a key's concurrency)
+        self._sessions: "OrderedDict[tuple, _HeldSession]" = OrderedDict()  # (tenant, url, headers) -> its session
         self.max_calls = config.max_calls_per_response
 
     async def list_tools(self, server: McpServer, tenant: str, trace: Any = None) -> list[ListedTool]:
@@ -157,7 +160,7 @@ class McpClient:
         deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
-                return await self._session(server, work, timeout_s)
+                return await self._session(server, work, tenant)
         except Exception as exc:  # noqa: BLE001 - whatever the server or the network did, a clear error
             cause = _cause(exc)
             if deadline.expired() or isinstance(_leaf(exc), httpx2.TimeoutException):  # (maybe in a task group)
@@ -185,17 +188,100 @@ class McpClient:
         span.set_status(telemetry.StatusCode.ERROR, message[:200])
         return McpRefused(message)
 
-    async def _session(self, server: McpServer, work: Callable[[Any], Awaitable[Any]], timeout_s: float) -> Any:
+    async def _session(self, server: McpServer, work: Callable[[Any], Awaitable[Any]], tenant: str) -> Any:
+        """`work` on a session of this tenant's with `server`, held open between exchanges (a
+        session costs an `initialize` round trip and its close: ~30 ms a call on loopback); one
+        that failed an exchange is closed, never reused."""
+        key = server.list_key(tenant)
+        held = self._sessions.pop(key, None)
+        if held is None or held.task.done():
+            held = _HeldSession(self._open(server))
+        self._sessions[key] = held  # most recently used last
+        while len(self._sessions) > self.config.max_cached_lists:
+            self._sessions.pop(next(iter(self._sessions))).close()
+        try:
+            return await held.run(work)
+        except McpRefused as err:
+            if err.tool_error is None:
+                self._sessions.pop(key, None)
+                held.close()
+            raise
+        except BaseException:
+            self._sessions.pop(key, None)
+            held.close()
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _open(self, server: McpServer) -> AsyncIterator[Any]:
         from mcp.client.client import Client
         from mcp.client.streamable_http import streamable_http_client
 
         transport = _GuardedTransport(self.policy, self.config.max_result_bytes, self.resolver)
+        longest = max(self.config.call_timeout_s, self.config.list_timeout_s) + 1  # each exchange's deadline first
         async with httpx2.AsyncClient(transport=transport, headers=dict(server.headers),
-                                      timeout=httpx2.Timeout(timeout_s + 1)) as http:  # the deadline comes first
+                                      timeout=httpx2.Timeout(longest)) as http:
             async with Client(streamable_http_client(server.url, http_client=http,
                                                      max_sse_event_size=self.config.max_result_bytes),
                               raise_exceptions=True) as client:
-                return await work(client)
+                yield client
+
+    async def close(self) -> None:
+        for held in self._sessions.values():
+            held.close()
+        self._sessions.clear()
+
+
+class _HeldSession:
+    """An MCP session kept open by a task of its own (the MCP client's scopes belong to the task
+    that opened them), closed after `IDLE_S` unused. An exchange waits for its result or for the
+    session to die (its transport failed: the error is the exchange's)."""
+
+    IDLE_S = 60.0
+
+    def __init__(self, opener: Any) -> None:
+        self._opener = opener
+        self._client: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+        self._used = asyncio.Event()
+        self._closing = asyncio.Event()
+        self.task = asyncio.ensure_future(self._hold())
+
+    async def _hold(self) -> None:
+        try:
+            async with self._opener as client:
+                self._client.set_result(client)
+                while not self._closing.is_set():
+                    self._used.clear()
+                    try:
+                        await asyncio.wait_for(self._used.wait(), self.IDLE_S)
+                    except TimeoutError:
+                        break
+        except BaseException as exc:
+            if not self._client.done():
+                self._client.set_exception(exc)
+            raise
+
+    async def run(self, work: Callable[[Any], Awaitable[Any]]) -> Any:
+        self._used.set()
+        client = await asyncio.shield(self._client) if not self._client.done() else self._client.result()
+        call = asyncio.ensure_future(work(client))
+        try:
+            await asyncio.wait([call, self.task], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            call.cancel()
+            raise
+        if call.done():
+            self._used.set()
+            return call.result()
+        call.cancel()  # the session died under it
+        exc = self.task.exception() if not self.task.cancelled() else None
+        raise exc or McpRefused("The MCP session ended.")
+
+    def close(self) -> None:
+        """Closed now: one that failed may be stuck opening (an `initialize` never answered)."""
+        self._closing.set()
+        self._used.set()
+        if not self._client.done() or self._client.exception() is not None:
+            self.task.cancel()
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -40,6 +40,7 @@ async def test_lists_and_calls_the_servers_tools(base_url):
     assert await c.call_tool(at(base_url), "t", "add", '{"a": 2, "b": 40}') == "42"
     assert await c.call_tool(at(base_url), "t", "write_note", '{"key": "k", "text": "hello"}') == "saved 'k'"
     assert await c.call_tool(at(base_url), "t", "read_note", '{"key": "k"}') == "hello"
+    assert len(c._sessions) == 1  # one session held for the tenant's server, not one a call
     with pytest.raises(McpRefused, match="arguments"):
         await c.call_tool(at(base_url), "t", "add", "not json")
     with pytest.raises(McpRefused):  # the tool's own error (a missing argument)
@@ -50,7 +51,7 @@ async def test_a_tool_list_is_reused_per_tenant_until_its_ttl(base_url, monkeypa
     c = client(tools_ttl_s=60)
     calls = []
     real = c._session
-    monkeypatch.setattr(c, "_session", lambda server, work, timeout_s: calls.append(1) or real(server, work, timeout_s))
+    monkeypatch.setattr(c, "_session", lambda server, work, tenant: calls.append(1) or real(server, work, tenant))
     await c.list_tools(at(base_url), "t")
     await c.list_tools(at(base_url), "t")
     assert len(calls) == 1
@@ -72,7 +73,7 @@ async def test_a_misbehaving_server_fails_clearly_in_bounded_time_and_the_client
     with pytest.raises(McpRefused, match=message):
         await c.list_tools(at(base_url, path), "t")
     assert time.monotonic() - started < 10
-    assert c._in_flight == {}  # nothing left counted
+    assert c._in_flight == {} and c._sessions == {}  # nothing left counted, no failed session kept
     assert await c.call_tool(at(base_url), "t", "add", '{"a": 1, "b": 1}') == "2"
 
 
