@@ -92,7 +92,14 @@ def _routes() -> set[tuple[str, str]]:
 TENANT_ROUTES = {("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
                  ("DELETE", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"),
                  ("GET", "/v1/responses/{response_id}/input_items"), ("POST", "/v1/responses/input_tokens"),
-                 ("POST", "/v1/responses/compact"), ("GET", "/v1/models"), ("WEBSOCKET", "/v1/responses")}
+                 ("POST", "/v1/responses/compact"), ("GET", "/v1/models"), ("WEBSOCKET", "/v1/responses"),
+                 # Conversations: the key's own (another key's are 404: tests/integration/test_conversations.py)
+                 ("POST", "/v1/conversations"), ("GET", "/v1/conversations/{conversation_id}"),
+                 ("POST", "/v1/conversations/{conversation_id}"), ("DELETE", "/v1/conversations/{conversation_id}"),
+                 ("GET", "/v1/conversations/{conversation_id}/items"),
+                 ("POST", "/v1/conversations/{conversation_id}/items"),
+                 ("GET", "/v1/conversations/{conversation_id}/items/{item_id}"),
+                 ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}")}
 ADMIN_ROUTES = {("GET", "/loopserve/stats"), ("WEBSOCKET", "/loopserve/echo")}
 PUBLIC_ROUTES = {("GET", "/health")}
 
