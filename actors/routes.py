@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 from starlette.websockets import WebSocketDisconnect
 
+from actors import client_socket
 from actors.http import declared_bytes, deny, error_response, json_body, new_app, peak_rss_bytes, rss_bytes, sse
 from cluster.auth import ANONYMOUS
 from cluster.protocol import ids
@@ -103,14 +104,14 @@ async def echo(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
                 return
             data = msg.get("text") if msg.get("text") is not None else msg.get("bytes") or b""
             if len(data) > cfg.max_frame_bytes:
-                await ws.send_text(json.dumps(conn.frame_too_large(len(data)).ws_event()))
-                continue
-            await ws.send_text(data if isinstance(data, str) else data.decode("utf-8", "replace"))
+                data = json.dumps(conn.frame_too_large(len(data)).ws_event())
+            await client_socket.send_text(ws, data if isinstance(data, str) else data.decode("utf-8", "replace"),
+                                          cfg.send_stall_seconds)
     except (asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
         pass
     try:
-        await ws.close(code=1000)
-    except RuntimeError:
+        await client_socket.close(ws, 1000, "", cfg.send_stall_seconds)
+    except (RuntimeError, OSError, WebSocketDisconnect):  # gone, or cut
         pass
 
 
@@ -278,14 +279,15 @@ async def websocket(ws: WebSocket, conn: "ConnectionServices" = Conn) -> None:
         conn.turns.abandon_socket(p)
         raise
     lock = asyncio.Lock()
+    stall_s = conn.config.websocket.send_stall_seconds
 
     async def send(event: dict[str, Any]) -> None:
         async with lock:
-            await ws.send_text(json.dumps(event, separators=(",", ":")))
+            await client_socket.send_text(ws, json.dumps(event, separators=(",", ":")), stall_s)
 
     async def close(code: int, reason: str) -> None:
         async with lock:
-            await ws.close(code=code, reason=reason)
+            await client_socket.close(ws, code, reason, stall_s)
 
     socket = await conn.turns.open_socket(p, ws.headers, send, close)
     try:

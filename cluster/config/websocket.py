@@ -19,6 +19,10 @@ class WebSocketConfig(StrictModel):
     """Browser clients: when set, a request or upgrade whose Origin header is not listed is refused (403). Unset, a
     server without API keys admits only pages served from localhost (any page its user visits could drive it
     otherwise); with keys, any Origin. Requests without an Origin (SDKs, CLIs) are not affected."""
+    send_stall_seconds: float = Field(10.0, gt=0)
+    """A send the client takes nothing of for this long (the socket's buffers, megabytes, full: it reads nothing) cuts
+    the connection (a TCP reset, no close handshake: the close frame would wait behind what it has not read). Keep it
+    under 12 s: a server close's error and frame get 12 s each."""
     max_frame_bytes: int = 15 * 1024 * 1024
     """Frames above this get an error event (the proxy itself closes above 16 MiB)."""
     max_frame_bytes_per_minute: int = Field(48 * 1024 * 1024, ge=1024 * 1024)

@@ -85,3 +85,32 @@ async def test_with_approvals_each_call_waits_for_the_agent_and_its_approval_con
     assert all(c.approval_request_id for c in calls_of(result))
     ws = after["turn_transport"].get("websocket", 0) - before["turn_transport"].get("websocket", 0)
     assert ws == STEPS + 1  # every response went over the socket
+
+
+def test_the_task_streams_over_sse_and_runs_in_background_mode(mcp_app, mcp_url):
+    """The openai SDK: the same ten-step task over SSE (every call's events in one stream), and as
+    a background response polled until it is done."""
+    import time
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=mcp_app + "/v1", api_key="sk-test", max_retries=0, timeout=120)
+    tool = {"type": "mcp", "server_label": "tasks", "server_url": mcp_url, "allowed_tools": ["advance"],
+            "require_approval": "never", "headers": {"Authorization": "Bearer task-token"}}
+    with client.responses.create(model="loopserve-tiny", input=TASK_PROMPT, tools=[tool], stream=True,
+                                 max_output_tokens=4096) as stream:
+        types = [event.type for event in stream]
+    assert types.count("response.mcp_call.completed") == STEPS and types[-1] == "response.completed", " ".join(types)
+    assert types.count("response.mcp_list_tools.completed") == 1
+
+    queued = client.responses.create(model="loopserve-tiny", input=TASK_PROMPT, tools=[tool], background=True,
+                                     max_output_tokens=4096)  # the ten steps together
+    assert queued.status in ("queued", "in_progress")
+    deadline = time.monotonic() + 120
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.5)
+    assert done.status == "completed" and done.output_text == TASK_DONE
+    calls = [i for i in done.output if i.type == "mcp_call"]
+    assert [c.output for c in calls] == [f"STEP-{n} reached" for n in range(1, STEPS + 1)]
+    assert "task-token" not in done.model_dump_json()  # nor stored with the response

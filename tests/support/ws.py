@@ -44,12 +44,14 @@ def sdk_response(conn, **body):
 
 async def flood_until_closed(url: str, headers: Optional[dict] = None, deadline_s: float = 120.0) -> tuple[int, float]:
     """Send one-byte invalid frames on a socket that reads nothing (its library stops reading its
-    TCP stream after one queued frame) until the server ends it: (frames sent, seconds)."""
+    TCP stream after one queued frame) until the server ends it: (frames sent, seconds). The
+    client's own keepalive is off: its ping timing out (at ~40 s) would close the socket itself."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
     sent, started = 0, asyncio.get_running_loop().time()
-    async with connect(url, open_timeout=30, max_queue=1, additional_headers=headers, close_timeout=2) as sock:
+    async with connect(url, open_timeout=30, max_queue=1, additional_headers=headers, close_timeout=2,
+                       ping_interval=None) as sock:
         try:
             while asyncio.get_running_loop().time() - started < deadline_s:
                 await asyncio.wait_for(sock.send("x"), deadline_s)

@@ -98,6 +98,13 @@ class McpTurn:
             if asked is None or server is None:
                 raise ApiError(400, f"No MCP approval request '{answer['approval_request_id'][:256]}' of a server "
                                     "in this request's tools.", param="input", code="invalid_value")
+            offered = self.tools.get(asked["name"])
+            if offered is None or offered[0].label != server.label:
+                # An approval runs only what the model could have called under this request's
+                # `allowed_tools` (a request item written by the client is not a way around them).
+                raise ApiError(400, f"MCP approval request '{asked['id'][:256]}' names tool '{asked['name'][:256]}', "
+                                    f"which server '{server.label}' does not offer under this request's tools "
+                                    "(allowed_tools, or not listed).", param="input", code="invalid_value")
             item = call_item(server.label, asked["name"], asked["arguments"], approval_request_id=asked["id"])
             self._start_call(item, server)
             await self._finish(item)

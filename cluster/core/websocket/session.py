@@ -38,8 +38,8 @@ from cluster.protocol.request_bounds import ReplicaQueue
 from cluster.protocol.requests import admit_create
 
 log = logging.getLogger(__name__)
-# How long a server close may take to go out (its error, then its close frame, half each): the
-# WebSocket library's own close handshake drops the TCP connection after 10 s of a client reading nothing.
+# How long a server close may take to go out (its error, then its close frame, half each). The
+# adapter's own sends cut a client that reads nothing sooner (`websocket.send_stall_seconds`, 10 s).
 CLOSE_TIMEOUT_S = 24.0
 
 Send = Callable[[Event], Awaitable[None]]

@@ -38,7 +38,7 @@ def services(handled: list[str]) -> SimpleNamespace:
 
     turns = SimpleNamespace(admit_socket=lambda headers: "principal", open_socket=open_socket,
                             close_socket=close_socket, abandon_socket=lambda p: None)
-    return SimpleNamespace(turns=turns, config=SimpleNamespace(websocket=SimpleNamespace(max_frame_bytes=1024)))
+    return SimpleNamespace(turns=turns, config=SimpleNamespace(websocket=SimpleNamespace(max_frame_bytes=1024, send_stall_seconds=10.0)))
 
 
 async def test_a_socket_with_a_burst_of_frames_takes_turns_with_the_others():
