@@ -55,7 +55,7 @@ async def client_side(url: str, model: str, mcp_url: str, steps: int, forced: bo
     from websockets.asyncio.client import connect
 
     started = time.perf_counter()
-    prefill, ttft, calls = 0, [], 0
+    prefill, decoded, ttft, calls = 0, 0, [], 0
     async with Client(mcp_url) as tools, connect(ws_url(url), max_size=None, open_timeout=30) as ws:
         body: dict[str, Any] = {"model": model, "instructions": INSTRUCTIONS, "tools": [ADVANCE],
                                 "input": TASK_PROMPT, "store": False,
@@ -67,6 +67,7 @@ async def client_side(url: str, model: str, mcp_url: str, steps: int, forced: bo
             response = turn.last["response"]
             usage = response["usage"]
             prefill += usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+            decoded += usage["output_tokens"]
             ttft.append(turn.first_token_s)
             call = next((o for o in response["output"] if o["type"] == "function_call"), None)
             if call is None:
@@ -76,7 +77,7 @@ async def client_side(url: str, model: str, mcp_url: str, steps: int, forced: bo
             text = "\n".join(getattr(c, "text", "") for c in result.content)
             body = {**body, "previous_response_id": response["id"],
                     "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": text}]}
-    return {"done_s": time.perf_counter() - started, "prefill_tokens": prefill, "calls": calls,
+    return {"done_s": time.perf_counter() - started, "prefill_tokens": prefill, "output_tokens": decoded, "calls": calls,
             "engine_calls": len(ttft), "ttft_s": ttft}
 
 
@@ -111,18 +112,20 @@ async def server_side(url: str, model: str, mcp_url: str, forced: bool) -> dict[
         print(f"server-side: {response['status']} {response.get('incomplete_details')} "
               f"{[c.get('error') for c in calls if c.get('error')][:1]}", flush=True)
     return {"done_s": turn.wall_s, "prefill_tokens": usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"],
+            "output_tokens": usage["output_tokens"],
             "calls": sum(1 for c in calls if c.get("status") == "completed"), "engine_calls": len(ttft),
             "ttft_s": ttft}
 
 
 def report(rows: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["| run | done s (median) | rounds | prefill tokens | MCP calls | engine calls | TTFT p50 s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | done s (median) | rounds | prefill tokens | output tokens | MCP calls | engine calls | TTFT p50 s |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode, runs in rows.items():
         done = [r["done_s"] for r in runs]
         ttft = [t for r in runs for t in r["ttft_s"]]
         lines.append(f"| {mode} | {statistics.median(done):.2f} | {', '.join(f'{d:.2f}' for d in done)} | "
-                     f"{statistics.median(r['prefill_tokens'] for r in runs):.0f} | {runs[-1]['calls']} | "
+                     f"{statistics.median(r['prefill_tokens'] for r in runs):.0f} | "
+                     f"{statistics.median(r['output_tokens'] for r in runs):.0f} | {runs[-1]['calls']} | "
                      f"{runs[-1]['engine_calls']} | {statistics.median(ttft):.3f} |")
     return "\n".join(lines)
 

@@ -96,7 +96,11 @@ def output_as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def output_call_ids(output: list[dict[str, Any]]) -> list[str]:
-    return [item["call_id"] for item in output if item.get("type") == "function_call"]
+    """The tool calls an output leaves waiting for their results: function calls, and a server-run
+    MCP call not answered yet (a step's parent as the model made it: turn/steps.py)."""
+    return [item["call_id"] if item.get("type") == "function_call" else item["id"] for item in output
+            if item.get("type") == "function_call" or (item.get("type") == "mcp_call" and item.get("output") is None
+                                                       and not item.get("error") and not item.get("approval_request_id"))]
 
 
 def normalize_tools(tools: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.core.messages import EngineDone, TurnTiming
+from cluster.core.render.chat_messages import mcp_result
 from cluster.core.turn.context import output_as_context
 from cluster.protocol.requests import parse_request
 
@@ -25,16 +26,29 @@ async def after_injected(turn: Any, asm: Any, preparer: Any, done: EngineDone, i
     advance(turn, asm, preparer, parent, context, rendered)
 
 
-async def after_mcp_calls(turn: Any, asm: Any, preparer: Any) -> None:
+async def after_mcp_calls(turn: Any, asm: Any, preparer: Any, done: EngineDone) -> None:
     """The next engine call of a response whose step called only server-run MCP tools: its
-    context gains the step's output, each call with its result. Rendered whole (the engine's
-    prefix cache still holds the shared prefix): a delta after a call the server answered is
-    not proven exact yet."""
-    output = output_as_context(asm.response["output"][turn.steps.output_start:])
+    context gains the step's output, each call with its result. A step that ended in one call
+    continues as a client-run loop does: the step as the model made it (the call, unanswered)
+    is the parent, the call's result the only new input, rendered as a delta after the tokens
+    the engine generated. Other shapes (several calls in one step) render whole: a call the
+    server answered renders with its answer right after it, not after the step's last call."""
+    output = asm.response["output"][turn.steps.output_start:]
     mcp_request = turn.steps.mcp.request
-    context, rendered = (await preparer.prepare(mcp_request, None, TurnTiming(), turn.trace, turn.owner,
-                                                items=[*turn.context.items, *output]))[:2]
-    advance(turn, asm, preparer, None, context, rendered)
+    last = output[-1] if output else None
+    calls = [i for i in output if i.get("type") == "mcp_call" and not i.get("approval_request_id")]
+    if calls == [last]:
+        parent = turn.snapshot([*output[:-1], {**last, "output": None, "error": None}], asm.response, done.replica,
+                               engine_ran=True, done=done)
+        result = {"type": "function_call_output", "call_id": last["id"], "output": mcp_result(last)}
+        step_req = mcp_request.model_copy(update={"input": parse_request({"input": [result]}).input,
+                                                  "previous_response_id": turn.response_id})
+        context, rendered = (await preparer.prepare(step_req, parent, TurnTiming(), turn.trace, turn.owner))[:2]
+    else:
+        parent = None
+        context, rendered = (await preparer.prepare(mcp_request, None, TurnTiming(), turn.trace, turn.owner,
+                                                    items=[*turn.context.items, *output_as_context(output)]))[:2]
+    advance(turn, asm, preparer, parent, context, rendered)
     if turn.steps.mcp.answer_only:  # the calls reached the response's bound: this step answers
         turn.generation = replace(turn.generation, tool_choice="none")
 

@@ -159,7 +159,7 @@ class TurnStream:
                 if mcp.continues(asm.response["output"][turn.steps.output_start:]) and not (
                         turn.stop is not None and turn.stop.is_set()):
                     try:  # no client round trip: the results go into the next engine call
-                        await steps.after_mcp_calls(turn, asm, self.services.preparer)
+                        await steps.after_mcp_calls(turn, asm, self.services.preparer, done)
                     except ApiError as err:
                         for ev in self._failed(err):
                             yield ev

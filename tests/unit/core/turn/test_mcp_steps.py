@@ -66,8 +66,11 @@ async def test_the_server_lists_calls_and_goes_on_without_a_client_round_trip(st
     for expected in ("response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed",
                      "response.mcp_call_arguments.done", "response.mcp_call.in_progress", "response.mcp_call.completed"):
         assert expected in types
-    # two engine calls in one response: the second's prompt holds the tool's result
+    # two engine calls in one response: the second's prompt holds the tool's result, rendered as a
+    # client-run loop's is: only the result, after the tokens the engine generated (checked
+    # against a whole render of the same context)
     assert len(stack.engine_requests) == 2
+    assert [job.delta for job in stack.render_jobs] == [False, True] and stack.mismatches == 0
     assert "s3cret" not in json.dumps(events)  # credentials are never echoed
     assert response["tools"][0] == {k: v for k, v in mcp_tool(base_url, require_approval="never").items()
                                     if k != "headers"}
@@ -186,3 +189,21 @@ async def test_an_approval_runs_only_a_tool_the_request_allows(stack, base_url):
     assert err.value.status == 400 and "write_note" in err.value.message and len(stack.engine_requests) == 0
     from cluster.bench.mcp_server import NOTES
     assert "k" not in NOTES  # nothing ran
+
+
+async def test_a_step_with_two_calls_renders_whole_and_both_results_reach_the_model(tokenizer, base_url):
+    from cluster.engines.scripted.engine import written_calls
+
+    stack = InProcessStack(tokenizer, answer_rules=[
+        {"contains": "STEP-3 reached", "text": "both done"},
+        {"contains": "two steps", "text": written_calls("hermes", [("advance", {"step": 1}), ("advance", {"step": 2})])}])
+    stack.driver.services.mcp = McpClient(McpConfig(allow_private_networks=True, allow_http=True))
+    events = await run(stack, {"input": "two steps", "max_output_tokens": 512,
+                               "tools": [mcp_tool(base_url, require_approval="never", allowed_tools=["advance"])]},
+                       SessionCache())
+    output = events[-1]["response"]["output"]
+    assert [i["type"] for i in output] == ["mcp_list_tools", "mcp_call", "mcp_call", "message"]
+    assert [i["output"] for i in output[1:3]] == ["STEP-2 reached", "STEP-3 reached"]
+    assert [job.delta for job in stack.render_jobs] == [False, False] and stack.mismatches == 0
+    prompt = stack.decode_raw(stack.engine_requests[-1].prompt_token_ids)
+    assert prompt.index("STEP-2 reached") < prompt.index("STEP-3 reached")
