@@ -46,7 +46,8 @@ class SafetyConfig(StrictModel):
     """Category -> regular expressions (case-insensitive); a match flags the text."""
     classify_tool_outputs: bool = False
     """Tool outputs are the client's own data (files, command output): not classified unless asked, to keep false
-    positives out of agent loops."""
+    positives out of agent loops. Applies to a remote MCP server's answers too (classified before the model's next
+    output goes out; a flagged one ends the response with `content_filter`)."""
     output_chunk_chars: int = Field(256, ge=16)
     """Generated text is classified in chunks of this many characters, before the client sees them."""
     max_unverified_chars: Optional[int] = Field(None, ge=16)

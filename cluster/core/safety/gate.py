@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from cluster.core.render.chat_messages import compaction_text, content_text
+from cluster.core.render.chat_messages import compaction_text, content_text, mcp_result
 
 
 def item_texts(items: Sequence[dict[str, Any]], tool_outputs: bool = False) -> list[str]:
     """The text of input items the model will read, to classify: every message (any
     role: a client can put words in the assistant's mouth too), function-call
     arguments, compaction summaries (rendered as a system message), and tool
-    outputs if asked (they are the client's own data)."""
+    outputs if asked (they are the client's own data; a server-run MCP call's result as well)."""
     texts = []
     for item in items:
         kind = item.get("type", "message")
@@ -29,6 +29,8 @@ def item_texts(items: Sequence[dict[str, Any]], tool_outputs: bool = False) -> l
             text = compaction_text(item)
         elif kind == "function_call_output" and tool_outputs:
             text = content_text(item.get("output"))
+        elif kind == "mcp_call" and tool_outputs and (item.get("output") is not None or item.get("error")):
+            text = mcp_result(item)  # a remote MCP server's answer, which the model reads next
         else:
             continue
         if text:
@@ -157,6 +159,13 @@ class TurnSafety:
     @property
     def output_chars(self) -> int:
         return self.monitor.classified_chars
+
+    def add_input(self, texts: list[str]) -> None:
+        """More input the model will read before its next engine call (a server-run MCP call's
+        result): classified when that call starts, released output waiting on its verdict."""
+        if self._port is not None and texts:
+            self._input_texts = [*self._input_texts, *texts]
+            self.input_chars += sum(len(t) for t in texts)
 
     def start_input(self) -> None:
         """Classify the turn's new input (once). Called right after the engine call was

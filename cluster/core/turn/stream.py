@@ -19,7 +19,7 @@ from cluster import telemetry
 from cluster.core.events import Event, EventAssembler, timing_event, usage_object
 from cluster.core.messages import (ENGINE_CORE_TIMINGS, PROMPT_BASE_MISSING, EngineChunk, EngineDone, EngineFailure,
                                    EngineQueued, ReasoningPiece, TextPiece, TokenProgress, ToolCallPiece, done_of)
-from cluster.core.safety.gate import TurnSafety
+from cluster.core.safety.gate import TurnSafety, item_texts
 from cluster.core.turn.cache_diagnostics import diagnostics
 from cluster.core.turn.controls import tool_call_limit
 from cluster.core.turn import steps
@@ -158,6 +158,8 @@ class TurnStream:
                     yield ev
                 if mcp.continues(asm.response["output"][turn.steps.output_start:]) and not (
                         turn.stop is not None and turn.stop.is_set()):
+                    if self.services.preparer.settings.classify_tool_outputs:  # as a client's tool outputs are
+                        self.safety.add_input(item_texts(asm.response["output"][turn.steps.output_start:], True))
                     try:  # no client round trip: the results go into the next engine call
                         await steps.after_mcp_calls(turn, asm, self.services.preparer, done)
                     except ApiError as err:

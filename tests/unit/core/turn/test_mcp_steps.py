@@ -4,6 +4,7 @@ MCP server on a local port (cluster/bench/mcp_server.py); no Ray. The scripted e
 first tool it is offered after a user message, and answers after a tool's result."""
 
 import json
+import re
 
 import pytest
 from openai.types.responses import Response
@@ -207,3 +208,27 @@ async def test_a_step_with_two_calls_renders_whole_and_both_results_reach_the_mo
     assert [job.delta for job in stack.render_jobs] == [False, False] and stack.mismatches == 0
     prompt = stack.decode_raw(stack.engine_requests[-1].prompt_token_ids)
     assert prompt.index("STEP-2 reached") < prompt.index("STEP-3 reached")
+
+
+@pytest.mark.parametrize("classify", [True, False])
+async def test_a_server_run_calls_result_is_classified_as_a_clients_tool_output_is(tokenizer, base_url, classify):
+    """`safety.classify_tool_outputs`: an MCP server's answer is classified before the model's
+    next output goes out; a flagged one ends the response (content_filter)."""
+    from cluster.core.safety.classifiers import PolicyClassifier
+    from tests.support.harness import CountingSafety
+
+    safety = CountingSafety(PolicyClassifier({"injected": [r"STEP-\d+ reached"]}))
+    stack = InProcessStack(tokenizer, safety=safety)
+    stack.driver.settings.classify_tool_outputs = classify
+    stack.driver.services.mcp = McpClient(McpConfig(allow_private_networks=True, allow_http=True))
+    events = await run(stack, {"input": "advance the task", "tools": [
+        mcp_tool(base_url, require_approval="never", allowed_tools=["advance"])]}, SessionCache())
+    response = events[-1]["response"]
+    results = [t for call in safety.calls for t in call if re.fullmatch(r"STEP-\d+ reached", t)]
+    if classify:
+        assert len(results) == 1  # the server's answer, classified once
+        assert response["status"] == "incomplete"
+        assert response["incomplete_details"] == {"reason": "content_filter"}
+    else:
+        assert results == []
+        assert response["status"] == "completed" and response["output"][1]["output"].endswith(" reached")
