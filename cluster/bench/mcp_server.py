@@ -17,6 +17,7 @@ from typing import Optional
 
 NOTES: dict[str, str] = {}
 HUGE_BYTES = 50 * 1024 * 1024
+TEST_HOST = "mcp.invalid"  # a name no real resolver answers (RFC 6761)
 
 
 def build_server():
@@ -81,7 +82,14 @@ class McpTestServer:
     def __enter__(self) -> str:
         import uvicorn
 
-        app = build_server().streamable_http_app(json_response=True, stateless_http=True)
+        from mcp.server.transport_security import TransportSecuritySettings
+
+        # The server's own DNS-rebinding guard, as it sets it for loopback, plus the name the
+        # client tests resolve through their stand-in resolver (`mcp.invalid`).
+        guard = TransportSecuritySettings(enable_dns_rebinding_protection=True,
+                                          allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*", f"{TEST_HOST}:*"],
+                                          allowed_origins=["http://127.0.0.1:*", "http://localhost:*"])
+        app = build_server().streamable_http_app(json_response=True, stateless_http=True, transport_security=guard)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      lifespan="on"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)

@@ -29,9 +29,9 @@ MAX_LIST_PAGES = 10
 
 
 async def resolve(host: str, port: int) -> list[str]:
-    """Every address `host` resolves to (the connection may use any of them)."""
+    """Every address `host` resolves to, in the resolver's order of preference."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return list(dict.fromkeys(info[4][0] for info in infos))
 
 
 class _TooLarge(Exception):
@@ -57,7 +57,10 @@ class _BoundedStream(httpx2.AsyncByteStream):
 
 
 class _GuardedTransport(httpx2.AsyncBaseTransport):
-    """Each request's URL and resolved addresses checked before it connects; its answer bounded."""
+    """Each request's URL and resolved addresses checked before it connects, and the connection
+    made to the address checked (the URL's host is the Host header and the TLS name): a name
+    resolved again to connect could answer otherwise the second time (DNS rebinding). Its
+    answer bounded."""
 
     def __init__(self, policy: UrlPolicy, limit: int, resolver: Resolve) -> None:
         self.policy, self.limit, self.resolver = policy, limit, resolver
@@ -70,6 +73,11 @@ class _GuardedTransport(httpx2.AsyncBaseTransport):
         except OSError:
             raise McpRefused(f"The host '{host}' did not resolve.") from None
         self.policy.check_addresses(host, addresses)
+        if addresses and addresses[0] != host:
+            request = httpx2.Request(request.method, request.url.copy_with(host=addresses[0]),
+                                     headers=request.headers,  # Host: the name, as the server expects
+                                     stream=request.stream,
+                                     extensions={**request.extensions, "sni_hostname": host})
         response = await self.inner.handle_async_request(request)
         return httpx2.Response(response.status_code, headers=response.headers,
                                stream=_BoundedStream(response.stream, self.limit), extensions=response.extensions)

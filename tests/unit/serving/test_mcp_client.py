@@ -101,3 +101,26 @@ async def test_a_keys_concurrent_exchanges_are_bounded(base_url):
     assert await c.call_tool(at(base_url), "u", "add", '{"a": 1, "b": 1}') == "2"  # another key is not held
     with pytest.raises(McpRefused):
         await slow
+
+
+async def test_the_connection_goes_to_the_address_that_was_checked(base_url):
+    """The name is resolved once, checked, and connected to at that address: `mcp.invalid`
+    (which no real resolver answers) reaches the test server only through the checked answer,
+    and a name checked as public is never connected to at whatever it resolves to next."""
+    port = int(base_url.rsplit(":", 1)[1])
+    asked = []
+
+    async def checked(host, port_):  # the test's stand-in for DNS
+        asked.append(host)
+        return ["127.0.0.1"]
+
+    pinned = McpClient(McpConfig(allow_private_networks=True, allow_http=True, list_timeout_s=3), resolver=checked)
+    tools = await pinned.list_tools(McpServer("tools", f"http://mcp.invalid:{port}/mcp"), "t")
+    assert [t.name for t in tools] == ["add", "read_note", "write_note", "advance"] and set(asked) == {"mcp.invalid"}
+
+    async def public_then_loopback(host, port_):  # checked as public: 192.0.0.9 (a global address no route reaches)
+        return ["192.0.0.9"]
+
+    rebinding = McpClient(McpConfig(allow_http=True, list_timeout_s=2), resolver=public_then_loopback)
+    with pytest.raises(McpRefused):  # it went to the checked address, not to localhost where the server is
+        await rebinding.list_tools(McpServer("tools", f"http://localhost:{port}/mcp"), "t")
