@@ -23,6 +23,7 @@ from typing import Any, Optional, Protocol
 from cluster.core.events import Event, EventAssembler
 from cluster.core.mcp import (ListedTool, McpRefused, McpServer, approval_item, call_item, echoed_tool, list_item,
                               servers_of, tools_from_listing)
+from cluster.core.turn.context import normalize_tools
 from cluster.protocol.errors import ApiError
 
 
@@ -80,8 +81,16 @@ class McpTurn:
                     found = []
                     turn.before.append(list_item(server, [], error=str(err)))
             for tool in found:
-                if server.allows(tool) and tool.name not in turn.tools:
+                if server.allows(tool) and tool.name not in turn.tools:  # two servers' same name: the first's
                     turn.tools[tool.name] = (server, tool)
+        # A name the model may call as the client's function and as a server's tool: nothing says
+        # which runs, so the request is refused rather than one of them silently taken.
+        for spec in normalize_tools(tools):
+            name = spec["function"]["name"]
+            if name in turn.tools:
+                raise ApiError(400, f"Tool name '{name[:256]}' is both a function tool of this request and a tool of "
+                                    f"MCP server '{turn.tools[name][0].label}'; rename the function or leave the "
+                                    "tool out of the server's allowed_tools.", param="tools", code="invalid_value")
         await turn._run_approved(seen, new_input)
         return turn
 

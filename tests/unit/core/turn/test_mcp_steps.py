@@ -232,3 +232,15 @@ async def test_a_server_run_calls_result_is_classified_as_a_clients_tool_output_
     else:
         assert results == []
         assert response["status"] == "completed" and response["output"][1]["output"].endswith(" reached")
+
+
+async def test_a_function_tool_named_as_a_servers_tool_is_refused(stack, base_url):
+    add = {"type": "function", "name": "add", "parameters": {"type": "object", "properties": {}}}
+    with pytest.raises(ApiError) as err:
+        await run(stack, {"input": "add two numbers", "tools": [add, mcp_tool(base_url, require_approval="never")]},
+                  SessionCache())
+    assert (err.value.status, err.value.param) == (400, "tools") and "'add'" in err.value.message
+    # out of the server's allowed tools, the function is the client's own
+    events = await run(stack, {"input": "add two numbers", "tools": [
+        add, mcp_tool(base_url, require_approval="never", allowed_tools=["read_note"])]}, SessionCache())
+    assert events[-1]["response"]["status"] == "completed"
