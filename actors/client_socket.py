@@ -38,13 +38,26 @@ async def close(ws: WebSocket, code: int, reason: str, stall_s: float) -> None:
 
 
 async def _within(ws: WebSocket, sending, stall_s: float) -> None:
+    # Neither `wait_for` nor `asyncio.timeout`: on Python 3.11 `wait_for` swallows the caller's
+    # cancellation when the send completes in the same pass of the loop (a lane cancelled because
+    # its client left then ran on to the end of its answer, the engine never aborted), and
+    # `asyncio.timeout` cancels the caller itself inside Ray's and uvicorn's send (a flood through
+    # HAProxy was then left open). The send runs as its own task; the caller's cancellation
+    # cancels it and propagates.
+    task = asyncio.ensure_future(sending)
     try:
-        await asyncio.wait_for(sending, stall_s)
-    except asyncio.TimeoutError:
-        cut = abort(ws)
-        log.warning("websocket: the client read nothing for %.0f s; connection %s", stall_s,
-                    "cut" if cut else "left to the ingress (no transport to abort)")
-        raise ClientStalled(stall_s) from None
+        done, _ = await asyncio.wait({task}, timeout=stall_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if done:
+        task.result()
+        return
+    task.cancel()
+    cut = abort(ws)
+    log.warning("websocket: the client read nothing for %.0f s; connection %s", stall_s,
+                "cut" if cut else "left to the ingress (no transport to abort)")
+    raise ClientStalled(stall_s)
 
 
 def abort(ws: WebSocket) -> bool:

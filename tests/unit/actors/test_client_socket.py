@@ -118,3 +118,26 @@ def test_a_socket_without_a_transport_is_not_aborted():
 
     ws = WebSocket({"type": "websocket", "path": "/", "headers": []}, receive, receive)
     assert client_socket.abort(ws) is False
+
+
+async def test_a_sender_cancelled_as_its_send_completes_stays_cancelled():
+    """A lane cancelled because its client left must stop, even when its send completes in the
+    same pass of the loop (Python 3.11's `wait_for` returned the send's result then, and the lane
+    ran on to the end of its answer)."""
+    gate = asyncio.get_running_loop().create_future()
+
+    class Socket:
+        async def send_text(self, text: str) -> None:
+            await gate
+
+    async def lane() -> str:
+        await client_socket.send_text(Socket(), "x", 10.0)
+        return "went on"
+
+    task = asyncio.create_task(lane())
+    for _ in range(3):
+        await asyncio.sleep(0)  # it waits on its send
+    gate.set_result(None)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
