@@ -71,9 +71,9 @@ def main(argv=None) -> int:
                              **{k: r[k] for k in ("all_done_s", "hit", "prefilled_tokens", "turn_p99_s")},
                              "lower_bound_s": round(lower_bound(model, r, ns.sessions, ns.turns + 1, output_tokens,
                                                                 ns.replicas), 2)})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_grid.json").write_text(json.dumps(rows, indent=1))
-    print(table(rows))
+            # after each round: a run cut short (its time limit) keeps the rounds it finished
+            (out / "kv_grid.json").write_text(json.dumps(rows, indent=1))
+            print(table(rows), flush=True)
     return 0
 
 

@@ -54,6 +54,8 @@ def loopserve_args(config_path: str, engine: str, replicas: int, kv_tokens: Opti
 
             args["engine"]["scripted"].update(preset=engine_model, serial_prefill=False,
                                               kv_capacity_tokens=kv_tokens or PRESETS[engine_model].kv_capacity_tokens)
+            # the named model's context: h100-8b-long's sessions outgrow the config's model (8k)
+            args.setdefault("model", {})["max_model_len"] = PRESETS[engine_model].max_model_len
         if lower_tier:
             args["engine"]["scripted"]["kv_lower_tier_tokens"] = int(lower_tier * (kv_tokens or 46_592))
         args["engine_deployment"].setdefault("ray_actor_options", {})["num_cpus"] = 0.1  # 4 replicas on a 4-CPU cluster

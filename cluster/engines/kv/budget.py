@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from cluster.engines.kv.policy import (  # noqa: F401 - the budget's vocabulary, re-exported
-    GROWTH_WEIGHT, KV_METRICS, PAUSE_DECAY, BudgetCounters, BudgetPolicy, LoopShape, PrefillRate, QueueFull, SessionHold,
-    Waiter)
+    GROWTH_WEIGHT, KV_METRICS, PAUSE_DECAY, BudgetCounters, BudgetPolicy, ChainLengths, LoopShape, PrefillRate, QueueFull,
+    SessionHold, Waiter)
 from cluster.engines.kv.accounting import Totals
 from cluster.engines.kv.eviction import Evictions
 
@@ -87,6 +87,7 @@ class KvBudget(Evictions, Totals):
     _seq: "itertools.count[int]" = field(default_factory=itertools.count)
     prefill: PrefillRate = field(default_factory=PrefillRate)  # what a re-prefill costs
     shape: LoopShape = field(default_factory=LoopShape)  # sessions as wholes (`growth_room`)
+    lengths: ChainLengths = field(default_factory=ChainLengths)  # turns chains end after (`return_chance`)
     _now: float = 0.0  # the clock of the latest call (`_expire` sets it)
 
     # -- what the engine replica calls ---------------------------------------------------
@@ -116,6 +117,7 @@ class KvBudget(Evictions, Totals):
         if hold.finished_at is not None and not hold.turns:
             pause = max(0.0, now - hold.finished_at)
             hold.pause_high = pause if hold.pause_high is None else max(pause, PAUSE_DECAY * hold.pause_high)
+            self.lengths.observe_return(hold, hold.returns + 1)
             hold.returns += 1
             hold.last_pause = pause
             hold.pause_max = max(pause, hold.pause_max or 0.0)
@@ -196,7 +198,7 @@ class KvBudget(Evictions, Totals):
         """The session will not be back (its socket closed): its retained tokens go now."""
         hold = self.sessions.get(session)
         if hold is not None and hold.retained:
-            self.shape.observe_end(hold.retained)
+            self._observe_end(hold)
             self._end_retention(session, hold)
             self.counters.released += 1
         return self._drain(now)
@@ -228,9 +230,7 @@ class KvBudget(Evictions, Totals):
         """Session -> retention expiry (the engine keeps these sessions' blocks)."""
         return {k: self.sessions[k].expires_at for k in self._idle}
 
-    # -- figures -----------------------------------------------------------------------
-
-    @property
+    @property  # -- figures
     def running_tokens(self) -> int:
         return self._running
 

@@ -33,6 +33,7 @@ class Evictions:
     _running: int
     prefill_tps: Any
     shape: Any  # kv/policy.LoopShape
+    lengths: Any  # kv/policy.ChainLengths
     _now: float  # the clock of the latest call
 
     def ttl(self, hold: SessionHold) -> float:
@@ -83,11 +84,17 @@ class Evictions:
             if self._waiting[entry[2]]:
                 aside.append(entry)
                 continue
-            self.shape.observe_end(hold.retained)
+            self._observe_end(hold)
             self._end_retention(entry[2], hold)
             self.counters.expired += 1
         for entry in aside:
             heapq.heappush(self._expiries, entry)
+
+    def _observe_end(self, hold: SessionHold) -> None:
+        """Its retention ended unused (expired, or its socket closed): the chain's end, as far as
+        this replica can tell (`ChainLengths` takes it back if the chain returns)."""
+        self.shape.observe_end(hold.retained)
+        self.lengths.observe_end(hold, hold.returns + 1)
 
     def _end_retention(self, key: str, hold: SessionHold) -> None:
         self.unpinning[key] = hold.retained  # the engine holds them until its unpin is delivered
@@ -108,9 +115,13 @@ class Evictions:
         idle = self._now - hold.finished_at
         return idle > max(self.policy.ttl_min_s, self.LAPSE_MULTIPLE * hold.pause_max)
 
+    def ended(self, hold: SessionHold) -> bool:
+        """Lapsed, or (no declared lifetime) as many turns as this replica's chains end after."""
+        return self.lapsed(hold) or (not hold.min_ttl and self.lengths.likely_ended(hold.returns + 1))
+
     def _evict_idle_for(self, waiter: Waiter, hold: SessionHold, soft: bool = True) -> None:
-        """Lapsed retentions, and (`soft`) soft ones (a chain that may come back but gave no
-        sign), give their room to a waiting turn at once, least recently used first."""
+        """Ended retentions (`ended`), and (`soft`) soft ones (a chain that may come back but
+        gave no sign), give their room to a waiting turn at once, least recently used first."""
         for key in list(self._idle):
             if self._fits(hold, waiter.need):
                 return
@@ -119,7 +130,7 @@ class Evictions:
                 continue
             if soft and victim.soft:
                 self.counters.evicted_soft += 1
-            elif self.lapsed(victim):
+            elif self.ended(victim):
                 self.counters.evicted_lapsed += 1
             else:
                 continue
@@ -153,13 +164,14 @@ class Evictions:
 
     def return_chance(self, hold: SessionHold) -> float:
         """The chance an idle retained session comes back while it is retained: this replica's
-        record (retentions a session came back to, against those that expired), from a start of
-        one; half that for a soft retention (a chain that gave no sign it will be back). Past the
+        record for chains of its length (`ChainLengths`), weighed against its record over all
+        (retentions a session came back to, against those that expired, from a start of one);
+        half that for a soft retention (a chain that gave no sign it will be back). Past the
         longest pause it has taken, by that pause over its idle time: a chain ends without a word
         (an HTTP client; a socket whose responses are stored), and one idle well past its pauses
         is more likely done than paused, and holds the largest history of all."""
         c = self.counters
-        chance = (c.returned_in_time + 1) / (c.returned_in_time + c.expired + 1)
+        chance = self.lengths.chance(hold.returns + 1, (c.returned_in_time + 1) / (c.returned_in_time + c.expired + 1))
         if hold.pause_high and hold.finished_at is not None and self._now - hold.finished_at > hold.pause_high:
             chance *= hold.pause_high / (self._now - hold.finished_at)
         return chance / 2 if hold.soft else chance

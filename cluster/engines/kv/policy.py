@@ -5,6 +5,7 @@ Split from `kv/budget.py` (the rules) so each stays readable; both are plain log
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -96,6 +97,7 @@ class SessionHold:
     soft: bool = False
     declared_idle: int = 0  # its tokens counted as idle under a declared lifetime (Totals._change)
     started_at: float = 0.0  # when its latest turn was admitted
+    ended_after: Optional[int] = None  # its turns when its end was counted (`ChainLengths`), until it is back
     last_pause: Optional[float] = None  # the client's pause before its latest turn
 
     key: str = ""  # the session's key in the budget
@@ -133,7 +135,7 @@ class BudgetCounters:
     released: int = 0
     evicted: int = 0  # retentions ended early so a waiting turn could run
     evicted_soft: int = 0  # of those, retentions held only on the chance the chain returns
-    evicted_lapsed: int = 0  # of those, retentions idle far past every pause their chain took
+    evicted_lapsed: int = 0  # of those, ended ones: idle far past every pause, or at the length chains end
     reprefills: int = 0  # turns of a session whose retention had ended (its prefix may be gone)
     refused: int = 0  # turns refused: the queue (or the tenant's share of it) was full
     over_share: int = 0  # retentions ended because their tenant held more than its share
@@ -198,6 +200,51 @@ class LoopShape:
         if self.ended_tokens is None or not self.engine_bound:
             return 0
         return max(0, int(self.ended_tokens * resident) - used)
+
+
+class ChainLengths:
+    """How many turns this replica's chains run: of the chains that had k turns, how many came
+    back for another and how many ended (socket closed, retention expired unused). A chain whose
+    retention expired and that comes back after all was not an end: it moves back.
+
+    An HTTP chain (or a socket whose responses are stored) ends without a word: without this, its
+    history, the largest of all, stays retained for its TTL and live sessions are evicted in its
+    place, where a held socket's close frees it at once. Chains that end at a typical length let
+    the budget tell an ended chain from a paused one by its turns, whatever carried them.
+    Lengths past `EXACT` share a bucket per doubling, so what it holds stays bounded."""
+
+    EXACT = 32
+    LIKELY_ENDED = 2  # ended chains at a length, against each that went on, to call one there ended
+
+    def __init__(self) -> None:
+        self.went_on: Counter[int] = Counter()
+        self.ended: Counter[int] = Counter()
+
+    @classmethod
+    def bucket(cls, turns: int) -> int:
+        return turns if turns <= cls.EXACT else cls.EXACT + (turns // cls.EXACT).bit_length()
+
+    def observe_return(self, hold: SessionHold, turns: int) -> None:
+        """The chain came back after `turns` turns."""
+        if hold.ended_after is not None:
+            self.ended[self.bucket(hold.ended_after)] -= 1
+            hold.ended_after = None
+        self.went_on[self.bucket(turns)] += 1
+
+    def observe_end(self, hold: SessionHold, turns: int) -> None:
+        if hold.ended_after is None and turns > 0:
+            hold.ended_after = turns
+            self.ended[self.bucket(turns)] += 1
+
+    def chance(self, turns: int, prior: float) -> float:
+        """The chance a chain that had `turns` turns comes back: this length's record, with one
+        chain's weight of `prior` (the replica's record over all lengths)."""
+        k = self.bucket(turns)
+        return (self.went_on[k] + prior) / (self.went_on[k] + self.ended[k] + 1)
+
+    def likely_ended(self, turns: int) -> bool:
+        k = self.bucket(turns)
+        return self.ended[k] >= self.LIKELY_ENDED and self.ended[k] > self.LIKELY_ENDED * self.went_on[k]
 
 
 class QueueFull(Exception):

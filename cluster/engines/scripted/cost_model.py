@@ -42,6 +42,7 @@ class EngineCostModel:
     attention_flops: float = 0.0  # achieved FLOP/s in attention (0: `flops`; a CPU's attention kernels reach less)
     kv_bandwidth: float = 0.0  # achieved bytes/s reading KV (0: `bandwidth`; a CPU's scattered blocks read slower)
     overlapped: bool = True  # compute and memory traffic overlap (a GPU: the longer of them); else they add up
+    max_model_len: int = 131_072  # the named model's context (Llama-3.1-8B: 128k)
 
     def step_time(self, decode_contexts: Sequence[int], prefill_chunks: Sequence[tuple[int, int]] = ()) -> float:
         """Seconds for one step: a decode token for each context in `decode_contexts` (tokens before
@@ -106,5 +107,5 @@ PRESETS: dict[str, EngineCostModel] = {
     "cpu": EngineCostModel(name="cpu", params=1.345e8, layers=30, attention_width=576, kv_bytes_per_token=46_080,
                            weight_bytes=5.38e8, flops=2.2e11, bandwidth=3.0e10, step_overhead_s=0.020,
                            max_batched_tokens=4096, kv_capacity_tokens=46_592, compute_bound=True,
-                           attention_flops=1.7e11, kv_bandwidth=1.4e10, overlapped=False),
+                           attention_flops=1.7e11, kv_bandwidth=1.4e10, overlapped=False, max_model_len=8192),
 }

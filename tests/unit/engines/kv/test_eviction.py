@@ -70,12 +70,14 @@ def test_retentions_that_expired_unused_make_the_next_ones_cheaper_to_end():
     idle(b, {"x": 100, "y": 100, "z": 100})
     b.tick(now=5)  # all three expired: none came back
     assert b.counters.expired == 3
-    assert b.return_chance(b.sessions["x"]) == pytest.approx(0.25)
-    idle(b, {"a": 600}, now=10)
-    head, _ = b.request("b", 500, 11.5)  # a retained until 12
-    assert b.next_deadline() == pytest.approx(11.5 + 0.25 * 0.6)
+    # the replica's record (1 / 4) weighs one chain against the three that ended after 1 turn
+    assert b.return_chance(b.sessions["x"]) == pytest.approx(0.25 / 4)
+    chain(b, "a", [0.5], start=8, size=500)  # 2 turns (no record at that length), 600 tokens to 11.5
+    head, _ = b.request("b", 500, 11.0)
+    # the replica's record, now that a came back once in time: (1 + 1) / (1 + 3 + 1)
+    assert b.next_deadline() == pytest.approx(11.0 + 0.4 * 0.6)
     b.sessions["a"].soft = True
-    assert b.return_chance(b.sessions["a"]) == pytest.approx(0.125)
+    assert b.return_chance(b.sessions["a"]) == pytest.approx(0.2)
 
 
 def test_on_a_busy_engine_a_new_session_waits_for_room_but_a_returning_one_does_not():
@@ -162,3 +164,40 @@ def test_a_chain_with_a_declared_lifetime_or_too_few_pauses_is_never_lapsed():
     chain(b, "declared", [0.5, 0.5], min_ttl_s=600)
     b._expire(end + 100)
     assert not b.lapsed(b.sessions["young"]) and not b.lapsed(b.sessions["declared"])
+
+
+def replica_whose_chains_end_after(turns: int, ended_by: str) -> KvBudget:
+    """Three chains of `turns` turns (pauses of 0.5 s) that ended: their sockets closed
+    (`release`), or, as HTTP chains end, without a word (their retention expired unused)."""
+    b = budget(2000, ttl_initial_s=10, ttl_min_s=10, ttl_max_s=10, max_queue_wait_s=60)
+    for i in range(3):
+        end = chain(b, f"old{i}", [0.5] * (turns - 1), size=100)
+        if ended_by == "close":
+            b.release(f"old{i}", end)
+    b.tick(100)  # the others' retention expired
+    assert b.lengths.likely_ended(turns) and b.counters.expired + b.counters.released == 3
+    return b
+
+
+@pytest.mark.parametrize("ended_by", ["close", "expiry"])
+def test_a_chain_at_the_length_chains_here_end_after_gives_its_room_at_once_however_the_others_ended(ended_by):
+    # An HTTP chain that ended says nothing, where a socket's close frees its room: learning how
+    # many turns chains here run lets both free it. "done" (4 turns, 600 tokens) is 1 s into a
+    # pause of the kind it took (not lapsed); "mid" (2 turns, 400) too. A new session on a busy
+    # replica takes "done"'s room at once and leaves "mid", whose kind goes on, alone.
+    b = replica_whose_chains_end_after(4, ended_by)
+    end = chain(b, "done", [0.5, 0.5, 0.5], start=100)
+    assert chain(b, "mid", [0.5], start=end - 2.5) == end
+    assert not b.lapsed(b.sessions["done"]) and b.ended(b.sessions["done"]) and not b.ended(b.sessions["mid"])
+    assert b.return_chance(b.sessions["done"]) <= 0.25 and b.return_chance(b.sessions["mid"]) > 0.9
+    b.request("r", 300, end + 0.5)  # runs
+    new, admitted = b.request("n", 900, end + 1)  # 600 + 400 + 300 + 900 > 2000
+    assert new in admitted and b.counters.evicted_lapsed == 1
+    assert set(b.retained_sessions()) == {"mid"}
+
+
+def test_a_chain_with_a_declared_lifetime_is_kept_at_the_length_chains_end_after():
+    b = replica_whose_chains_end_after(3, "close")
+    end = chain(b, "declared", [0.5, 0.5], start=100, min_ttl_s=600)
+    b._expire(end + 1)
+    assert not b.ended(b.sessions["declared"])

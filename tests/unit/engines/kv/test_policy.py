@@ -1,12 +1,12 @@
 """Waves sized by whole sessions (kv/policy.LoopShape with kv/budget.py's admission): where the
 engine is the loops' bottleneck, a new session starts only when the sessions already here still
 fit at the size sessions end at; where the clients' pauses dominate, one turn's growth is kept.
-Pure logic on a fake clock."""
+How many turns chains run (kv/policy.ChainLengths). Pure logic on a fake clock."""
 
 import pytest
 
 from cluster.engines.kv.budget import BudgetPolicy, KvBudget
-from cluster.engines.kv.policy import LoopShape
+from cluster.engines.kv.policy import ChainLengths, LoopShape, SessionHold
 
 
 def replica_that_saw_a_session_end(turn_s: float, pause_s: float) -> KvBudget:
@@ -81,3 +81,28 @@ def test_the_end_size_rises_to_a_larger_end_at_once_and_falls_slowly_to_smaller_
     assert shape.ended_tokens == pytest.approx(4600)
     shape.observe_end(5000)
     assert shape.ended_tokens == 5000
+
+
+def test_chain_lengths_learn_where_chains_end_and_take_back_an_end_that_was_a_long_pause():
+    lengths = ChainLengths()
+    assert lengths.chance(5, prior=0.8) == pytest.approx(0.8)  # nothing seen: the replica's record
+    holds = [SessionHold(key=str(i)) for i in range(4)]
+    for h in holds:
+        for turns in range(1, 5):
+            lengths.observe_return(h, turns)  # each came back after its 1st..4th turn
+        lengths.observe_end(h, 5)
+    lengths.observe_end(holds[0], 5)  # counted once per end
+    assert lengths.chance(5, prior=0.8) == pytest.approx(0.8 / 5) and lengths.likely_ended(5)
+    assert lengths.chance(3, prior=0.8) == pytest.approx(4.8 / 5) and not lengths.likely_ended(3)
+    # two of them were only pausing past their TTL: back after 5 turns, the end taken back
+    lengths.observe_return(holds[0], 5)
+    lengths.observe_return(holds[1], 5)
+    assert lengths.ended[5] == 2 and lengths.went_on[5] == 2 and not lengths.likely_ended(5)
+
+
+def test_chain_lengths_hold_a_bounded_number_of_counts_however_long_chains_run():
+    lengths = ChainLengths()
+    for turns in range(1, 100_000, 7):
+        lengths.observe_end(SessionHold(), turns)
+    assert len(lengths.ended) <= ChainLengths.EXACT + 20
+    assert lengths.bucket(40) == lengths.bucket(50) != lengths.bucket(70)
