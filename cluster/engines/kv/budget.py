@@ -226,8 +226,7 @@ class KvBudget(Evictions, Totals):
         expiry = self._next_expiry()
         return deadline if expiry is None else min(deadline, expiry)
 
-    def retained_sessions(self) -> dict[str, float]:
-        """Session -> retention expiry (the engine keeps these sessions' blocks)."""
+    def retained_sessions(self) -> dict[str, float]:  # session -> its retention's expiry (the engine keeps its blocks)
         return {k: self.sessions[k].expires_at for k in self._idle}
 
     @property  # -- figures
@@ -324,7 +323,7 @@ class KvBudget(Evictions, Totals):
         Where the engine is the loops' bottleneck, their growth to the size sessions here end
         at (`LoopShape`), the new session's own (`need`) too: sessions that started together would
         outgrow the pool halfway and each drop a prefix, where a second wave costs no throughput."""
-        to_end = self.shape.to_end(self._resident + (need > 0), self._used + need)
+        to_end = self.shape.to_end(self._resident + (need > 0), self._used + need, self.prefill_tps)
         return max(int(self.growth_per_turn * self._resident), to_end)
 
     def _start(self, ticket: int, session: str, need: int, now: float) -> None:
@@ -365,7 +364,8 @@ class KvBudget(Evictions, Totals):
                 continue  # behind a head that waited too long, nobody passes
             if not head_blocked and not self._fits(hold, w.need):
                 # (a wave's newcomer would only trade places with a soft chain: lapsed ones only)
-                self._evict_idle_for(w, hold, soft=resident or not (self._running and self.shape.engine_bound))
+                waves = self._running and self.shape.engine_bound and self.shape.waves(self.prefill_tps)
+                self._evict_idle_for(w, hold, soft=resident or not waves)
                 self._evict_over_share_for(w, hold)
             # (a session back to its prefix gets no room by waiting, behind a blocked head too)
             overdue = (not head_blocked or resident) and now - w.since >= self._wait_bound(w, hold)

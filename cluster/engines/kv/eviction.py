@@ -223,11 +223,13 @@ class Evictions:
         """How long `waiter` may wait before it ends others' retention.
 
         A session without a prefix here (new, or one whose retention ended) waits for room while
-        something runs, up to `max_queue_wait_s`: ending a retention for it only trades places
-        (the session that loses its prefix is back within its pause and waits in turn), costs a
-        re-prefill, and adds no work to the engine's batch. Room frees as sessions end: whole
-        sessions are admitted in waves, not a retention ended at each turn. (Several replicas:
-        it moves where there is room after `move_after_s`.)
+        something runs, up to `max_queue_wait_s`, unless a re-prefill is measured to cost less
+        than a turn (`LoopShape.waves`): ending a
+        retention for it only trades places (the session that loses its prefix is back within
+        its pause and waits in turn), costs a re-prefill, and adds no work to the engine's batch.
+        Room frees as sessions end: whole sessions are admitted in waves, not a retention ended at
+        each turn. (Several replicas: it moves where there is room after `move_after_s`.)
+        Elsewhere it waits by the cost rule below, as a session back for its next turn does.
 
         A session back for its next turn gets no room by waiting (the others come back too), and
         an engine with nothing to run loses each second waited: they wait until their wait, paid
@@ -236,7 +238,8 @@ class Evictions:
         bound = self.policy.max_queue_wait_s
         lower = self.policy.lower_tier_tokens_per_s
         resident = hold.retained > 0 or hold.turns > 0
-        if lower is None and (self.prefill_tps is None or (self._running and not resident)):
+        if lower is None and (self.prefill_tps is None or
+                              (self._running and not resident and self.shape.waves(self.prefill_tps))):
             return bound
         # With a tier below, an ended retention costs a copy back (no compute), not a re-prefill.
         seconds = self._eviction_cost(waiter, hold) / (lower or self.prefill_tps)

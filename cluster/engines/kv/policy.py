@@ -162,15 +162,15 @@ class PrefillRate:
 
 class LoopShape:
     """This replica's sessions as wholes: the tokens a session holds when it ends (its socket
-    closed, or its retention expired unused), and the share of a session's loop spent in the
-    engine (a turn's time against it plus the client's pause before it). None until seen.
+    closed, or its retention expired unused), the share of a session's loop spent in the engine
+    (a turn's time against it plus the client's pause before it) and a turn's time. None until seen.
 
     The end size is a high estimate, not a mean: a wave sized by the mean outgrows the pool
     whenever its sessions end above it, and an expiry mid-session (a pause past its TTL, not an
     end) pulls a mean down. It rises to a larger end at once and falls a tenth of the way to a
-    smaller one. The engine share is a moving average."""
+    smaller one. The engine share and the turn time are moving averages."""
 
-    WEIGHT = 0.2  # of the latest turn in the engine share
+    WEIGHT = 0.2  # of the latest turn in the engine share and the turn time
     END_FALL = 0.1  # of the way down to a smaller end
     # Turns that take longer than the pauses between them: the loop waits on the engine, and one
     # more session running adds no throughput, only a prefix the pool must later drop.
@@ -179,6 +179,7 @@ class LoopShape:
     def __init__(self) -> None:
         self.ended_tokens: Optional[float] = None
         self.engine_share: Optional[float] = None
+        self.turn_s: Optional[float] = None
 
     def observe_end(self, tokens: int) -> None:
         prev = self.ended_tokens
@@ -189,15 +190,27 @@ class LoopShape:
             share = turn_s / (turn_s + pause_s)
             prev = self.engine_share
             self.engine_share = share if prev is None else prev + self.WEIGHT * (share - prev)
+            self.turn_s = turn_s if self.turn_s is None else self.turn_s + self.WEIGHT * (turn_s - self.turn_s)
 
     @property
     def engine_bound(self) -> bool:
         return self.engine_share is not None and self.engine_share >= self.ENGINE_BOUND
 
-    def to_end(self, resident: int, used: int) -> int:
+    def waves(self, prefill_tps: Optional[float]) -> bool:
+        """Whether holding a new session back for room (a wave) can pay: unless a session's
+        history, at the size sessions end at, is measured to compute again faster than one of its
+        turns takes (a CPU: 4,600 tokens at ~150 tokens/s against 9 s turns: waves). On a fast
+        engine a re-prefill costs less than a turn, and holding 128 sessions to waves of a dozen
+        cost 1.4x the time of no policy at all (docs/benchmarks.md): there a new session waits by
+        the cost rules, as a session back for its next turn does."""
+        if not prefill_tps or self.ended_tokens is None or self.turn_s is None:
+            return True
+        return self.ended_tokens / prefill_tps >= self.turn_s
+
+    def to_end(self, resident: int, used: int, prefill_tps: Optional[float]) -> int:
         """Tokens the `resident` sessions (holding `used`) are expected to grow by before they
-        end, where the engine is the loops' bottleneck; 0 where it is not, or nothing ended yet."""
-        if self.ended_tokens is None or not self.engine_bound:
+        end, where the engine is the loops' bottleneck and waves pay; 0 where not, or nothing ended yet."""
+        if self.ended_tokens is None or not (self.engine_bound and self.waves(prefill_tps)):
             return 0
         return max(0, int(self.ended_tokens * resident) - used)
 

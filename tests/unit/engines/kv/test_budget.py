@@ -337,7 +337,8 @@ def test_the_running_totals_match_the_holds_after_any_sequence_of_calls():
         assert budget.running_tokens == sum(h.running for h in holds)
         resident = sum(1 for h in holds if h.retained or h.turns)
         assert budget.growth_room() == max(int(budget.growth_per_turn * resident),
-                                           budget.shape.to_end(resident, sum(h.footprint for h in holds)))
+                                           budget.shape.to_end(resident, sum(h.footprint for h in holds),
+                                                               budget.prefill_tps))
         for tenant in ("t0", "t1", "t2"):
             assert budget._tenant_retained[tenant] == sum(h.retained for h in holds if h.tenant == tenant)
             assert budget._tenant_queued[tenant] == sum(1 for w in budget.queue.values() if w.tenant == tenant)

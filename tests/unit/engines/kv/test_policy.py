@@ -45,7 +45,7 @@ def test_where_pauses_dominate_every_session_starts_with_one_turns_growth_kept_f
 
 def test_sessions_that_expire_unused_teach_the_end_size_too():
     shape = LoopShape()
-    assert shape.to_end(resident=4, used=100) == 0  # nothing seen: nothing reserved
+    assert shape.to_end(resident=4, used=100, prefill_tps=None) == 0  # nothing seen: nothing reserved
     b = KvBudget(1000, BudgetPolicy(ttl_initial_s=5, ttl_min_s=5, ttl_max_s=5))
     t, _ = b.request("http-chain", 300, 0)
     b.finish(t, held=300, expect_back=True, now=1)
@@ -106,3 +106,26 @@ def test_chain_lengths_hold_a_bounded_number_of_counts_however_long_chains_run()
         lengths.observe_end(SessionHold(), turns)
     assert len(lengths.ended) <= ChainLengths.EXACT + 20
     assert lengths.bucket(40) == lengths.bucket(50) != lengths.bucket(70)
+
+
+@pytest.mark.parametrize("prefill_tps, waits_for_wave", [(100.0, True), (100_000.0, False)])
+def test_a_new_session_waits_for_a_wave_only_where_a_reprefill_costs_more_than_a_turn(prefill_tps, waits_for_wave):
+    # Turns outlast the pauses: the engine is the loops' bound. Sessions end at 500 tokens and a
+    # turn takes 2 s: at 100 tokens/s a re-prefill takes 5 s, longer than a turn (waves); at
+    # 100,000 tokens/s 5 ms: holding a newcomer for a wave (60 s here) would cost more than the
+    # prefix it saves, so it waits only by the cost rule and nothing is sized to the ends.
+    b = replica_that_saw_a_session_end(turn_s=10, pause_s=1)
+    b.shape.turn_s = 2.0  # turns measured at 2 s (the moving average)
+    b.observe_prefill(10 * int(prefill_tps), 10.0)
+    assert b.shape.waves(b.prefill_tps) is waits_for_wave
+    r, _ = b.request("r", 300, 30)  # runs
+    a, _ = b.request("a", 400, 30)
+    t, _ = b.request("kept", 400, 30)
+    b.finish(t, held=400, expect_back=True, now=31)  # retained between turns
+    new, admitted = b.request("new", 400, 32)  # 300 + 400 + 400 + 400 > 1,100
+    assert new not in admitted
+    deadline = b.next_deadline()
+    if waits_for_wave:
+        assert deadline == pytest.approx(32 + 60) and b.snapshot(32)["growth_room_tokens"] > 0
+    else:
+        assert deadline < 32.01 and b.tick(32.01) == [new] and set(b.retained_sessions()) == set()
