@@ -85,7 +85,8 @@ class KvAdmission:
                     yield chunk
         finally:
             if admitted:
-                gate.finish(ticket, held, expect_back, continuable=req.continuable, output_tokens=produced)
+                gate.finish(ticket, held, expect_back, continuable=req.continuable, output_tokens=produced,
+                            on_socket=req.expect_back)  # (set by the transport: a WebSocket's turn)
             else:
                 gate.cancel(ticket)
 

@@ -116,8 +116,10 @@ class Evictions:
         return idle > max(self.policy.ttl_min_s, self.LAPSE_MULTIPLE * hold.pause_max)
 
     def ended(self, hold: SessionHold) -> bool:
-        """Lapsed, or (no declared lifetime) as many turns as this replica's chains end after."""
-        return self.lapsed(hold) or (not hold.min_ttl and self.lengths.likely_ended(hold.returns + 1))
+        """Lapsed, or (no declared lifetime, not on a socket: its close tells its end) as many turns
+        as this replica's chains end after."""
+        return self.lapsed(hold) or (not hold.min_ttl and not hold.on_socket
+                                     and self.lengths.likely_ended(hold.returns + 1))
 
     def _evict_idle_for(self, waiter: Waiter, hold: SessionHold, soft: bool = True) -> None:
         """Ended retentions (`ended`), and (`soft`) soft ones (a chain that may come back but
@@ -164,14 +166,17 @@ class Evictions:
 
     def return_chance(self, hold: SessionHold) -> float:
         """The chance an idle retained session comes back while it is retained: this replica's
-        record for chains of its length (`ChainLengths`), weighed against its record over all
-        (retentions a session came back to, against those that expired, from a start of one);
+        record for chains of its length (`ChainLengths`; not for a chain on a socket), weighed
+        against its record over all (retentions a session came back to, against those that
+        expired, from a start of one);
         half that for a soft retention (a chain that gave no sign it will be back). Past the
         longest pause it has taken, by that pause over its idle time: a chain ends without a word
         (an HTTP client; a socket whose responses are stored), and one idle well past its pauses
         is more likely done than paused, and holds the largest history of all."""
         c = self.counters
-        chance = self.lengths.chance(hold.returns + 1, (c.returned_in_time + 1) / (c.returned_in_time + c.expired + 1))
+        chance = (c.returned_in_time + 1) / (c.returned_in_time + c.expired + 1)
+        if not hold.on_socket:  # (a socket's close tells its end: an open one is in its pause)
+            chance = self.lengths.chance(hold.returns + 1, chance)
         if hold.pause_high and hold.finished_at is not None and self._now - hold.finished_at > hold.pause_high:
             chance *= hold.pause_high / (self._now - hold.finished_at)
         return chance / 2 if hold.soft else chance

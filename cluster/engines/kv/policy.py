@@ -98,6 +98,9 @@ class SessionHold:
     declared_idle: int = 0  # its tokens counted as idle under a declared lifetime (Totals._change)
     started_at: float = 0.0  # when its latest turn was admitted
     ended_after: Optional[int] = None  # its turns when its end was counted (`ChainLengths`), until it is back
+    # Its latest turn came over a WebSocket: its end is told by the close (an open socket is a
+    # session in its pause, whatever its length), so its turns say nothing of its end.
+    on_socket: bool = False
     last_pause: Optional[float] = None  # the client's pause before its latest turn
 
     key: str = ""  # the session's key in the budget

@@ -201,3 +201,21 @@ def test_a_chain_with_a_declared_lifetime_is_kept_at_the_length_chains_end_after
     end = chain(b, "declared", [0.5, 0.5], start=100, min_ttl_s=600)
     b._expire(end + 1)
     assert not b.ended(b.sessions["declared"])
+
+
+def test_a_chain_on_an_open_socket_is_not_ended_by_its_length():
+    # Chains here ended after 1 turn (their sockets closed), and "a" has had 1 turn on a socket
+    # still open: its close will tell its end, so it is a session in its pause, kept by the cost
+    # rule at the replica's record over all, not the 1-turn chains' record.
+    b = budget(2000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60)
+    for key in ("x", "y", "z"):
+        t, _ = b.request(key, 100, 0)
+        b.finish(t, held=100, expect_back=True, now=1, on_socket=True)
+        b.release(key, 1)
+    assert b.lengths.likely_ended(1)
+    t, _ = b.request("a", 900, 2)
+    b.finish(t, held=900, expect_back=True, now=3, on_socket=True)
+    t, _ = b.request("http", 900, 2)
+    b.finish(t, held=900, expect_back=True, now=3)
+    assert not b.ended(b.sessions["a"]) and b.return_chance(b.sessions["a"]) == pytest.approx(1.0)
+    assert b.ended(b.sessions["http"]) and b.return_chance(b.sessions["http"]) == pytest.approx(0.25)
