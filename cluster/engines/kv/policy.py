@@ -223,10 +223,11 @@ class ChainLengths:
     back for another and how many ended (socket closed, retention expired unused). A chain whose
     retention expired and that comes back after all was not an end: it moves back.
 
-    An HTTP chain (or a socket whose responses are stored) ends without a word: without this, its
-    history, the largest of all, stays retained for its TTL and live sessions are evicted in its
-    place, where a held socket's close frees it at once. Chains that end at a typical length let
-    the budget tell an ended chain from a paused one by its turns, whatever carried them.
+    An HTTP chain ends without a word: without this, its history, the largest of all, stays
+    retained for its TTL and live sessions are evicted in its place, where a held socket's close
+    frees it at once. Chains that end at a typical length let the budget tell an ended chain from
+    a paused one by its turns (a chain whose latest turn came over a WebSocket is not judged so:
+    `SessionHold.on_socket`).
     Lengths past `EXACT` share a bucket per doubling, so what it holds stays bounded."""
 
     EXACT = 32
