@@ -118,7 +118,7 @@ class Evictions:
     def ended(self, hold: SessionHold) -> bool:
         """Lapsed, or (no declared lifetime, not on a socket: its close tells its end) as many turns
         as this replica's chains end after."""
-        return self.lapsed(hold) or (not hold.min_ttl and not hold.on_socket
+        return self.lapsed(hold) or (not hold.min_ttl and hold.judged_by_length
                                      and self.lengths.likely_ended(hold.returns + 1))
 
     def _evict_idle_for(self, waiter: Waiter, hold: SessionHold, soft: bool = True) -> None:
@@ -175,7 +175,7 @@ class Evictions:
         is more likely done than paused, and holds the largest history of all."""
         c = self.counters
         chance = (c.returned_in_time + 1) / (c.returned_in_time + c.expired + 1)
-        if not hold.on_socket:  # (a socket's close tells its end: an open one is in its pause)
+        if hold.judged_by_length:
             chance = self.lengths.chance(hold.returns + 1, chance)
         if hold.pause_high and hold.finished_at is not None and self._now - hold.finished_at > hold.pause_high:
             chance *= hold.pause_high / (self._now - hold.finished_at)

@@ -116,6 +116,11 @@ class SessionHold:
     def idle_retained(self) -> bool:
         return bool(self.retained and not self.turns)
 
+    @property
+    def judged_by_length(self) -> bool:
+        """Whether its length (`ChainLengths`) tells its end: not where a socket's close does."""
+        return not self.on_socket
+
 
 @dataclass
 class Waiter:
