@@ -177,6 +177,8 @@ class KvBudget(Evictions, Figures, Totals):
         firm = expect_back or (continuable and (hold.returns > 0 or hold.min_ttl > 0))
         if self.policy.retention and (firm or continuable) and held > 0:
             hold.soft = not firm
+            if firm:
+                self.shape.observe_live(held)
             self._change(hold, running=-need, turns=-1, retained=min(held, self.capacity))
             hold.expires_at = now + self.ttl(hold)
             self._schedule_expiry(hold)

@@ -193,6 +193,14 @@ class LoopShape:
         prev = self.ended_tokens
         self.ended_tokens = float(tokens) if prev is None or tokens >= prev else prev + self.END_FALL * (tokens - prev)
 
+    def observe_live(self, tokens: int) -> None:
+        """A session expected back holds `tokens`: it will end at no less. Before any session here
+        ended (or after only a warm-up's small ones), the only sign of the end size: sessions
+        started together grow past the pool unseen, and each live session forced out for another's
+        growth came back on room that was there for a moment and was forced out again."""
+        if self.ended_tokens is None or tokens > self.ended_tokens:
+            self.ended_tokens = float(tokens)
+
     def observe_turn(self, turn_s: float, pause_s: float) -> None:
         if turn_s + pause_s > 0:
             share = turn_s / (turn_s + pause_s)

@@ -129,3 +129,65 @@ def test_a_new_session_waits_for_a_wave_only_where_a_reprefill_costs_more_than_a
         assert deadline == pytest.approx(32 + 60) and b.snapshot(32)["growth_room_tokens"] > 0
     else:
         assert deadline < 32.01 and b.tick(32.01) == [new] and set(b.retained_sessions()) == set()
+
+
+def agent_sessions_started_together(b: KvBudget, sessions: int, turns: int, growth: int) -> int:
+    """`sessions` agent loops (no pause to speak of) started at once on `b`, each turn adding
+    `growth` tokens; a turn runs 0.3 s plus its uncached tokens at 200 tokens/s (a slow engine:
+    the loops wait on it). Returns the turns that prefilled a history their session had lost."""
+    import heapq
+
+    events, held, left, tickets, lost = [], {}, {}, {}, 0
+    for i in range(sessions):
+        held[f"s{i}"], left[f"s{i}"] = 0, turns
+        heapq.heappush(events, (0.001 * i, i, "ask", f"s{i}"))
+    seq = sessions
+
+    def run(admitted, now):
+        nonlocal seq, lost
+        for t in admitted:
+            s = tickets[t]
+            lost += bool(held[s]) and not b.sessions[s].retained
+            uncached = growth + (0 if b.sessions[s].retained else held[s])
+            seq += 1
+            heapq.heappush(events, (now + 0.3 + uncached / 200, seq, "done", t))
+
+    while events:
+        now, _, kind, item = heapq.heappop(events)
+        if kind == "ask":
+            t, admitted = b.request(item, held[item] + growth, now)
+            tickets[t] = item
+        elif kind == "done":
+            s = tickets.pop(item)
+            held[s] += growth
+            left[s] -= 1
+            admitted = b.finish(item, held[s], expect_back=bool(left[s]), now=now, on_socket=True)
+            if left[s]:
+                seq += 1
+                heapq.heappush(events, (now + 0.01, seq, "ask", s))
+            else:
+                admitted += b.release(s, now)
+        else:
+            admitted = b.tick(now)
+        run(admitted, now)
+        deadline = b.next_deadline()
+        if deadline is not None and deadline > now:
+            seq += 1
+            heapq.heappush(events, (deadline, seq, "tick", None))
+        if not tickets and not any(left.values()):
+            break
+    return lost
+
+
+def test_sessions_that_start_together_and_outgrow_the_pool_are_set_aside_whole_before_any_ended_here():
+    """A fresh replica (only a warm-up's small session ended here) gets 8 agent sessions at
+    once; each ends at 385 tokens, the pool holds 1,000: three fit at their end. The live
+    sessions' sizes are the end size's only sign: a session set aside for another's growth waits
+    for sessions to end, not for the moment's room (with the warm-up's end size alone, a session
+    came back on that room and was forced out again: 49 of 88 turns lost their history)."""
+    b = KvBudget(1000, BudgetPolicy(retention=True))
+    b.observe_prefill(200, 1.0)
+    b.shape.observe_end(5)  # the warm-up
+    lost = agent_sessions_started_together(b, sessions=8, turns=11, growth=35)
+    assert lost <= 8  # each session set aside at most once
+    assert b.shape.ended_tokens == 350  # the largest a session expected back held
