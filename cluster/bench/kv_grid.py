@@ -11,7 +11,9 @@ transport (WebSocket held, a WebSocket a turn, HTTP chained), with the KV policy
 over the rounds, on/off as a ratio with the worst round's ratio to its partner, and the lower bound:
 the necessary prefill (each turn's new tokens after the context before it, at the model's step
 times) plus the output's decode, spread over the engine replicas. `--long` contexts (30-120k
-tokens) are `h100-8b-long`'s: its turns add 12,000 characters. Writes `kv_grid.json`.
+tokens) are `h100-8b-long`'s: its turns add 12,000 characters. The transports take turns going
+first (one deployment serves them in order: the first meets a replica that has learned nothing
+yet), and each round's hit spread across transports is printed per policy. Writes `kv_grid.json`.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main(argv=None) -> int:
             bench_sessions.main(["--engine", "scripted", "--engine-model", model, "--kv-tokens", str(kv),
                                  "--sessions", str(ns.sessions), "--turns", str(ns.turns), "--turn-chars", str(chars),
                                  "--replicas", str(ns.replicas), "--connections", "2", "--shape", "agent",
-                                 "--transports", ns.transports, "--systems", order, "--out", str(run_dir)])
+                                 "--transports", transport_order(ns.transports, rnd), "--systems", order,
+                                 "--out", str(run_dir)])
             report = json.loads((run_dir / "sessions.json").read_text())
             output_tokens = report["workload"].get("output_tokens", 16)
             for r in report["per_round"]:
@@ -74,8 +77,27 @@ def main(argv=None) -> int:
                                                                 ns.replicas), 2)})
             # after each round: a run cut short (its time limit) keeps the rounds it finished
             (out / "kv_grid.json").write_text(json.dumps(rows, indent=1))
-            print(table(rows), flush=True)
+            print(table(rows) + "\n\n" + spreads(rows), flush=True)
     return 0
+
+
+def transport_order(transports: str, rnd: int) -> str:
+    """The transports for round `rnd`, rotated so that each goes first in turn."""
+    names = transports.split(",")
+    k = rnd % len(names)
+    return ",".join(names[k:] + names[:k])
+
+
+def spreads(rows: list[dict[str, Any]]) -> str:
+    """Per model, round and policy: the hit of each transport and the spread (highest - lowest).
+    The policy-off spread is what the bench itself varies by, with no policy to differ."""
+    lines = ["model | round | policy | hit by transport | spread", "---|---|---|---|---"]
+    for model, rnd, policy in sorted({(r["model"], r["round"], r["policy"]) for r in rows}):
+        hits = {r["transport"]: r["hit"] for r in rows if (r["model"], r["round"], r["policy"]) == (model, rnd, policy)}
+        shown = " / ".join(f"{t} {h:.3f}" for t, h in sorted(hits.items()))
+        lines.append(f"{model} | {rnd} | {'on' if policy else 'off'} | {shown} | "
+                     f"{max(hits.values()) - min(hits.values()):.3f}")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:

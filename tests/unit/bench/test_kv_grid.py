@@ -1,7 +1,7 @@
 """The KV grid's verdict per cell: medians over rounds, on against off, and the worst round's ratio
 to its alternating partner (a policy that loses one round badly shows there, not hidden by medians)."""
 
-from cluster.bench.kv_grid import lower_bound, table
+from cluster.bench.kv_grid import lower_bound, spreads, table, transport_order
 
 
 def row(rnd, policy, done, model="h100-8b", transport="ws"):
@@ -22,3 +22,18 @@ def test_the_lower_bound_is_slower_on_the_cpu_and_for_longer_contexts():
     assert 0 < gpu < lower_bound("cpu", short, 10, 10, 16, 1)
     # 6x the tokens a turn: more than 6x the prefill (attention over the longer context)
     assert lower_bound("h100-8b-long", long, 10, 10, 0, 1) > 6 * lower_bound("h100-8b", short, 10, 10, 0, 1)
+
+
+def test_each_transport_goes_first_in_turn():
+    # one deployment serves the transports in order: the first meets a replica that learned nothing
+    firsts = [transport_order("ws,ws-reconnect,http", rnd).split(",")[0] for rnd in range(3)]
+    assert firsts == ["ws", "ws-reconnect", "http"]
+    assert sorted(transport_order("ws,ws-reconnect,http", 4).split(",")) == ["http", "ws", "ws-reconnect"]
+
+
+def test_the_spread_across_transports_is_shown_per_round_and_policy():
+    rows = [dict(row(0, True, 50, transport=t), hit=h) for t, h in (("ws", 0.80), ("http", 0.74))]
+    rows += [dict(row(0, False, 50, transport=t), hit=h) for t, h in (("ws", 0.60), ("http", 0.70))]
+    lines = spreads(rows).splitlines()
+    assert lines[2] == "h100-8b | 0 | off | http 0.700 / ws 0.600 | 0.100"
+    assert lines[3] == "h100-8b | 0 | on | http 0.740 / ws 0.800 | 0.060"
