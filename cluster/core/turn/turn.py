@@ -278,6 +278,7 @@ class Turn:
             base_request_id=base_id if tail else None,
             base_len=base_len if tail else 0,
             expect_back=self.expect_back,
+            close_tells_end=self.expect_back and req.store is False,
             continuable=self.expect_back or req.store is not False or bool(req.prompt_cache_key),
             streamed=self.origin.streamed,
             cache_ttl_s=self.cache_ttl_s,

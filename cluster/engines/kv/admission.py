@@ -86,7 +86,7 @@ class KvAdmission:
         finally:
             if admitted:
                 gate.finish(ticket, held, expect_back, continuable=req.continuable, output_tokens=produced,
-                            on_socket=req.expect_back)  # (set by the transport: a WebSocket's turn)
+                            close_tells_end=req.close_tells_end)
             else:
                 gate.cancel(ticket)
 

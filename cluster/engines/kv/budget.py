@@ -158,7 +158,7 @@ class KvBudget(Evictions, Figures, Totals):
         return self.prefill.tokens_per_s
 
     def finish(self, ticket: int, held: int, expect_back: bool, now: float, *,
-               continuable: bool = False, on_socket: bool = False) -> list[int]:
+               continuable: bool = False, close_tells_end: bool = False) -> list[int]:
         """A turn ended; its session now holds `held` tokens of KV (prompt + output). It keeps
         them if it is expected back (`expect_back`: its socket is open or it called tools; or,
         `continuable`, it came back before or its client declared a lifetime), softly if it only
@@ -167,7 +167,7 @@ class KvBudget(Evictions, Figures, Totals):
         if session is None:
             return self.cancel(ticket, now)
         hold = self._hold(session)
-        hold.finished_at, hold.on_socket = now, on_socket
+        hold.finished_at, hold.close_tells_end = now, close_tells_end
         if hold.last_pause is not None:
             self.shape.observe_turn(now - hold.started_at, hold.last_pause)
         if hold.min_ttl and self._tenant_declared[hold.tenant] - hold.declared_idle + held > \

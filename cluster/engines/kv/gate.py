@@ -87,15 +87,16 @@ class KvGate:
         return unpins
 
     def finish(self, ticket: int, held: int, expect_back: bool, continuable: bool = False,
-               output_tokens: Optional[int] = None, on_socket: bool = False) -> None:
+               output_tokens: Optional[int] = None, close_tells_end: bool = False) -> None:
         """The turn ended holding `held` tokens; `output_tokens` it produced (None: it did not end
-        on its own, nothing learned); `on_socket`: it came over a WebSocket."""
+        on its own, nothing learned); `close_tells_end`: its WebSocket's close will release
+        the session (nothing of it stored)."""
         self._waiting.pop(ticket, None)
         session = self.budget._admitted.get(ticket, (None, 0))[0]
         if output_tokens is not None and session is not None:
             self.outputs.observe(session, output_tokens)
         self._changed(self.budget.finish(ticket, self._blocks(held), expect_back, self.clock(),
-                                         continuable=continuable, on_socket=on_socket))
+                                         continuable=continuable, close_tells_end=close_tells_end))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.budget.observe_prefill(tokens, seconds)

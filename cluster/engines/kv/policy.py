@@ -98,9 +98,11 @@ class SessionHold:
     declared_idle: int = 0  # its tokens counted as idle under a declared lifetime (Totals._change)
     started_at: float = 0.0  # when its latest turn was admitted
     ended_after: Optional[int] = None  # its turns when its end was counted (`ChainLengths`), until it is back
-    # Its latest turn came over a WebSocket: its end is told by the close (an open socket is a
-    # session in its pause, whatever its length), so its turns say nothing of its end.
-    on_socket: bool = False
+    # Its latest turn came over a WebSocket whose close releases the session (nothing stored): the
+    # close tells its end (an open socket is a session in its pause, whatever its length). Not a
+    # stored turn's socket: a stored response may be continued from anywhere, so that close says
+    # nothing (a client reconnecting each turn), and its length tells its end as an HTTP chain's.
+    close_tells_end: bool = False
     last_pause: Optional[float] = None  # the client's pause before its latest turn
 
     key: str = ""  # the session's key in the budget
@@ -118,8 +120,8 @@ class SessionHold:
 
     @property
     def judged_by_length(self) -> bool:
-        """Whether its length (`ChainLengths`) tells its end: not where a socket's close does."""
-        return not self.on_socket
+        """Whether its length (`ChainLengths`) tells its end: not where a socket's close will."""
+        return not self.close_tells_end
 
 
 @dataclass
@@ -236,11 +238,11 @@ class ChainLengths:
     back for another and how many ended (socket closed, retention expired unused). A chain whose
     retention expired and that comes back after all was not an end: it moves back.
 
-    An HTTP chain ends without a word: without this, its history, the largest of all, stays
-    retained for its TTL and live sessions are evicted in its place, where a held socket's close
-    frees it at once. Chains that end at a typical length let the budget tell an ended chain from
-    a paused one by its turns (a chain whose latest turn came over a WebSocket is not judged so:
-    `SessionHold.on_socket`).
+    An HTTP chain, or a stored one over WebSockets, ends without a word: without this, its
+    history, the largest of all, stays retained for its TTL and live sessions are evicted in its
+    place, where a `store: false` socket's close frees it at once. Chains that end at a typical
+    length let the budget tell an ended chain from a paused one by its turns (a chain whose
+    socket's close will tell its end is not judged so: `SessionHold.close_tells_end`).
     Lengths past `EXACT` share a bucket per doubling, so what it holds stays bounded."""
 
     EXACT = 32

@@ -216,6 +216,26 @@ async def test_the_engine_is_told_whether_the_client_reads_the_output_as_it_come
     assert terminal(events)["status"] == "completed" and seen == [streamed]
 
 
+@pytest.mark.parametrize("transport,store,told", [("websocket", False, True), ("websocket", True, False),
+                                                 ("websocket", None, False), ("http", False, False)])
+async def test_the_engine_is_told_whether_a_socket_s_close_will_tell_the_session_s_end(tokenizer, transport, store,
+                                                                                     told):
+    """A `store: false` socket's close releases the session's KV: its length need not tell its end.
+    A stored turn's socket (a client reconnecting each turn) and HTTP end without a word."""
+    stack = InProcessStack(tokenizer)
+    engine = stack.driver.services.engine
+    seen = []
+
+    def recording(req, stop=None):
+        seen.append((req.expect_back, req.close_tells_end))
+        return engine(req, stop)
+
+    stack.driver.services.engine = recording
+    body = {"model": "loopserve-tiny", "input": "hi", **({} if store is None else {"store": store})}
+    events = await run(stack, SessionCache(), body, transport=transport)
+    assert terminal(events)["status"] == "completed" and seen == [(transport == "websocket", told)]
+
+
 async def test_deepseek_r1s_tool_loop_is_incremental_and_every_engine_prompt_is_its_full_render():
     """DeepSeek-R1's template closes the last tool outputs with a tail that a following message renders
     otherwise: each turn takes that tail back (a few tokens) and sends only the new ones, and the prompt the

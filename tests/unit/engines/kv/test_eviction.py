@@ -210,11 +210,11 @@ def test_a_chain_on_an_open_socket_is_not_ended_by_its_length():
     b = budget(2000, ttl_initial_s=1000, ttl_min_s=1000, ttl_max_s=2000, max_queue_wait_s=60)
     for key in ("x", "y", "z"):
         t, _ = b.request(key, 100, 0)
-        b.finish(t, held=100, expect_back=True, now=1, on_socket=True)
+        b.finish(t, held=100, expect_back=True, now=1, close_tells_end=True)
         b.release(key, 1)
     assert b.lengths.likely_ended(1)
     t, _ = b.request("a", 900, 2)
-    b.finish(t, held=900, expect_back=True, now=3, on_socket=True)
+    b.finish(t, held=900, expect_back=True, now=3, close_tells_end=True)
     t, _ = b.request("http", 900, 2)
     b.finish(t, held=900, expect_back=True, now=3)
     assert not b.ended(b.sessions["a"]) and b.return_chance(b.sessions["a"]) == pytest.approx(1.0)

@@ -161,7 +161,7 @@ def agent_sessions_started_together(b: KvBudget, sessions: int, turns: int, grow
             s = tickets.pop(item)
             held[s] += growth
             left[s] -= 1
-            admitted = b.finish(item, held[s], expect_back=bool(left[s]), now=now, on_socket=True)
+            admitted = b.finish(item, held[s], expect_back=bool(left[s]), now=now, close_tells_end=True)
             if left[s]:
                 seq += 1
                 heapq.heappush(events, (now + 0.01, seq, "ask", s))
