@@ -19,11 +19,7 @@ from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence, Union, get_args
 
-from openai.types.responses import (
-    ResponseCreatedEvent,
-    ResponseErrorEvent,
-    ResponseOutputItemAddedEvent,
-)
+from openai.types.responses import ResponseCreatedEvent, ResponseErrorEvent, ResponseOutputItemAddedEvent
 
 from cluster.core.events import TERMINAL_EVENTS, Event
 from cluster.core.generation import Generation
@@ -136,9 +132,7 @@ class EngineRequest:
     # The session will very likely send another turn soon (its WebSocket is open): the engine
     # replica keeps its prefix in the KV budget through the pause (`engines/kv/budget.py`).
     expect_back: bool = False
-    # Its WebSocket's close will release the session's KV (a socket turn, nothing stored): the close,
-    # not the chain's length, tells the engine replica the session ended (`kv/policy.SessionHold`).
-    close_tells_end: bool = False
+    close_tells_end: bool = False  # its socket's close releases its KV (nothing stored): its end told
     # The chain can be continued (stored, or named by `x-session-id` / `prompt_cache_key`): without
     # another sign it is kept softly, and once it came back it is expected back.
     continuable: bool = False
