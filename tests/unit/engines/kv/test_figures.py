@@ -3,15 +3,7 @@
 import pytest
 
 from cluster.engines.kv.budget import BudgetPolicy, KvBudget
-
-
-def budget(capacity=1000, **policy) -> KvBudget:
-    return KvBudget(capacity, BudgetPolicy(**policy))
-
-
-def req(b: KvBudget, session: str, need: int, now: float) -> tuple[int, bool]:
-    ticket, admitted = b.request(session, need, now)
-    return ticket, ticket in admitted
+from tests.unit.engines.kv.test_budget import budget, req
 
 
 def test_demand_counts_running_retained_and_queued_tokens():
