@@ -116,8 +116,8 @@ class Evictions:
         return idle > max(self.policy.ttl_min_s, self.LAPSE_MULTIPLE * hold.pause_max)
 
     def ended(self, hold: SessionHold) -> bool:
-        """Lapsed, or (no declared lifetime, not on a socket: its close tells its end) as many turns
-        as this replica's chains end after."""
+        """Lapsed, or (no declared lifetime, and no socket whose close will tell its end) as many
+        turns as this replica's chains end after."""
         return self.lapsed(hold) or (not hold.min_ttl and hold.judged_by_length
                                      and self.lengths.likely_ended(hold.returns + 1))
 
@@ -166,7 +166,7 @@ class Evictions:
 
     def return_chance(self, hold: SessionHold) -> float:
         """The chance an idle retained session comes back while it is retained: this replica's
-        record for chains of its length (`ChainLengths`; not for a chain on a socket), weighed
+        record for chains of its length (`ChainLengths`; not where a socket's close tells its end), weighed
         against its record over all (retentions a session came back to, against those that
         expired, from a start of one);
         half that for a soft retention (a chain that gave no sign it will be back). Past the
