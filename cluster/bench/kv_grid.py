@@ -11,9 +11,11 @@ transport (WebSocket held, a WebSocket a turn, HTTP chained), with the KV policy
 over the rounds, on/off as a ratio with the worst round's ratio to its partner, and the lower bound:
 the necessary prefill (each turn's new tokens after the context before it, at the model's step
 times) plus the output's decode, spread over the engine replicas. `--long` contexts (30-120k
-tokens) are `h100-8b-long`'s: its turns add 12,000 characters. The transports take turns going
-first (one deployment serves them in order: the first meets a replica that has learned nothing
-yet), and each round's hit spread across transports is printed per policy. Writes `kv_grid.json`.
+tokens) are `h100-8b-long`'s: its turns add 12,000 characters. Each transport runs on a deployment
+of its own, started afresh: a replica learns how large and how long its sessions run as it serves
+them, and one deployment serving the transports in turn gave the first the least (it met a replica
+that had learned nothing; the others met one the first had taught), whichever transport it was.
+Each round's hit spread across transports is printed per policy. Writes `kv_grid.json`.
 """
 
 from __future__ import annotations
@@ -57,35 +59,39 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     out = Path(ns.out)
     rows: list[dict[str, Any]] = []
-    for model in ns.models.split(","):
+    for model, rnd, transport, systems in runs(ns.models, ns.rounds, ns.transports):
         chars, kv = SHAPES[model]
-        for rnd in range(ns.rounds):
-            order = "loopserve,loopserve-nobudget" if rnd % 2 == 0 else "loopserve-nobudget,loopserve"
-            run_dir = out / f"{model}-{rnd}"
-            bench_sessions.main(["--engine", "scripted", "--engine-model", model, "--kv-tokens", str(kv),
-                                 "--sessions", str(ns.sessions), "--turns", str(ns.turns), "--turn-chars", str(chars),
-                                 "--replicas", str(ns.replicas), "--connections", "2", "--shape", "agent",
-                                 "--transports", transport_order(ns.transports, rnd), "--systems", order,
-                                 "--out", str(run_dir)])
-            report = json.loads((run_dir / "sessions.json").read_text())
-            output_tokens = report["workload"].get("output_tokens", 16)
-            for r in report["per_round"]:
-                system, transport = r["system"].split("/")
-                rows.append({"model": model, "round": rnd, "policy": system == "loopserve", "transport": transport,
-                             **{k: r[k] for k in ("all_done_s", "hit", "prefilled_tokens", "turn_p99_s")},
-                             "lower_bound_s": round(lower_bound(model, r, ns.sessions, ns.turns + 1, output_tokens,
-                                                                ns.replicas), 2)})
-            # after each round: a run cut short (its time limit) keeps the rounds it finished
-            (out / "kv_grid.json").write_text(json.dumps(rows, indent=1))
-            print(table(rows) + "\n\n" + spreads(rows), flush=True)
+        run_dir = out / f"{model}-{rnd}-{transport}"
+        bench_sessions.main(["--engine", "scripted", "--engine-model", model, "--kv-tokens", str(kv),
+                             "--sessions", str(ns.sessions), "--turns", str(ns.turns), "--turn-chars", str(chars),
+                             "--replicas", str(ns.replicas), "--connections", "2", "--shape", "agent",
+                             "--transports", transport, "--systems", systems, "--out", str(run_dir)])
+        report = json.loads((run_dir / "sessions.json").read_text())
+        output_tokens = report["workload"].get("output_tokens", 16)
+        for r in report["per_round"]:
+            system = r["system"].split("/")[0]
+            rows.append({"model": model, "round": rnd, "policy": system == "loopserve", "transport": transport,
+                         **{k: r[k] for k in ("all_done_s", "hit", "prefilled_tokens", "turn_p99_s")},
+                         "lower_bound_s": round(lower_bound(model, r, ns.sessions, ns.turns + 1, output_tokens,
+                                                            ns.replicas), 2)})
+        # after each run: a grid cut short (its time limit) keeps the runs it finished
+        (out / "kv_grid.json").write_text(json.dumps(rows, indent=1))
+        print(table(rows) + "\n\n" + spreads(rows), flush=True)
     return 0
 
 
-def transport_order(transports: str, rnd: int) -> str:
-    """The transports for round `rnd`, rotated so that each goes first in turn."""
-    names = transports.split(",")
-    k = rnd % len(names)
-    return ",".join(names[k:] + names[:k])
+def runs(models: str, rounds: int, transports: str) -> list[tuple[str, int, str, str]]:
+    """(model, round, transport, systems) per `sessions` run, each on deployments of its own: per
+    round the transports rotate which goes first and the policy alternates which of on and off
+    does (the machine's drift falls on all alike)."""
+    plan = []
+    for model in models.split(","):
+        for rnd in range(rounds):
+            systems = "loopserve,loopserve-nobudget" if rnd % 2 == 0 else "loopserve-nobudget,loopserve"
+            names = transports.split(",")
+            k = rnd % len(names)
+            plan += [(model, rnd, t, systems) for t in names[k:] + names[:k]]
+    return plan
 
 
 def spreads(rows: list[dict[str, Any]]) -> str:

@@ -1,7 +1,7 @@
 """The KV grid's verdict per cell: medians over rounds, on against off, and the worst round's ratio
 to its alternating partner (a policy that loses one round badly shows there, not hidden by medians)."""
 
-from cluster.bench.kv_grid import lower_bound, spreads, table, transport_order
+from cluster.bench.kv_grid import lower_bound, runs, spreads, table
 
 
 def row(rnd, policy, done, model="h100-8b", transport="ws"):
@@ -24,11 +24,15 @@ def test_the_lower_bound_is_slower_on_the_cpu_and_for_longer_contexts():
     assert lower_bound("h100-8b-long", long, 10, 10, 0, 1) > 6 * lower_bound("h100-8b", short, 10, 10, 0, 1)
 
 
-def test_each_transport_goes_first_in_turn():
-    # one deployment serves the transports in order: the first meets a replica that learned nothing
-    firsts = [transport_order("ws,ws-reconnect,http", rnd).split(",")[0] for rnd in range(3)]
+def test_each_transport_runs_on_deployments_of_its_own_and_goes_first_in_turn():
+    # one deployment serving the transports in turn taught the later ones what the first met cold
+    plan = runs("h100-8b,cpu", 3, "ws,ws-reconnect,http")
+    assert len(plan) == len(set(plan)) == 2 * 3 * 3  # a `sessions` run (fresh servers) per model, round, transport
+    firsts = [next(p for p in plan if p[:2] == ("h100-8b", rnd))[2] for rnd in range(3)]
     assert firsts == ["ws", "ws-reconnect", "http"]
-    assert sorted(transport_order("ws,ws-reconnect,http", 4).split(",")) == ["http", "ws", "ws-reconnect"]
+    # on and off alternate which goes first, and each run has both
+    assert {p[3] for p in plan if p[1] == 0} == {"loopserve,loopserve-nobudget"}
+    assert {p[3] for p in plan if p[1] == 1} == {"loopserve-nobudget,loopserve"}
 
 
 def test_the_spread_across_transports_is_shown_per_round_and_policy():
