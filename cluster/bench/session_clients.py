@@ -62,7 +62,7 @@ def turn_body(plan: SessionPlan, text: str, prev: Optional[dict[str, Any]], outp
 
 
 async def run_session(plan: SessionPlan, workload: Any, texts: Callable[[int, random.Random], str],
-                      record: Callable[[int, dict, float, float, float], None]) -> None:
+                      record: Callable[[int, dict, float, Optional[float], float], None]) -> None:
     """The session's turns; `record(turn, terminal_event, latency, queued, sent_at)` after each.
     Stops at the first failed turn."""
     import httpx
@@ -82,7 +82,7 @@ async def run_session(plan: SessionPlan, workload: Any, texts: Callable[[int, ra
                 r = await http.post(plan.url + "/v1/responses", json=body)
                 ev = {"type": "response.completed", "response": r.json()} if r.status_code == 200 else \
                     {"type": "error", "error": r.text[:300]}
-                latency, queued = time.perf_counter() - t0, 0.0
+                latency, queued = time.perf_counter() - t0, None  # a plain POST shows no wait
             else:
                 if held is None or plan.transport == "ws-reconnect":
                     if held is not None:

@@ -52,7 +52,8 @@ def summarize(rows: Iterable[Any], turns: int, elapsed: float) -> dict[str, Any]
         peak = max(peak, live)
     rows = [r for rs in by_session.values() for r in rs]
     lat = [r.latency_s for r in rows if r.status != "error"]
-    queued = [r.queued_s for r in rows if r.queued_s > 0]
+    seen = [r.queued_s for r in rows if r.queued_s is not None]  # none over plain HTTP: not 0, unknown
+    queued = [q for q in seen if q > 0]
     return {
         "hit": round(cached / reusable, 3) if reusable else None,
         "hit_late": round(late_cached / late_reusable, 3) if late_reusable else None,
@@ -62,7 +63,8 @@ def summarize(rows: Iterable[Any], turns: int, elapsed: float) -> dict[str, Any]
         # follows the engine's throughput, while the sessions' turns move in waves that shift the p50.
         "turn_mean_s": round(statistics.fmean(lat), 2) if lat else None,
         "turn_p50_s": round(percentile(lat, 50), 2), "turn_p99_s": round(percentile(lat, 99), 2),
-        "client_queued_turns": len(queued), "client_max_queue_wait_s": round(max(queued, default=0.0), 2),
+        "client_queued_turns": len(queued) if seen else None,
+        "client_max_queue_wait_s": round(max(queued, default=0.0), 2) if seen else None,
         "all_done_s": round(elapsed, 1), "turns": len(lat), "errors": errors, "peak_live_sessions": peak,
         # Goodput: what the clients got done per second of the run (answered turns, their output tokens).
         "goodput_turns_per_s": round(len(lat) / elapsed, 2) if elapsed > 0 else None,

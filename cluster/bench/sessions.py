@@ -146,12 +146,13 @@ class Row:
     cached_tokens: int
     output_tokens: int
     latency_s: float
-    queued_s: float
+    queued_s: Optional[float]  # None: the transport shows no wait (a plain POST has no response.queued)
     status: str
     sent_at: float = 0.0  # the client's clock (perf_counter) when the turn was sent
 
 
-def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: float, sent_at: float) -> Row:
+def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: Optional[float],
+         sent_at: float) -> Row:
     if ev.get("type") == "error" or "response" not in ev:
         print(f"\n{system}: session {index} turn {turn} failed: {str(ev)[:300]}", file=sys.stderr)
         return Row(system, n, index, turn, 0, 0, 0, latency, queued, "error", sent_at)
@@ -178,7 +179,7 @@ async def run_sessions(system: str, url: str, model: str, n: int, w: Workload, t
         def text(turn: int, rng: random.Random) -> str:
             return f"Session {tag}: start the task." if not turn else tool_output(tag, turn, w.turn_size(rng))
 
-        def record(turn: int, ev: dict, latency: float, queued: float, sent_at: float) -> None:
+        def record(turn: int, ev: dict, latency: float, queued: Optional[float], sent_at: float) -> None:
             nonlocal done
             rows.append(_row(f"{system}", n, index, turn, ev, latency, queued, sent_at))
             done += 1

@@ -27,6 +27,19 @@ def test_the_mean_turn_latency_is_reported_beside_the_percentiles():
     assert summarize([_row(0, 0, 0, 0, 0, status="error")], turns=2, elapsed=1.0)["turn_mean_s"] is None
 
 
+def test_a_wait_the_transport_cannot_show_is_unknown_not_zero():
+    # a WebSocket shows response.queued (its wait); a plain POST shows nothing: None, not "0.0 s"
+    ws = [_row(0, 0, 50, 0), _row(0, 1, 560, 60)]
+    ws[1].queued_s = 2.5
+    assert (summarize(ws, turns=1, elapsed=1.0)["client_max_queue_wait_s"],
+            summarize(ws, turns=1, elapsed=1.0)["client_queued_turns"]) == (2.5, 1)
+    http = [_row(0, 0, 50, 0), _row(0, 1, 560, 60)]
+    for r in http:
+        r.queued_s = None
+    s = summarize(http, turns=1, elapsed=1.0)
+    assert (s["client_max_queue_wait_s"], s["client_queued_turns"]) == (None, None)
+
+
 def test_an_errored_turn_restarts_the_chain_and_is_counted():
     rows = [_row(0, 0, 50, 0), _row(0, 1, 0, 0, 0, status="error"), _row(0, 2, 70, 0)]
     s = summarize(rows, turns=2, elapsed=1.0)
