@@ -338,6 +338,8 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                                  for k in KV_COUNTS}  # what the KV budget did in this run
                     record(f"{system}/{transport}", n, rows, elapsed, {"round": rnd, "preemptions": pre,
                                                       "server_max_queue_wait_s": wait, "kv_counts": kv_counts,
+                                                      # why retentions ended (each replica's latest few)
+                                                      "kv_recent_ends": [e for s in after for e in s.get("recent_ends", [])],
                                                       "engine_replicas": len(after), "kv_tokens": capacity,
                                                       "session_moves": moves,
                                                       "killed_replica": getattr(kill, "killed", None)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, AsyncIterator, Callable, Optional
 
 from cluster.config import KvBudgetConfig
@@ -114,6 +114,7 @@ class KvAdmission:
         modelled pool's): drift is positive when the budget reserves more than the engine holds
         (output not yet made)."""
         figures: dict[str, Any] = dict(self.gate.snapshot())
+        figures["recent_ends"] = [asdict(e) for e in self.gate.budget.ends]
         in_use = self.engine.kv_in_use_tokens()
         if in_use is not None:
             figures["engine_kv_tokens"] = in_use

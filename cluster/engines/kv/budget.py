@@ -41,16 +41,19 @@ scheduler subclass in `vllm/retention.py` pins them, the scripted engine's model
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from cluster.engines.kv.policy import (  # noqa: F401 - the budget's vocabulary, re-exported
     GROWTH_WEIGHT, KV_METRICS, PAUSE_DECAY, BudgetCounters, BudgetPolicy, ChainLengths, LoopShape, PrefillRate, QueueFull,
-    SessionHold, Waiter)
+    RetentionEnd, SessionHold, Waiter)
 from cluster.engines.kv.accounting import Totals
 from cluster.engines.kv.eviction import Evictions
 from cluster.engines.kv.figures import Figures
+
+
+RECENT_ENDS = 64  # retention ends kept for `stats` (bounded: a replica's last few)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class KvBudget(Evictions, Figures, Totals):
     # Their tokens, until the engine has been told (`take_dropped` hands them out; the pin holds
     # the blocks until then): reconciling with the engine's count leaves these out.
     unpinning: dict[str, int] = field(default_factory=dict)
+    ends: "deque[RetentionEnd]" = field(default_factory=lambda: deque(maxlen=RECENT_ENDS))  # the latest few, why
     growth_per_turn: float = 0.0  # tokens a returning session's turn adds (moving average)
     growth_samples: int = 0
     # Running totals of the holds (kept by `Totals._change`, kv/accounting.py).
@@ -199,10 +203,11 @@ class KvBudget(Evictions, Figures, Totals):
 
     def release(self, session: str, now: float) -> list[int]:
         """The session will not be back (its socket closed): its retained tokens go now."""
+        self._now = now
         hold = self.sessions.get(session)
         if hold is not None and hold.retained:
             self._observe_end(hold)
-            self._end_retention(session, hold)
+            self._end_retention(session, hold, "released")
             self.counters.released += 1
         return self._drain(now)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Optional
 
-from cluster.engines.kv.policy import SessionHold, Waiter
+from cluster.engines.kv.policy import RetentionEnd, SessionHold, Waiter
 
 
 class Evictions:
@@ -85,7 +85,7 @@ class Evictions:
                 aside.append(entry)
                 continue
             self._observe_end(hold)
-            self._end_retention(entry[2], hold)
+            self._end_retention(entry[2], hold, "expired")
             self.counters.expired += 1
         for entry in aside:
             heapq.heappush(self._expiries, entry)
@@ -96,7 +96,10 @@ class Evictions:
         self.shape.observe_end(hold.retained)
         self.lengths.observe_end(hold, hold.returns + 1)
 
-    def _end_retention(self, key: str, hold: SessionHold) -> None:
+    def _end_retention(self, key: str, hold: SessionHold, why: str) -> None:
+        idle = self._now - hold.finished_at if hold.finished_at is not None else 0.0
+        self.ends.append(RetentionEnd(why, hold.retained, hold.returns + 1, round(idle, 2),
+                                      round(self.return_chance(hold), 3), self._now))
         self.unpinning[key] = hold.retained  # the engine holds them until its unpin is delivered
         self._change(hold, retained=0)
         hold.released = True
@@ -132,11 +135,13 @@ class Evictions:
                 continue
             if soft and victim.soft:
                 self.counters.evicted_soft += 1
+                why = "soft"
             elif self.ended(victim):
                 self.counters.evicted_lapsed += 1
+                why = "lapsed" if self.lapsed(victim) else "ended_length"
             else:
                 continue
-            self._end_retention(key, victim)
+            self._end_retention(key, victim, why)
             self.counters.evicted += 1
 
     def fair_share(self, extra_tenant: Optional[str] = None) -> float:
@@ -160,7 +165,7 @@ class Evictions:
             victim = self.sessions[key]
             if victim.tenant != waiter.tenant and self._tenant_retained[victim.tenant] > fair \
                     and key not in self._waiting:
-                self._end_retention(key, victim)
+                self._end_retention(key, victim, "over_share")
                 self.counters.evicted += 1
                 self.counters.over_share += 1
 
@@ -263,7 +268,7 @@ class Evictions:
         for key in candidates:
             if self._fits(hold, waiter.need, spare=False):
                 return
-            self._end_retention(key, self.sessions[key])
+            self._end_retention(key, self.sessions[key], "cost" if key not in behind else "behind")
             self.counters.evicted += 1
 
     def _cap_tenant(self, tenant: str) -> None:
@@ -277,5 +282,5 @@ class Evictions:
                 break
             h = self.sessions[key]
             if h.tenant == tenant:
-                self._end_retention(key, h)
+                self._end_retention(key, h, "tenant_share")
                 self.counters.over_share += 1

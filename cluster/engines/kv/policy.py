@@ -133,6 +133,20 @@ class Waiter:
     tenant: str = ""
 
 
+@dataclass(frozen=True)
+class RetentionEnd:
+    """Why a retained prefix went (`expired`, `released`, `soft`, `lapsed`, `ended_length`, `cost`,
+    `behind`, `over_share`, `tenant_share`), its tokens, the chain's turns, how long it had been
+    idle and its chance to come back then: the replica's last few, in `stats`, so a miss a client
+    saw can be told from the policy's own choice."""
+    why: str
+    tokens: int
+    turns: int
+    idle_s: float
+    chance: float
+    at: float
+
+
 @dataclass
 class BudgetCounters:
     admitted: int = 0

@@ -42,6 +42,7 @@ def test_the_cheapest_retention_ends_whatever_order_the_sessions_arrived_in(orde
     assert head not in admitted
     assert b.tick(now=7) == [head]
     assert set(b.retained_sessions()) == {"a", "b", "d"}
+    assert [(e.why, e.tokens) for e in b.ends] == [("cost", 400)]
 
 
 def test_small_retentions_end_before_one_large_when_together_they_cost_less():
@@ -156,6 +157,9 @@ def test_a_chain_idle_past_twice_every_pause_it_took_gives_its_room_at_once_but_
     new, admitted = b.request("n", 700, end + 4)  # 600 + 600 + 300 + 700 > 2000
     assert new in admitted and b.counters.evicted_lapsed == 1 and b.counters.evicted_soft == 0
     assert set(b.retained_sessions()) == {"long"}
+    # why it went, in `stats`: lapsed, its 600 tokens after 4 turns, idle 4 s, its chance then
+    (gone,) = b.ends
+    assert (gone.why, gone.tokens, gone.turns, gone.idle_s) == ("lapsed", 600, 4, 4.0) and gone.chance < 0.5
 
 
 def test_a_chain_with_a_declared_lifetime_or_too_few_pauses_is_never_lapsed():
@@ -219,3 +223,15 @@ def test_a_chain_on_an_open_socket_is_not_ended_by_its_length():
     b.finish(t, held=900, expect_back=True, now=3)
     assert not b.ended(b.sessions["a"]) and b.return_chance(b.sessions["a"]) == pytest.approx(1.0)
     assert b.ended(b.sessions["http"]) and b.return_chance(b.sessions["http"]) == pytest.approx(0.25)
+
+
+def test_the_record_of_why_retentions_ended_keeps_only_the_latest():
+    from cluster.engines.kv.budget import RECENT_ENDS
+
+    b = budget(100_000)
+    for i in range(RECENT_ENDS + 36):
+        t, _ = b.request(f"s{i}", 10 + i, i)
+        b.finish(t, held=10 + i, expect_back=True, now=i + 0.5)
+        b.release(f"s{i}", i + 0.75)
+    assert len(b.ends) == RECENT_ENDS  # bounded, however many sessions passed
+    assert (b.ends[-1].why, b.ends[-1].tokens, b.ends[-1].idle_s) == ("released", 10 + RECENT_ENDS + 35, 0.25)
