@@ -274,7 +274,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 # The KV budget's counters (engine `stats`, kv) a run reports as its own deltas.
 KV_COUNTS = ("retained", "returned_in_time", "expired", "released", "evicted", "evicted_soft", "evicted_lapsed",
-             "reprefills")
+             "reprefills", "over_wave")
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:

@@ -16,7 +16,8 @@ happening:
 - **Waves, cost-aware waiting.** A waiting turn first takes the room of *soft* retentions
   (chains that may come back but gave no sign) and of lapsed ones (idle past twice every pause
   their chain took: more likely ended than paused). A session without a prefix here waits for room
-  while something runs, up to `max_queue_wait_s`: ending a retention for it only trades places,
+  while something runs (engine-bound: or its residents are within their pause), up to
+  `max_queue_wait_s`: ending a retention for it only trades places,
   so sessions that do not fit at once run in waves of whole sessions. A session back for its
   next turn, or any turn on an engine with nothing to run, waits until its wait x the turns
   queued reaches the expected re-prefill of the cheapest retentions that free its room (their
@@ -226,7 +227,11 @@ class KvBudget(Evictions, Figures, Totals):
         if not self.queue:
             return None
         head = next(iter(self.queue.values()))
-        deadline = head.since + self._wait_bound(head, self._hold_no_touch(head.session))
+        head_hold = self._hold_no_touch(head.session)
+        deadline = head.since + self._wait_bound(head, head_hold)
+        wave = self.wave_under_way()
+        if not (head_hold.retained or head_hold.turns) and wave is not None and wave < deadline:
+            deadline = wave  # the residents' pause is over then: a new session's bound may change
         for w in self.queue.values():  # sessions back to their prefix may end retention behind the head
             hold = self._hold_no_touch(w.session)
             if w is not head and (hold.retained or hold.turns):
@@ -321,7 +326,7 @@ class KvBudget(Evictions, Figures, Totals):
                 continue  # behind a head that waited too long, nobody passes
             if not head_blocked and not self._fits(hold, w.need):
                 # (a wave's newcomer would only trade places with a soft chain: lapsed ones only)
-                waves = self._running and self.shape.engine_bound and self.shape.waves(self.prefill_tps)
+                waves = self.wave_under_way() is not None and self.shape.engine_bound and self.shape.waves(self.prefill_tps)
                 self._evict_idle_for(w, hold, soft=resident or not waves)
                 self._evict_over_share_for(w, hold)
             # (a session back to its prefix gets no room by waiting, behind a blocked head too)
@@ -330,6 +335,8 @@ class KvBudget(Evictions, Figures, Totals):
                 self._evict_for(w, hold)
                 urgent = not self._fits(hold, w.need, spare=False)
             if self._fits(hold, w.need, spare=not overdue):
+                if overdue and not resident and not self._fits(hold, w.need):
+                    self.counters.over_wave += 1
                 self._dequeue(ticket)
                 wait = now - w.since
                 self.counters.queue_wait_s += wait

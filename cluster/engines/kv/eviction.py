@@ -249,11 +249,30 @@ class Evictions:
         lower = self.policy.lower_tier_tokens_per_s
         resident = hold.retained > 0 or hold.turns > 0
         if lower is None and (self.prefill_tps is None or
-                              (self._running and not resident and self.shape.waves(self.prefill_tps))):
+                              (self.wave_under_way() is not None and not resident and self.shape.waves(self.prefill_tps))):
             return bound
         # With a tier below, an ended retention costs a copy back (no compute), not a re-prefill.
         seconds = self._eviction_cost(waiter, hold) / (lower or self.prefill_tps)
         return min(bound, seconds / max(1, len(self.queue)))
+
+    def wave_under_way(self) -> Optional[float]:
+        """Until when the sessions here are still at work (None: they are not): while turns run
+        (inf); on an engine-bound replica also while the session that last finished a turn is
+        within its longest pause (before it took one: this replica's mean pause). Between two turns of an engine-bound loop the engine may have
+        nothing to run for a pause; a new session let in then, past the room kept for the
+        residents' growth, forces one of them out as they grow (a whole re-prefill, on a CPU half a
+        minute) to save the engine a second or two. Where pauses dominate, an idle engine is not
+        made to wait for them."""
+        if self._running:
+            return float("inf")
+        if not self._idle or not self.shape.engine_bound:
+            return None
+        last = self.sessions[next(reversed(self._idle))]
+        pause = last.pause_max if last.pause_max is not None else self.shape.pause_s  # its own, or this replica's
+        if last.soft or last.finished_at is None or pause is None:
+            return None
+        until = last.finished_at + pause
+        return until if until > self._now else None
 
     def _evict_for(self, waiter: Waiter, hold: SessionHold) -> None:
         # Idle sessions first (cheapest first, `_victims`); then sessions whose turn waits

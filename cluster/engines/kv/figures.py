@@ -54,7 +54,7 @@ class Figures:
                 "max_queue_wait_s": round(c.max_queue_wait_s, 3), "retained": c.retained,
                 "returned_in_time": c.returned_in_time, "expired": c.expired, "released": c.released,
                 "evicted": c.evicted, "evicted_soft": c.evicted_soft, "evicted_lapsed": c.evicted_lapsed,
-                "reprefills": c.reprefills, "refused": c.refused, "over_share": c.over_share, "declared_over_share": c.declared_over_share,
+                "reprefills": c.reprefills, "over_wave": c.over_wave, "refused": c.refused, "over_share": c.over_share, "declared_over_share": c.declared_over_share,
                 "prefill_tokens_per_s": round(self.prefill_tps or 0.0, 1),
                 "growth_per_turn": round(self.growth_per_turn, 1),
                 "growth_room_tokens": self.growth_room(), "engine_excess_tokens": self.engine_excess,

@@ -161,6 +161,9 @@ class BudgetCounters:
     evicted_soft: int = 0  # of those, retentions held only on the chance the chain returns
     evicted_lapsed: int = 0  # of those, ended ones: idle far past every pause, or at the length chains end
     reprefills: int = 0  # turns of a session whose retention had ended (its prefix may be gone)
+    # new sessions let in past the room kept for resident sessions' growth (`growth_room`): the engine
+    # had nothing to run, or they waited their bound; each may force a resident session out later
+    over_wave: int = 0
     refused: int = 0  # turns refused: the queue (or the tenant's share of it) was full
     over_share: int = 0  # retentions ended because their tenant held more than its share
     declared_over_share: int = 0  # declared lifetimes not honoured: their tenant held its declared share
@@ -223,6 +226,13 @@ class LoopShape:
             prev = self.engine_share
             self.engine_share = share if prev is None else prev + self.WEIGHT * (share - prev)
             self.turn_s = turn_s if self.turn_s is None else self.turn_s + self.WEIGHT * (turn_s - self.turn_s)
+
+    @property
+    def pause_s(self) -> Optional[float]:
+        """A client's mean pause between turns here (from the turn time and the engine's share)."""
+        if not self.turn_s or not self.engine_share:
+            return None
+        return self.turn_s * (1 - self.engine_share) / self.engine_share
 
     @property
     def engine_bound(self) -> bool:

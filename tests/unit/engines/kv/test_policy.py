@@ -34,6 +34,26 @@ def test_an_engine_bound_replica_admits_new_sessions_only_as_far_as_they_fit_at_
     assert b.finish(a, held=500, expect_back=False, now=40) == [d]  # a ended: c starts in its place
 
 
+def test_between_the_residents_turns_a_new_session_waits_for_their_pause_not_past_their_growth():
+    # a and b (turns of 10 s, pauses of 1 s: engine-bound) both between turns: nothing runs. c
+    # let in now would grow with them past the pool and force one of them out (a whole
+    # re-prefill); the engine idles for a pause at most. Once that pause is over with nobody
+    # back, the idle engine takes c (counted: over_wave).
+    b = replica_that_saw_a_session_end(turn_s=10, pause_s=1)
+    b.observe_prefill(100, 2.0)  # a slow engine: a session of 500 tokens computes again in 10 s, a turn
+    assert b.shape.pause_s == pytest.approx(1.0)
+    a, _ = b.request("a", 100, 30)
+    c, _ = b.request("b", 100, 30)
+    b.finish(a, held=200, expect_back=True, now=40)
+    b.finish(c, held=200, expect_back=True, now=40.5)
+    new, admitted = b.request("c", 100, 40.6)
+    assert admitted == [] and b.next_deadline() == pytest.approx(41.5)  # b's pause, at the replica's mean
+    back, admitted = b.request("a", 300, 41.0)  # a is back within it: a runs, c still waits
+    assert admitted == [back] and b.tick(41.6) == []
+    b.finish(back, held=300, expect_back=True, now=51)
+    assert b.tick(51.5) == [] and b.tick(52.1) == [new] and b.counters.over_wave == 1
+
+
 def test_where_pauses_dominate_every_session_starts_with_one_turns_growth_kept_free():
     # The same sessions with turns a tenth of the pauses (a GPU's speed): one more session
     # running is throughput, and a dropped prefix a fast re-prefill. All three start.
