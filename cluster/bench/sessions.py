@@ -151,8 +151,7 @@ class Row:
     sent_at: float = 0.0  # the client's clock (perf_counter) when the turn was sent
 
 
-def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: Optional[float],
-         sent_at: float) -> Row:
+def _row(system: str, n: int, index: int, turn: int, ev: dict, latency: float, queued: Optional[float], sent_at: float) -> Row:
     if ev.get("type") == "error" or "response" not in ev:
         print(f"\n{system}: session {index} turn {turn} failed: {str(ev)[:300]}", file=sys.stderr)
         return Row(system, n, index, turn, 0, 0, 0, latency, queued, "error", sent_at)
@@ -272,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-# The KV budget's counters (engine `stats`, kv) a run reports as its own deltas.
+# The KV budget's counters (engine `stats`, kv) a run reports as deltas; `kv_recent_ends`: why retentions went.
 KV_COUNTS = ("retained", "returned_in_time", "expired", "released", "evicted", "evicted_soft", "evicted_lapsed",
              "reprefills", "over_wave")
 
@@ -338,7 +337,6 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                                  for k in KV_COUNTS}  # what the KV budget did in this run
                     record(f"{system}/{transport}", n, rows, elapsed, {"round": rnd, "preemptions": pre,
                                                       "server_max_queue_wait_s": wait, "kv_counts": kv_counts,
-                                                      # why retentions ended (each replica's latest few)
                                                       "kv_recent_ends": [e for s in after for e in s.get("recent_ends", [])],
                                                       "engine_replicas": len(after), "kv_tokens": capacity,
                                                       "session_moves": moves,
