@@ -19,9 +19,15 @@ async def after_injected(turn: Any, asm: Any, preparer: Any, done: EngineDone, i
     output = asm.response["output"]
     parent = turn.snapshot(output[turn.steps.output_start:len(output) - len(injected)], asm.response, done.replica,
                            engine_ran=True, done=done)
-    # A continuation of this response after its last step, with the injected tool outputs.
-    step_req = turn.request.model_copy(update={"input": parse_request({"input": injected}).input,
-                                               "previous_response_id": turn.response_id})
+    await continue_after(turn, asm, preparer, parent, turn.request, injected)
+
+
+async def continue_after(turn: Any, asm: Any, preparer: Any, parent: Any, request: Any,
+                         new_items: list[dict[str, Any]]) -> None:
+    """The next engine call as a continuation of this response after its last step (`parent`):
+    `request` with only `new_items` as input, rendered as a delta."""
+    step_req = request.model_copy(update={"input": parse_request({"input": new_items}).input,
+                                          "previous_response_id": turn.response_id})
     context, rendered = (await preparer.prepare(step_req, parent, TurnTiming(), turn.trace, turn.owner))[:2]
     advance(turn, asm, preparer, parent, context, rendered)
 
@@ -41,14 +47,11 @@ async def after_mcp_calls(turn: Any, asm: Any, preparer: Any, done: EngineDone) 
         parent = turn.snapshot([*output[:-1], {**last, "output": None, "error": None}], asm.response, done.replica,
                                engine_ran=True, done=done)
         result = {"type": "function_call_output", "call_id": last["id"], "output": mcp_result(last)}
-        step_req = mcp_request.model_copy(update={"input": parse_request({"input": [result]}).input,
-                                                  "previous_response_id": turn.response_id})
-        context, rendered = (await preparer.prepare(step_req, parent, TurnTiming(), turn.trace, turn.owner))[:2]
+        await continue_after(turn, asm, preparer, parent, mcp_request, [result])
     else:
-        parent = None
         context, rendered = (await preparer.prepare(mcp_request, None, TurnTiming(), turn.trace, turn.owner,
                                                     items=[*turn.context.items, *output_as_context(output)]))[:2]
-    advance(turn, asm, preparer, parent, context, rendered)
+        advance(turn, asm, preparer, None, context, rendered)
     if turn.steps.mcp.answer_only:  # the calls reached the response's bound: this step answers
         turn.generation = replace(turn.generation, tool_choice="none")
 
