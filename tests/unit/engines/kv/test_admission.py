@@ -87,3 +87,15 @@ async def test_a_full_queue_is_a_429_and_a_long_wait_on_one_of_several_replicas_
     release.set()
     await running
     await first.aclose()
+
+
+async def test_stats_say_why_a_retention_went_and_name_no_session():
+    admission = KvAdmission.of(FakeKvEngine(4096), KvBudgetConfig(), max_replicas=1)
+    release, seen = asyncio.Event(), []
+    release.set()
+    async for _ in admission.run(request("r1", "secret-session", 700), stream_until(release, seen)):
+        pass
+    admission.release("secret-session", None)  # its socket closed
+    (end,) = admission.figures()["recent_ends"]
+    assert (end["why"], end["tokens"], end["turns"]) == ("released", 704, 1)
+    assert "secret-session" not in repr(admission.figures())
