@@ -166,8 +166,9 @@ class KvBudgetConfig(StrictModel):
     max_queued_per_tenant: int = Field(
         256, ge=1, description="Of those, turns of one tenant (one key can not hold every engine's queue).")
     tenant_share: float = Field(
-        1.0, gt=0, le=1, description="Fraction of the replica's KV one tenant's retained prefixes may hold "
-                                     "(its least recently used ones end first).")
+        1.0, gt=0, le=1, description="Fraction of the replica's KV one tenant's retained prefixes may hold, "
+                                     "a head its sessions share counted once (its least recently used ones end "
+                                     "first).")
     lower_tier_tokens_per_s: Optional[float] = Field(
         None, gt=0, description="With a KV tier below the engine (vLLM's `kv_offloading_gib`, the scripted engine's "
                                 "`kv_lower_tier_tokens`): tokens/s at which an ended retention's prefix is copied "

@@ -130,7 +130,11 @@ class Totals:
     _used: int  # own footprints + each tenant's shared prefix once
     _running: int  # sum of running reservations
     _resident: int  # sessions holding a prefix or running a turn
-    _tenant_retained: "Counter[str]"  # tenant -> retained tokens (as sessions hold them)
+    # tenant -> retained tokens beyond the shared head (`SessionHold.own_retained`): counted with
+    # the head in every session, a tenant's 8 sessions sharing a 700-token head read ~5,000
+    # tokens over what the pool holds, and the tenant cap ended retentions at the default share
+    # (all of it) while room was free, least recently used first: the sessions due back next.
+    _tenant_retained: "Counter[str]"
     _shared: "dict[str, Counter[int]]"  # head -> shared lengths of its resident sessions
     engine_excess: int  # tokens the engine has in use beyond the budget's count (`reconcile`)
     # Sessions retained between turns, in the order they became so (least recently used first):
@@ -160,18 +164,19 @@ class Totals:
 
     def _change(self, hold: "SessionHold", *, running: int = 0, turns: int = 0, retained: Optional[int] = None,
                 shared: Optional[tuple[str, int]] = None) -> None:
-        footprint, resident = hold.footprint, bool(hold.retained or hold.turns)
+        footprint, resident, own_before = hold.footprint, bool(hold.retained or hold.turns), hold.own_retained
         idle_before = hold.retained if hold.idle_retained else 0
         before = (hold.share_group, hold.shared) if resident and hold.shared else None
         hold.running += running
         hold.turns += turns
         if retained is not None:
-            self._tenant_retained[hold.tenant] += retained - hold.retained
-            if not self._tenant_retained[hold.tenant]:
-                del self._tenant_retained[hold.tenant]
             hold.retained = retained
         if shared is not None:
             hold.share_group, hold.shared = shared
+        if hold.own_retained != own_before:
+            self._tenant_retained[hold.tenant] += hold.own_retained - own_before
+            if not self._tenant_retained[hold.tenant]:
+                del self._tenant_retained[hold.tenant]
         now_resident = bool(hold.retained or hold.turns)
         after = (hold.share_group, hold.shared) if now_resident and hold.shared else None
         self._used += hold.footprint - footprint

@@ -115,6 +115,11 @@ class SessionHold:
         return max(0, max(self.running, self.retained) - self.shared) if self.running or self.retained else 0
 
     @property
+    def own_retained(self) -> int:
+        """Its retained tokens beyond its tenant's shared head (held once for all its sessions)."""
+        return max(0, self.retained - self.shared)
+
+    @property
     def idle_retained(self) -> bool:
         return bool(self.retained and not self.turns)
 

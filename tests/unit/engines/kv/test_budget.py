@@ -309,7 +309,8 @@ def test_the_running_totals_match_the_holds_after_any_sequence_of_calls():
             session = rng.randrange(40)
             try:
                 ticket, admitted = budget.request(f"s{session}", rng.randrange(50, 1500), now,
-                                                  tenant=f"t{session % 3}", min_ttl_s=rng.choice([0, 0, 5]))
+                                                  tenant=f"t{session % 3}", min_ttl_s=rng.choice([0, 0, 5]),
+                                                  shared=rng.choice([0, 48, 300]), share_group=f"t{session % 3}")
             except QueueFull:
                 continue
             live.append(ticket)
@@ -323,14 +324,18 @@ def test_the_running_totals_match_the_holds_after_any_sequence_of_calls():
         else:
             budget.tick(now)
         holds = budget.sessions.values()
-        assert budget.used == sum(h.footprint for h in holds)
+        heads: dict[str, int] = {}  # each head once, at its longest among the resident sessions
+        for h in holds:
+            if (h.retained or h.turns) and h.shared:
+                heads[h.share_group] = max(heads.get(h.share_group, 0), h.shared)
+        assert budget.used == sum(h.footprint for h in holds) + sum(heads.values())
         assert budget.running_tokens == sum(h.running for h in holds)
         resident = sum(1 for h in holds if h.retained or h.turns)
         assert budget.growth_room() == max(int(budget.growth_per_turn * resident),
                                            budget.shape.to_end(resident, sum(h.footprint for h in holds),
                                                                budget.prefill_tps))
         for tenant in ("t0", "t1", "t2"):
-            assert budget._tenant_retained[tenant] == sum(h.retained for h in holds if h.tenant == tenant)
+            assert budget._tenant_retained[tenant] == sum(h.own_retained for h in holds if h.tenant == tenant)
             assert budget._tenant_queued[tenant] == sum(1 for w in budget.queue.values() if w.tenant == tenant)
         # past the limit, only turns of sessions back to a retained prefix (never refused: they
         # hold their room already)
@@ -441,6 +446,26 @@ def test_one_tenant_retains_at_most_its_share():
     b.finish(t, held=200, expect_back=True, now=4.5)
     # big holds 400 of 1000 after its oldest retention (a) went; small is untouched
     assert set(b.retained_sessions()) == {"b", "c", "d"} and b.counters.over_share == 1
+
+
+def test_a_tenant_s_shared_head_counts_once_toward_its_share():
+    """Ten sessions of one tenant each hold a 700-token head they share and 500 tokens of their
+    own: the pool holds 5,700 of 10,000. Counted with the head in each (12,000), the tenant read
+    over the whole pool and the cap ended their retentions, least recently used first: in a loop,
+    the sessions due back next (h100-8b grid: a third of all retention ends)."""
+    b = budget(10_000, ttl_initial_s=100)
+    for i in range(10):
+        t = b.request(f"s{i}", 1_200, i, tenant="T", shared=700, share_group="T-head")[0]
+        b.finish(t, held=1_200, expect_back=True, now=i + 0.5)
+    assert b.used == 700 + 10 * 500
+    assert len(b.retained_sessions()) == 10 and b.counters.over_share == 0
+    # at half the pool, 5,000 of its own fit; one session more (5,500) is over: the oldest goes
+    half = budget(10_000, ttl_initial_s=100, tenant_share=0.5)
+    for i in range(11):
+        t = half.request(f"s{i}", 1_200, i, tenant="T", shared=700, share_group="T-head")[0]
+        half.finish(t, held=1_200, expect_back=True, now=i + 0.5)
+    assert "s0" not in half.retained_sessions() and len(half.retained_sessions()) == 10
+    assert half.counters.over_share == 1
 
 
 class CountingSessions(OrderedDict):
