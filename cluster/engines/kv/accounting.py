@@ -142,7 +142,7 @@ class Totals:
     # (each holds a prefix), where the sessions tracked for their pauses are up to `max_sessions`.
     _idle: "OrderedDict[str, None]"
     _idle_tokens: int
-    _tenant_declared: "Counter[str]"  # tenant -> tokens idle under a declared lifetime
+    _tenant_declared: "Counter[str]"  # tenant -> tokens idle under a declared lifetime, beyond the shared head
     _declared_idle_tokens: int
 
     def reconcile(self, engine_in_use: int) -> int:
@@ -189,7 +189,7 @@ class Totals:
         self._resident += now_resident - resident
         idle_after = hold.retained if hold.idle_retained else 0
         self._idle_tokens += idle_after - idle_before
-        declared = idle_after if hold.min_ttl > 0 else 0
+        declared = hold.own_retained if idle_after and hold.min_ttl > 0 else 0  # (as `_tenant_retained`)
         if declared != hold.declared_idle:
             self._tenant_declared[hold.tenant] += declared - hold.declared_idle
             self._declared_idle_tokens += declared - hold.declared_idle

@@ -589,3 +589,17 @@ def test_a_session_back_under_its_declared_lifetime_is_counted_as_running_then_i
     assert b._declared_idle_tokens == 12_000 and b._tenant_declared["T"] == 12_000
     b.release("a", 7.0)
     assert b._declared_idle_tokens == 0 and not b._tenant_declared
+
+
+def test_idle_declared_sessions_sharing_a_head_do_not_hide_another_tenant_s_running_turn_from_demand():
+    """Ten declared sessions sharing a 4,000-token head hold 4,000 + 10 x 6,000 of the pool.
+    Counted with the head in each (100,000), their idle declared retention outweighed all the
+    pool held, and another tenant's running 30,000-token turn read as no demand at all."""
+    b = budget(100_000, declared_share=1.0)
+    for i in range(10):
+        t = b.request(f"pin{i}", 10_000, 0.0, tenant="T", min_ttl_s=600, shared=4_000, share_group="T-head")[0]
+        b.finish(t, 10_000, expect_back=False, now=0.0, continuable=True)
+    assert b.used == 64_000 and b._declared_idle_tokens == 60_000
+    t, admitted = b.request("other", 30_000, 1.0, tenant="U")
+    assert t in admitted
+    assert b.demand() == pytest.approx((4_000 + 30_000) / 100_000)  # the running turn, and the head still held
